@@ -1,0 +1,1 @@
+"""Thin adapters from lazy-rag's public API to LlamaIndex and LangChain."""

@@ -1,0 +1,48 @@
+"""lazy_decode: one new token per sequence over the paged, position-free KV pool.
+
+Flash-decoding: the grid is (sequence, KV head, split of the page list); each program reads its
+share of K/V once for all G query heads of the KV head, and a small merge kernel combines the
+splits' partial outputs by their log-sum-exp. The split count comes from a heuristic (about two
+programs per SM) using table.max_pages, so the call needs no host sync and can be captured in a
+CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import paged_attention
+from .page_table import PageTable, use_triton
+from .reference import paged_attention_ref
+
+
+def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: PageTable,
+                q_pos: torch.Tensor, inv_freq: torch.Tensor, *, rope: str = "rotate_k",
+                attention_scaling: float = 1.0, sm_scale: float | None = None,
+                num_splits: int | None = None, out: torch.Tensor | None = None,
+                **tuning) -> torch.Tensor:
+    """Decode attention.
+
+    q        [B, H, D]   new token's query (unrotated; rope="none": already rotated), H % Hkv == 0
+    k_pages, v_pages     [num_pages, Hkv, page_size, D] pool, same dtype as q
+    table    PageTable   B sequences (see page_table.py); the new token's own K/V must already
+                         be in a page listed for it (it attends to itself)
+    q_pos    [B] int32   logical position of each new token
+    inv_freq [D/2] fp32  model's RoPE inverse frequencies; attention_scaling multiplies cos/sin
+    rope     "rotate_k" (keys stored unrotated), "rotate_q" (keys at chunk-local rotation,
+             table.rot_shift), "none" (q and keys already rotated)
+    Returns  [B, H, D] in q.dtype (written into `out` if given).
+    """
+    B = q.shape[0]
+    if not use_triton(q):
+        qo = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq, rope,
+                                  attention_scaling, sm_scale)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+    ar = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    return paged_attention.launch(
+        q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope=rope,
+        attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=ar[:B], tile_q0=ar[:B],
+        block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out, **tuning)

@@ -1,0 +1,123 @@
+"""Plain torch references for every kernel: the same math, no tiling.
+
+They are the test oracles (run with compute_dtype=float64) and the CPU runtime path (dispatch
+falls back to them on CPU tensors when the Triton interpreter is off). Tensor contracts are the
+kernels' own: see page_table.py for the pool and the page table, decode.py / prefill.py /
+block_copy.py for the entry points.
+"""
+from __future__ import annotations
+
+import torch
+
+from .page_table import PageTable
+from .rope import rope_cos_sin, rotate
+
+
+def gather_tokens(k_pages, v_pages, table: PageTable, b: int):
+    """Sequence b's keys/values in table order: k, v [n, Hkv, D], pos [n], shift [n] (int64)."""
+    s, e = int(table.indptr[b]), int(table.indptr[b + 1])
+    dev = k_pages.device
+    ids = table.page_ids[s:e].long().to(dev)
+    lens = table.page_len[s:e].long().to(dev)
+    pos0 = table.page_pos[s:e].long().to(dev)
+    n = int(lens.sum())
+    tok_entry = torch.repeat_interleave(torch.arange(e - s, device=dev), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    off = torch.arange(n, device=dev) - starts[tok_entry]
+    page = ids[tok_entry]
+    k = k_pages[page, :, off]          # [n, Hkv, D]
+    v = v_pages[page, :, off]
+    pos = pos0[tok_entry] + off
+    if table.rot_shift is not None:
+        shift = table.rot_shift[s:e].long().to(dev)[tok_entry]
+    else:
+        shift = torch.zeros_like(pos)
+    return k, v, pos, shift
+
+
+def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
+                        rope: str = "rotate_k", attention_scaling: float = 1.0,
+                        sm_scale: float | None = None, compute_dtype=torch.float32):
+    """Attention of new tokens over a paged, position-free KV pool.
+
+    q [Tq, H, D] (unrotated, except rope="none": already rotated), qo_indptr [B+1] (sequence b's
+    queries are rows qo_indptr[b]..qo_indptr[b+1]-1), q_pos [Tq] logical positions.
+    rope: "rotate_k" keys stored unrotated, rotated at their logical positions;
+          "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by (m - rot_shift);
+          "none"     q and keys already rotated.
+    Returns [Tq, H, D] in q.dtype. A query with no visible key gets zeros.
+    """
+    Tq, H, D = q.shape
+    Hkv = k_pages.shape[1]
+    G = H // Hkv
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    out = torch.zeros(Tq, H, D, dtype=compute_dtype, device=q.device)
+    inv_freq = inv_freq.float().to(q.device)
+    for b in range(table.batch_size):
+        qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if qe == qs:
+            continue
+        k, v, kpos, kshift = gather_tokens(k_pages, v_pages, table, b)
+        k = k.to(q.device).repeat_interleave(G, dim=1)        # [n, H, D]
+        v = v.to(q.device).repeat_interleave(G, dim=1).to(compute_dtype)
+        kpos, kshift = kpos.to(q.device), kshift.to(q.device)
+        qb = q[qs:qe]
+        mpos = q_pos[qs:qe].long().to(q.device)
+        if rope == "none":
+            scores = torch.einsum("thd,nhd->htn", qb.to(compute_dtype), k.to(compute_dtype))
+        elif rope == "rotate_k":
+            cq, sq = rope_cos_sin(mpos, inv_freq, attention_scaling)
+            ck, sk = rope_cos_sin(kpos, inv_freq, attention_scaling)
+            qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
+            kr = rotate(k, ck[:, None], sk[:, None]).to(compute_dtype)
+            scores = torch.einsum("thd,nhd->htn", qr, kr)
+        elif rope == "rotate_q":
+            scores = torch.empty(H, qe - qs, k.shape[0], dtype=compute_dtype, device=q.device)
+            kc = k.to(compute_dtype)
+            for u in torch.unique(kshift).tolist():
+                sel = kshift == u
+                cq, sq = rope_cos_sin(mpos - u, inv_freq, attention_scaling)
+                qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
+                scores[:, :, sel] = torch.einsum("thd,nhd->htn", qr, kc[sel])
+        else:
+            raise ValueError(f"unknown rope mode {rope!r}")
+        visible = kpos[None, :] <= mpos[:, None]               # [t, n]
+        scores = (scores * scale).masked_fill(~visible[None], float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # rows with no visible key -> 0
+        out[qs:qe] = torch.einsum("htn,nhd->thd", p, v)
+    return out.to(q.dtype)
+
+
+def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq, source: str = "rotate_k",
+                            attention_scaling: float = 1.0, max_len: int | None = None):
+    """Block-Attention's materialised copy: per sequence, contiguous K/V in table order with keys
+    re-rotated to their logical positions.
+
+    source describes how the pool stores keys: "rotate_k" unrotated (rotate by pos, scaled),
+    "rotate_q" rotated at (pos - rot_shift) (rotate by rot_shift, pure rotation), "none" already
+    at logical positions (copy). Returns k, v [B, Hkv, T, D] (pool dtype, zero padded past
+    kv_len), kv_len [B] int32, pos [B, T] int32 (-1 padding).
+    """
+    B = table.batch_size
+    Hkv, D = k_pages.shape[1], k_pages.shape[3]
+    seqs = [gather_tokens(k_pages, v_pages, table, b) for b in range(B)]
+    T = max_len if max_len is not None else max([s[0].shape[0] for s in seqs] + [1])
+    dev = k_pages.device
+    ko = torch.zeros(B, Hkv, T, D, dtype=k_pages.dtype, device=dev)
+    vo = torch.zeros_like(ko)
+    kv_len = torch.zeros(B, dtype=torch.int32, device=dev)
+    pos = torch.full((B, T), -1, dtype=torch.int32, device=dev)
+    inv_freq = inv_freq.float().to(dev)
+    for b, (k, v, kpos, kshift) in enumerate(seqs):
+        n = k.shape[0]
+        if source == "rotate_k":
+            c, s = rope_cos_sin(kpos, inv_freq, attention_scaling)
+            k = rotate(k, c[:, None], s[:, None])
+        elif source == "rotate_q":
+            c, s = rope_cos_sin(kshift, inv_freq, 1.0)
+            k = rotate(k, c[:, None], s[:, None])
+        ko[b, :, :n] = k.to(k_pages.dtype).transpose(0, 1)
+        vo[b, :, :n] = v.transpose(0, 1)
+        kv_len[b] = n
+        pos[b, :n] = kpos.to(torch.int32)
+    return ko, vo, kv_len, pos

@@ -1,0 +1,12 @@
+"""lazy-rag: RAG over cached, position-free chunk KV with lazy RoPE."""
+
+__version__ = "0.1.0"
+
+from .errors import LazyRagError  # noqa: E402
+from .llm import MODES, GenerationResult, LazyLLM  # noqa: E402
+from .segments import Chunk  # noqa: E402
+from .chat import build_rag_segments  # noqa: E402
+from .index import LazyIndex, QueryResult  # noqa: E402
+
+__all__ = ["LazyLLM", "LazyIndex", "Chunk", "MODES", "GenerationResult", "QueryResult", "build_rag_segments",
+           "LazyRagError", "__version__"]

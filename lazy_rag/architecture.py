@@ -1,0 +1,92 @@
+"""Which transformers checkpoints lazy-rag can run, and handles on their layers.
+
+We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
+attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
+decoder layer is exactly: pre-norm -> q/k/v proj (optional bias, optional per-head q/k norm
+before RoPE) -> RoPE -> softmax attention -> o_proj -> residual -> pre-norm -> MLP -> residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedModelError
+from .rope import RopeTable
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token per dtype byte (multiply by element size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def check_supported(config) -> None:
+    """Refuse checkpoints whose attention is not plain global RoPE attention."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"Model type {mt!r} is not supported. lazy-rag runs Llama (incl. SmolLM, llama3 RoPE "
+            "scaling), Mistral, Qwen2 and Qwen3 checkpoints; pick one of those."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types or (mt == "mistral" and sliding is not None):
+        raise UnsupportedModelError(
+            f"This {mt} checkpoint uses sliding-window attention (window {sliding}); lazy-rag "
+            "needs global attention so cached chunks stay visible at any position. Use a "
+            "checkpoint (or config) without a sliding window."
+        )
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and "rope_type" not in params:
+        raise UnsupportedModelError(
+            "Per-layer-type RoPE parameters are not supported (one RoPE table per model expected)."
+        )
+
+
+class ModelHandles:
+    """The checkpoint's modules in the order our forward uses them."""
+
+    def __init__(self, model):
+        check_supported(model.config)
+        self.model = model
+        self.config = model.config
+        self.rope = RopeTable.from_model(model)
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.lm_head = model.lm_head
+        self.layers = list(inner.layers)
+        attn = self.layers[0].self_attn
+        c = self.config
+        self.shape = ModelShape(
+            num_layers=len(self.layers),
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=attn.head_dim,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            max_positions=int(getattr(c, "max_position_embeddings", 1 << 20)),
+        )
+        self.scaling = float(attn.scaling)
+        self.has_qk_norm = hasattr(attn, "q_norm")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device

@@ -1,0 +1,79 @@
+"""Finding and reading source files, and splitting text into model-token-sized chunks."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from .errors import LazyRagError
+
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+def discover_files(sources) -> tuple[list[Path], Counter]:
+    """Supported files under ``sources`` (files or folders), and a count of what was skipped."""
+    files, skipped = [], Counter()
+    if not sources:
+        raise LazyRagError("No sources given: pass at least one file or folder to index.")
+    for src in sources:
+        p = Path(src).expanduser()
+        if not p.exists():
+            raise LazyRagError(f"Source {p} does not exist; check the path.")
+        candidates = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+        for f in candidates:
+            if any(part.startswith(".") for part in f.relative_to(p).parts if p.is_dir()):
+                continue  # hidden files and folders (.git, editors' temp files)
+            if f.suffix.lower() in TEXT_SUFFIXES:
+                files.append(f.resolve())
+            else:
+                skipped[f"unsupported type ({f.suffix or 'no suffix'})"] += 1
+    files = sorted(set(files))
+    if not files:
+        detail = f" (skipped: {dict(skipped)})" if skipped else ""
+        raise LazyRagError(
+            f"No .txt or .md files found in {', '.join(map(str, sources))}{detail}; point lazy-rag "
+            "at a folder with text or markdown files."
+        )
+    return files, skipped
+
+
+def read_text(path: Path) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason) for binary / non-UTF-8 / empty files."""
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        return None, "binary"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    if not text.strip():
+        return None, "empty"
+    return text, None
+
+
+class TokenChunker:
+    """Sentence-aware splitting sized in the model's own tokens (llama-index's SentenceSplitter)."""
+
+    def __init__(self, tokenizer, chunk_size: int = 256, chunk_overlap: int = 32):
+        if chunk_size < 16:
+            raise LazyRagError(f"chunk_size must be at least 16 tokens, got {chunk_size}.")
+        if not 0 <= chunk_overlap < chunk_size:
+            raise LazyRagError(f"chunk_overlap must be in [0, chunk_size), got {chunk_overlap}.")
+        try:
+            from llama_index.core.node_parser import SentenceSplitter
+        except ImportError as e:  # the core runtime must run without llama-index; indexing needs it
+            raise LazyRagError("Splitting documents needs llama-index-core: pip install llama-index-core") from e
+        self.tokenizer = tokenizer
+        self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
+        self._splitter = SentenceSplitter(
+            chunk_size=chunk_size, chunk_overlap=chunk_overlap,
+            tokenizer=lambda s: tokenizer(s, add_special_tokens=False).input_ids,
+        )
+
+    def split(self, text: str) -> list[tuple[str, list[int]]]:
+        """(chunk text, its token ids tokenized alone without BOS) for each chunk."""
+        out = []
+        for piece in self._splitter.split_text(text):
+            ids = self.tokenizer(piece, add_special_tokens=False).input_ids
+            if ids:
+                out.append((piece, ids))
+        return out

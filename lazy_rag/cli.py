@@ -1,0 +1,159 @@
+"""The ``lazy-rag`` command: index a corpus, query it, inspect it."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import LazyRagError
+from .llm import MODES
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RAG over cached, position-free chunk KV (LazyAttention).")
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(e: Exception) -> None:
+    err.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(code=2)
+
+
+def _quiet_libraries() -> None:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    for name in ("transformers", "sentence_transformers", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def index(
+    sources: List[Path] = typer.Argument(..., help="Files or folders to index (.txt, .md)."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Index folder (created or updated)."),
+    model: str = typer.Option("smollm2", help="Bundled name, HF folder, .gguf file or hub id."),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto (CUDA when present)."),
+    chunk_size: int = typer.Option(256, help="Chunk size in model tokens."),
+    chunk_overlap: int = typer.Option(32, help="Overlap between chunks in tokens."),
+    shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
+    kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32, bfloat16, float16."),
+):
+    """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
+    _quiet_libraries()
+    from .index import LazyIndex
+
+    try:
+        idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
+                                   chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
+                                   kv_dtype=kv_dtype, progress=sys.stderr.isatty())
+    except LazyRagError as e:
+        _fail(e)
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
+    out.print(f"Indexed {rep.files_indexed} file(s), {rep.files_unchanged} unchanged, {rep.files_removed} removed; "
+              f"skipped: {skipped}.")
+    out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
+              f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}")
+
+
+@app.command()
+def query(
+    index_dir: Path = typer.Argument(..., help="An index folder made by `lazy-rag index`."),
+    question: str = typer.Argument(..., help="The question to answer."),
+    mode: str = typer.Option("lazy", help=f"KV reuse mode: {', '.join(MODES)}."),
+    top_k: int = typer.Option(4, help="Chunks to retrieve."),
+    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    model: Optional[str] = typer.Option(None, help="Override the model recorded in the index."),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with answer, sources, stats."),
+):
+    """Answer QUESTION from the index, streaming the answer, then sources and TTFT."""
+    _quiet_libraries()
+    from .index import LazyIndex
+    from .llm import LazyLLM
+
+    if mode not in MODES:
+        _fail(LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}."))
+    try:
+        llm = LazyLLM.from_pretrained(model, device=device) if model else None
+        idx = LazyIndex.load(index_dir, llm=llm, device=device)
+        if as_json:
+            res = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature)
+            print(json.dumps(res.as_dict(), ensure_ascii=False))
+            return
+        sources, stream = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, stream=True)
+        for piece in stream:
+            out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+        out.print()
+    except LazyRagError as e:
+        _fail(e)
+    stats = stream.result.stats
+    table = Table(title="Sources", show_lines=False)
+    table.add_column("#"), table.add_column("score"), table.add_column("source"), table.add_column("chunk")
+    for i, s in enumerate(sources, 1):
+        table.add_row(str(i), f"{s.score:.3f}", s.source, s.chunk_id)
+    out.print(table)
+    out.print(f"TTFT {stats.ttft_ms:.0f} ms ({mode}) | prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} "
+              f"from cache, {stats.computed_tokens} computed | {stats.new_tokens} new tokens, "
+              f"{stats.decode_tokens_per_s:.1f} tok/s")
+
+
+@app.command()
+def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Show an index's chunks, tokens, KV bytes and fingerprint (no model is loaded)."""
+    _quiet_libraries()
+    from .index import describe_index
+
+    try:
+        info = describe_index(index_dir)
+    except LazyRagError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    t = Table(show_header=False)
+    for k, v in info.items():
+        if k == "kv_bytes":
+            v = f"{_human(v)} ({v} bytes)"
+        t.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+    out.print(t)
+
+
+@app.command()
+def models():
+    """List the bundled offline models and whether their packages are installed."""
+    from .models import BUNDLED, _package_dir, install_command
+
+    t = Table("name", "model", "installed", "install with")
+    for name, m in BUNDLED.items():
+        ok = all(_package_dir(mod) is not None for mod, _ in m.parts)
+        t.add_row(name, m.description, "yes" if ok else "no", "" if ok else install_command(name))
+    out.print(t)
+
+
+if __name__ == "__main__":
+    app()

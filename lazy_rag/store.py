@@ -1,0 +1,117 @@
+"""``ChunkStore``: position-free chunk KV on disk (safetensors) behind a bounded memory tier.
+
+One file per chunk, ``kv/<chunk_id>.safetensors``, holding ``k`` (unrotated) and ``v`` of shape
+[layers, tokens, kv_heads, head_dim] plus metadata: checksums of both tensors, a hash of the
+token ids, and the fingerprint of the model/tokenizer/RoPE/shared prefix that computed them.
+Every write goes to a temp file then ``os.replace``. A missing, corrupt or foreign file is
+detected on read; the chunk is then recomputed and the file repaired, with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .kv import ChunkKV
+from .lru import ByteLRU
+from .segments import token_ids_key
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _checksum(t: torch.Tensor) -> str:
+    flat = t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t
+    return format(zlib.crc32(flat.numpy().data), "08x")
+
+
+class ChunkStore:
+    def __init__(self, root: Path, llm, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
+                 memory_bytes: int = 1 << 30):
+        self.root = Path(root)
+        self.kv_dir = self.root / "kv"
+        self.llm = llm
+        self.fingerprint_id = fingerprint_id
+        self.shared_prefix_ids = tuple(shared_prefix_ids)
+        self.kv_dtype = kv_dtype
+        self.memory: ByteLRU[ChunkKV] = ByteLRU(memory_bytes, lambda c: c.nbytes)
+        self.token_ids_of: dict[str, tuple[int, ...]] = {}
+        self.counters = {"memory": 0, "disk": 0, "encoded": 0, "repaired": 0}
+
+    def path(self, chunk_id: str) -> Path:
+        return self.kv_dir / f"{chunk_id}.safetensors"
+
+    def _meta_key(self, token_ids) -> str:
+        return token_ids_key(list(self.shared_prefix_ids) + [-1] + list(token_ids)) if self.shared_prefix_ids \
+            else token_ids_key(token_ids)
+
+    def write(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
+        """Atomically write one chunk's KV; returns bytes written."""
+        self.kv_dir.mkdir(parents=True, exist_ok=True)
+        dt = self.kv_dtype or kv.k.dtype
+        k = kv.k.detach().to("cpu", dt).contiguous()
+        v = kv.v.detach().to("cpu", dt).contiguous()
+        meta = {"k_crc32": _checksum(k), "v_crc32": _checksum(v), "tokens": self._meta_key(token_ids),
+                "fingerprint": self.fingerprint_id, "dtype": str(dt).removeprefix("torch."), "format": "1"}
+        fd, tmp = tempfile.mkstemp(prefix=f".{chunk_id}.", suffix=".tmp", dir=self.kv_dir)
+        os.close(fd)
+        try:
+            save_file({"k": k, "v": v}, tmp, metadata=meta)
+            os.replace(tmp, self.path(chunk_id))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return self.path(chunk_id).stat().st_size
+
+    def read(self, chunk_id: str, token_ids) -> tuple[ChunkKV | None, str | None]:
+        """(kv, None) if the file is present and intact, else (None, why)."""
+        p = self.path(chunk_id)
+        if not p.exists():
+            return None, "missing"
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+                k, v = f.get_tensor("k"), f.get_tensor("v")
+        except Exception as e:  # truncated or garbled file
+            return None, f"unreadable ({type(e).__name__})"
+        if meta.get("fingerprint") != self.fingerprint_id:
+            return None, "computed by another model/tokenizer/prefix"
+        if meta.get("tokens") != self._meta_key(token_ids):
+            return None, "token ids differ"
+        if meta.get("k_crc32") != _checksum(k) or meta.get("v_crc32") != _checksum(v):
+            return None, "checksum mismatch (corrupt)"
+        return ChunkKV(k, v), None
+
+    def encode_and_write(self, chunk_id: str, token_ids) -> tuple[ChunkKV, int]:
+        kv = self.llm.encode_chunk(token_ids, shared_prefix=self.shared_prefix_ids)
+        return kv, self.write(chunk_id, token_ids, kv)
+
+    # The KV-source protocol used by LazyLLM: memory -> disk -> recompute (and repair).
+    def chunk_kv(self, token_ids: tuple[int, ...], chunk_id: str | None = None) -> tuple[ChunkKV, str]:
+        if chunk_id is None:
+            return self.llm.chunk_kv(token_ids)  # not an indexed chunk: the LLM's own cache
+        kv = self.memory.get(chunk_id)
+        if kv is not None:
+            self.counters["memory"] += 1
+            return kv, "memory"
+        kv, why = self.read(chunk_id, token_ids)
+        tier = "disk"
+        if kv is None:
+            if why != "missing" or self.path(chunk_id).exists():
+                log.warning("Chunk %s KV %s: recomputing it and repairing the store.", chunk_id, why)
+            else:
+                log.warning("Chunk %s KV file is missing: recomputing it and repairing the store.", chunk_id)
+            kv, _ = self.encode_and_write(chunk_id, token_ids)
+            self.counters["repaired"] += 1
+            tier = "encoded"
+        kv = kv.to(self.llm.device, self.llm.dtype)
+        self.memory.put(chunk_id, kv)
+        self.counters[tier] += 1
+        return kv, tier
