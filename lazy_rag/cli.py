@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import LazyRagError
@@ -21,7 +22,7 @@ err = Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error:[/] {e}")
+    err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code=2)
 
 

@@ -126,6 +126,14 @@ class LazyKV:
         self.pos[self._slots] = positions
         self.used += n
         self._cos_sin = self.rope.cos_sin(positions, self.dtype)
+        self._masks = None  # per-step visibility masks, built by the first layer and reused by the rest
+
+    def _step_masks(self, q_pos: torch.Tensor, g: int) -> list[torch.Tensor]:
+        if self._masks is None:
+            qp = q_pos.repeat_interleave(g)[None, :, None]  # query position per row of the grouped q
+            self._masks = [pos[None, None, :] > qp for _, pos, _ in self.pieces]
+            self._masks.append(self.pos[:self.used][None, None, :] > qp)
+        return self._masks
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, self._slots] = apply_cos_sin(k, *self._cos_sin)
@@ -137,16 +145,14 @@ class LazyKV:
         hkv = self.k.shape[2]
         g = hq // hkv
         qg = q.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d).float()
-        qp = q_pos.repeat_interleave(g)  # query position per row of qg
+        masks = self._step_masks(q_pos, g)
         scores, values = [], []
-        for chunk, pos, (cos, sin) in self.pieces:
+        for (chunk, _, (cos, sin)), hidden in zip(self.pieces, masks):
             k = apply_cos_sin(chunk.k[layer].to(self.dtype), cos, sin)  # lazy RoPE
-            s = torch.matmul(qg, k.permute(1, 2, 0).float())
-            scores.append(s.masked_fill(pos[None, None, :] > qp[None, :, None], float("-inf")))
+            scores.append(torch.matmul(qg, k.permute(1, 2, 0).float()).masked_fill_(hidden, float("-inf")))
             values.append(chunk.v[layer])
         k = self.k[layer, :self.used]
-        s = torch.matmul(qg, k.permute(1, 2, 0).float())
-        scores.append(s.masked_fill(self.pos[:self.used][None, None, :] > qp[None, :, None], float("-inf")))
+        scores.append(torch.matmul(qg, k.permute(1, 2, 0).float()).masked_fill_(masks[-1], float("-inf")))
         values.append(self.v[layer, :self.used])
         probs = torch.softmax(torch.cat(scores, dim=-1) * self.scaling, dim=-1)
         out = torch.zeros(hkv, n * g, d, dtype=torch.float32, device=q.device)

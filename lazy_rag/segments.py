@@ -94,10 +94,10 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
     With a non-empty ``shared_prefix`` (the tokens every chunk was encoded after), the prompt
     must start with exactly those tokens; they are then served from cache like a chunk.
     """
-    if isinstance(segments, (str, Chunk)) or _is_token_list(segments):
-        segments = [segments]
     if not segments:
         raise LazyRagError("The prompt is empty: pass at least one segment (a str, token ids or Chunk).")
+    if isinstance(segments, (str, Chunk)) or _is_token_list(segments):
+        segments = [segments]
     layout = PromptLayout(token_ids=[])
     for i, seg in enumerate(segments):
         pos = len(layout.token_ids)

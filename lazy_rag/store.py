@@ -78,7 +78,8 @@ class ChunkStore:
         try:
             with safe_open(str(p), framework="pt") as f:
                 meta = f.metadata() or {}
-                k, v = f.get_tensor("k"), f.get_tensor("v")
+                # own the bytes: a tensor backed by the mapped file would change if the file did
+                k, v = f.get_tensor("k").clone(), f.get_tensor("v").clone()
         except Exception as e:  # truncated or garbled file
             return None, f"unreadable ({type(e).__name__})"
         if meta.get("fingerprint") != self.fingerprint_id:

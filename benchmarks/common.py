@@ -1,0 +1,39 @@
+"""Shared helpers for benchmark scripts: records, JSON output, environment description."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    return {"device": dev, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": _dt.date.today().isoformat()}
+
+
+def write_records(name: str, records: list[dict]) -> Path:
+    """Write a list of flat records to benchmarks/results/<name>.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+def print_table(records: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in records:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)

@@ -1,0 +1,23 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled default model, loaded once for the whole run (fp32 on CPU)."""
+    from lazy_rag import LazyLLM
+
+    return LazyLLM.from_pretrained("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+

