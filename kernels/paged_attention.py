@@ -52,7 +52,7 @@ def _paged_attn_kernel(
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HALF: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ROPE_MODE: tl.constexpr, FAST_TRIG: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, QROT_CACHE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -130,13 +130,21 @@ def _paged_attn_kernel(
             k2 = (k2f * ck + k1f * sk).to(dtype)
         elif ROPE_MODE == 2:
             s0 = tl.load(ROT_SHIFT + e0)
-            if s0 != cur_shift:
+            if QROT_CACHE:
+                if s0 != cur_shift:
+                    cq, sq = cos_sin((qp - s0).to(tl.float32)[:, None] * freq[None, :],
+                                     FAST_TRIG)
+                    cq = cq * rope_scale
+                    sq = sq * rope_scale
+                    qa = (q1 * cq - q2 * sq).to(dtype)
+                    qb = (q2 * cq + q1 * sq).to(dtype)
+                    cur_shift = s0
+            else:   # rotate every tile: ROWS x D/2 cos/sin, no branch in the loop body
                 cq, sq = cos_sin((qp - s0).to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
                 cq = cq * rope_scale
                 sq = sq * rope_scale
                 qa = (q1 * cq - q2 * sq).to(dtype)
                 qb = (q2 * cq + q1 * sq).to(dtype)
-                cur_shift = s0
 
         sc = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
         sc = tl.dot(qb, tl.trans(k2), acc=sc, input_precision=DOT_PREC)
@@ -214,7 +222,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            attention_scaling: float, sm_scale: float | None, tile_seq, tile_q0, block_m: int,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None):
+           num_stages: int | None = None, split_target: float = 2.0,
+           qrot_cache: bool = True):
     """Shared launcher. q [Tq, H, D]; tile_seq / tile_q0 [num_q_tiles] int32 (sequence and first
     query row of each query tile); max_tiles_hint: host-side max page entries of a sequence."""
     Tq, H, D = q.shape
@@ -229,14 +238,14 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)
     interp = interpreting() and not q.is_cuda
-    if block_n is None:
-        block_n = 32 if interp else (64 if D >= 128 else 128)
+    if block_n is None:   # H200 sweep (B32 x 8k, d128, page 64): 128 keys/tile, 4 warps best
+        block_n = 32 if interp else 128
     ppt = max(1, block_n // page)
     bn = triton.next_power_of_2(ppt * page)
     n_kv_tiles = max(1, triton.cdiv(max(max_tiles_hint, 1), ppt))
     n_q_tiles = tile_seq.numel()
     if num_splits is None:
-        target = 2 * _num_sms(q.device)
+        target = int(split_target * _num_sms(q.device))
         num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_q_tiles * Hkv)))
     num_splits = max(1, min(num_splits, n_kv_tiles, 64))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
@@ -259,8 +268,10 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     meta = {}
     if not interp:
+        # H200 sweeps: decode (16 rows) 4 warps, stages 2-4 equal; prefill (128-256 rows)
+        # 8 warps, 2 stages.
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
-        meta["num_stages"] = num_stages or 3
+        meta["num_stages"] = num_stages or (3 if rows <= 64 else 2)
     grid = (n_q_tiles, Hkv, num_splits)
     _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -273,7 +284,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         po, *po_strides, lse, *l_strides,
         tiles_per_split,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
-        ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec, **meta,
+        ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
+        QROT_CACHE=qrot_cache, **meta,
     )
     if not direct:
         _merge_kernel[(Tq, H)](po, po.stride(0), po.stride(1), lse, lse.stride(0), lse.stride(1),

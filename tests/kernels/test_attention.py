@@ -75,10 +75,14 @@ def test_scaling_types_far_positions(kind, rope):
 
 def test_strategies_agree():
     """The same prompt stored three ways (unrotated / chunk-local / rotated at logical
-    positions) gives the same attention through rotate_k / rotate_q / none."""
+    positions) gives the same attention through rotate_k / rotate_q / none.
+
+    Near position 0 only: at 100k the strategies differ by transformers' own fp32 angle rounding
+    (fl(m*f) - fl(p*f) vs fl((m-a)*f) - fl((p-a)*f), ~6e-3 rad at f=1), which is no kernel error;
+    each strategy is checked against its exact reference at 100k+ elsewhere."""
     dtype = DTYPES[0]
     D = 64
-    c = Case(MIXED, CHUNKS, Hkv=2, G=2, D=D, page=4, dtype=dtype, seed=11, pos_base=100_003)
+    c = Case(MIXED, CHUNKS, Hkv=2, G=2, D=D, page=4, dtype=dtype, seed=11, pos_base=1_003)
     inv, scale = inv_freq_for("yarn", D)
     inv = inv.to(c.q.device)
     t = c.table
