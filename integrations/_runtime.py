@@ -1,0 +1,188 @@
+"""What both adapters share: a ``LazyLLM`` (and optionally a ``LazyIndex``), a ``ChunkMatcher``
+over the chunks it knows, a lock per model, and per-call stats. Each adapter only translates its
+framework's types to ``complete(prompt)`` (transparent reuse by span matching) or
+``answer(question, chunks)`` (exact reuse by chunk ids).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable, Iterator, Sequence
+
+from lazy_rag.chat import build_rag_segments
+from lazy_rag.errors import LazyRagError
+from lazy_rag.segments import Chunk, Segment
+from lazy_rag.span_match import ChunkMatcher
+
+# LazyLLM keeps caches (chunk LRU, prefix cache) and a tokenizer that are not thread-safe, and
+# frameworks call models from thread pools (LangChain batch, async executors): one lock per model.
+_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+_DONE = object()
+
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute")
+_ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+def model_lock(llm) -> threading.Lock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(llm)
+        if lock is None:
+            lock = _LOCKS[llm] = threading.Lock()
+        return lock
+
+
+@dataclass
+class Plan:
+    """A prompt ready for ``LazyLLM.generate``, and how its chunks were found."""
+
+    segments: list[Segment]
+    kv_source: object | None
+    chunk_ids: list[str] = field(default_factory=list)  # chunks served from KV, in prompt order
+    reuse: str = "span_match"  # or "chunk_ids" (exact path)
+    note: str | None = None
+
+
+class RunStream:
+    """Text pieces as generated; ``result`` and ``stats`` are set once exhausted.
+
+    The model lock is held per step, not across yields, so a consumer may start another call
+    while iterating, and async wrappers may resume the stream from any thread."""
+
+    def __init__(self, runtime: "LazyRuntime", plan: Plan, gen: dict):
+        self.result = None
+        self.stats: dict | None = None
+        self._runtime, self._plan, self._gen = runtime, plan, gen
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._it
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def _run(self) -> Iterator[str]:
+        rt = self._runtime
+        with rt.lock:
+            stream = rt.llm.generate(self._plan.segments, stream=True, kv_source=self._plan.kv_source, **self._gen)
+        while True:
+            with rt.lock:
+                piece = next(stream, _DONE)
+            if piece is _DONE:
+                break
+            yield piece
+        self.result = stream.result
+        self.stats = rt._record(self.result, self._plan)
+
+
+async def aiter_in_thread(it: Iterable) -> AsyncIterator:
+    """Drive a blocking iterator from worker threads so the event loop stays free."""
+    it = iter(it)
+    while True:
+        item = await asyncio.to_thread(next, it, _DONE)
+        if item is _DONE:
+            return
+        yield item
+
+
+class LazyRuntime:
+    """``LazyRuntime(llm=lazy_llm)`` (chunks registered with ``register``, KV from the LLM's
+    memory cache) or ``LazyRuntime(index=lazy_index)`` (the index's chunks, KV from its store)."""
+
+    def __init__(self, llm=None, index=None, mode: str = "lazy", defaults: dict | None = None):
+        if index is None and llm is None:
+            raise LazyRagError("Give a LazyLLM (llm=...) or a LazyIndex (index=...).")
+        if index is not None and llm is not None and llm is not index.llm:
+            raise LazyRagError("llm= and index= disagree: the index was loaded with another LazyLLM; pass "
+                               "only index= (its LLM is used) or load the index with this LLM.")
+        self.index = index
+        self.llm = index.llm if index is not None else llm
+        self.mode = mode
+        self.defaults = dict(defaults or {})
+        self.matcher = ChunkMatcher.from_index(index) if index is not None else ChunkMatcher(self.llm.tokenizer)
+        self.lock = model_lock(self.llm)
+        self.last_stats: dict | None = None
+        self.last_result = None  # the latest GenerationResult (token ids included)
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    def register(self, texts: Iterable[str], ids: Iterable[str] | None = None) -> list[str]:
+        """Make these texts reusable when they appear in prompts (KV encoded on first use)."""
+        return [c.chunk_id for c in self.matcher.add_many(texts, ids)]
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``(role, content)`` pairs with the model's chat template."""
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+    # -- planning -------------------------------------------------------------------------------
+    def plan_prompt(self, prompt: str, chunk_ids: Sequence[str] | None = None, reuse: bool = True) -> Plan:
+        """Transparent path: reuse every known chunk whose text occurs verbatim in ``prompt``
+        (only ``chunk_ids`` when given)."""
+        if not reuse:
+            return Plan([prompt], None, reuse="none")
+        m = self.matcher.split(prompt, chunk_ids)
+        return Plan(m.segments, self.index if m.uses_index else None, m.chunk_ids, "span_match", m.note)
+
+    def plan_question(self, question: str, chunks: Sequence[tuple[str | None, str | None]],
+                      system_prompt: str | None = None) -> Plan:
+        """Exact path: the question over ``(chunk_id, text)`` pairs, assembled from token ids with
+        lazy-rag's RAG template (as ``LazyIndex.query``). A chunk id the index knows is served from
+        the store, unless ``text`` is given and differs from the indexed text; any other chunk is
+        encoded from its text by the LLM's cache."""
+        segs: list[Chunk] = []
+        ids: list[str] = []
+        uses_index = False
+        for cid, text in chunks:
+            rec = self.index.by_id.get(cid) if (self.index is not None and cid is not None) else None
+            if rec is not None and (text is None or text == rec.text):
+                segs.append(Chunk(rec.token_ids, chunk_id=rec.id))
+                uses_index = True
+            elif text:
+                segs.append(Chunk(text))
+            else:
+                raise LazyRagError(f"Chunk {cid!r} is not in the index and has no text.")
+            ids.append(cid if cid is not None else "")
+        prefix = self.index.manifest.get("shared_prefix") if self.index is not None else None
+        if prefix:
+            if system_prompt not in (None, prefix["system_prompt"]):
+                raise LazyRagError("This index encoded chunks after a fixed system prompt; it cannot be changed "
+                                   "per query. Rebuild the index with the new system prompt.")
+            system_prompt = prefix["system_prompt"]
+        segments = build_rag_segments(self.tokenizer, question, segs, system_prompt)
+        kv_source = self.index if (uses_index or prefix) else None
+        return Plan(segments, kv_source, ids, "chunk_ids")
+
+    # -- running --------------------------------------------------------------------------------
+    def generation_kwargs(self, kwargs: dict) -> dict:
+        """Defaults, then the call's generation options; other framework kwargs are ignored."""
+        gen = {"mode": self.mode, **self.defaults}
+        for k, v in kwargs.items():
+            k = _ALIASES.get(k, k)
+            if k in GENERATION_KEYS and v is not None:
+                gen[k] = v
+        return gen
+
+    def stream(self, plan: Plan, **kwargs) -> RunStream:
+        return RunStream(self, plan, self.generation_kwargs(kwargs))
+
+    def run(self, plan: Plan, **kwargs):
+        s = self.stream(plan, **kwargs)
+        for _ in s:
+            pass
+        return s.result, s.stats
+
+    def _record(self, result, plan: Plan) -> dict:
+        stats = result.stats.as_dict()
+        stats.update(chunk_ids=list(plan.chunk_ids), reuse=plan.reuse, finish_reason=result.finish_reason)
+        if plan.note:
+            stats["note"] = plan.note
+        self.last_stats, self.last_result = stats, result
+        return stats
