@@ -1,6 +1,9 @@
 """Benchmark the lazy-RoPE attention kernels on the GPU (Llama-3.1-8B attention shape).
 
-    python benchmarks/kernels.py [--out DIR] [--quick] [--sweep]
+    python benchmarks/kernels.py [--out DIR] [--quick] [--sweep] [--diag]
+
+--diag times leave-one-out probes and candidate variants of the decode kernel (registers,
+spills, shared memory and cp.async counts of each compiled variant) instead of the tables.
 
 Shape: 32 query heads, 8 KV heads, head dim 128, bf16, page size 64 (one KV head of a page is a
 16 KiB contiguous run). Modes per case:
@@ -244,8 +247,13 @@ def prefill_cases(env, out, batches, news, inv, rng, tuning_sets=None,
                     tun = dict(tun)
                     bm = tun.pop("block_m", None)
                     plan = plan_prefill(qo.cpu(), H, HKV, "cuda", block_m=bm)
-                    t, timer = bench(lambda: lazy_prefill(q, qo, q_pos, k_pages, v_pages, table,
-                                                          inv, rope=rope, plan=plan, out=o, **tun))
+                    try:
+                        t, timer = bench(lambda: lazy_prefill(  # noqa: B023
+                            q, qo, q_pos, k_pages, v_pages, table, inv, rope=rope, plan=plan,
+                            out=o, **tun))
+                    except Exception as exc:  # noqa: BLE001  (e.g. OutOfResources of a variant)
+                        print(f"  prefill {rope} {tun}: {type(exc).__name__}", flush=True)
+                        continue
                     rec(out, dict(base, mode="no_rope" if rope == "none" else "lazy",
                                   rope=rope if rope != "none" else "",
                                   tuning=json.dumps(dict(tun, block_m=plan.block_m))),
@@ -270,12 +278,184 @@ def check_once(inv):
     return errs
 
 
+def kernel_report():
+    """Registers, spills, shared memory and pipelining markers of the last attention launch."""
+    from lazy_rag.kernels import paged_attention as pa
+    k = pa.LAST_KERNEL
+    if k is None:
+        return {}
+    rep = dict(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+               smem=getattr(k.metadata, "shared", None))
+    try:
+        ptx = k.asm["ptx"]
+        rep["cp_async"] = ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
+        rep["ld_local"] = ptx.count("ld.local")
+        rep["ld_global"] = ptx.count("ld.global")
+        rep["mma"] = ptx.count("mma.sync")
+        rep["wgmma"] = ptx.count("wgmma.mma_async")
+    except Exception as exc:  # noqa: BLE001
+        rep["asm_error"] = str(exc)[:80]
+    return rep
+
+
+def cos_sin_table(n_pos, inv, scale=1.0, dtype=torch.float32):
+    """[n_pos, D] table: cos | sin halves at positions 0..n_pos-1 (the reference's fp32 math)."""
+    from lazy_rag.kernels import rope_cos_sin
+    c, s = rope_cos_sin(torch.arange(n_pos, device=inv.device), inv, scale)
+    return torch.cat([c, s], -1).to(dtype).contiguous()
+
+
+def diag_check(inv, variants):
+    """bf16 check of every variant vs the fp64 reference on pages whose tiles straddle shifts."""
+    from lazy_rag.kernels import paged_attention_ref
+    B, T = 4, 4096 + 37
+    npg = -(-T // PAGE)
+    k_pages, v_pages = new_pool(B * npg)
+    perm = torch.randperm(B * npg).tolist()
+    seqs = []
+    for b in range(B):
+        ent = []
+        for j in range(npg):
+            ln = min(PAGE, T - j * PAGE)
+            shift = 100 * b + j * PAGE if j % 3 else 0   # chunk boundaries inside tiles
+            ent.append((perm[b * npg + j], 100 * b + j * PAGE, ln, shift))
+        seqs.append(ent)
+    table = seq_table(seqs)
+    q = torch.randn(B, H, D, device="cuda", dtype=DT)
+    q_pos = torch.tensor([100 * b + T - 1 - 5 * b for b in range(B)], dtype=torch.int32,
+                         device="cuda")
+    qo = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    tabs = {"f32": cos_sin_table(T + 400, inv), "bf16": cos_sin_table(T + 400, inv,
+                                                                       dtype=torch.bfloat16)}
+    refs = {r: paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv, r,
+                                   compute_dtype=torch.float64) for r in ("rotate_k", "rotate_q")}
+    res = {}
+    for name, rope, tun in variants:
+        if rope not in refs or tun.get("diag"):
+            continue
+        tun = dict(tun)
+        if "table" in tun:
+            tun["cos_sin_table"] = tabs[tun.pop("table")]
+        try:
+            o = lazy_decode(q, k_pages, v_pages, table, q_pos, inv, rope=rope, **tun)
+            r = refs[rope]
+            res[name] = ((o.double() - r).abs().max() / r.abs().max()).item()
+        except Exception as exc:  # noqa: BLE001
+            res[name] = f"ERR {type(exc).__name__}: {str(exc)[:120]}"
+    return res
+
+
+def diag(env, out, inv, cases, variants, chunk=CHUNK):
+    """Time leave-one-out and candidate variants of the decode kernel on paged, permuted KV.
+    chunk: tokens per rot_shift group (rotate_q); not a multiple of 2 pages -> tiles straddle."""
+    for B, T in cases:
+        kv_bytes = B * T * TOKEN_KV_BYTES
+        n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // kv_bytes)))
+        ppseq = T // PAGE
+        total = B * ppseq * n_sets
+        k_pages, v_pages = new_pool(total)
+        perm = torch.randperm(total).tolist()
+        tables, qs = [], []
+        for s in range(n_sets):
+            seqs = []
+            for b in range(B):
+                base = (s * B + b) * ppseq
+                seqs.append([(perm[base + j], j * PAGE, PAGE, (j * PAGE // chunk) * chunk)
+                             for j in range(ppseq)])
+            tables.append(seq_table(seqs))
+            qs.append(torch.randn(B, H, D, device="cuda", dtype=DT))
+        q_pos = torch.full((B,), T - 1, dtype=torch.int32, device="cuda")
+        tabs = {"f32": cos_sin_table(T, inv), "bf16": cos_sin_table(T, inv, dtype=torch.bfloat16)}
+        nbytes = kv_bytes + 2 * B * H * D * ES
+        flops = 4 * B * H * T * D
+        outs = [torch.empty(B, H, D, device="cuda", dtype=DT) for _ in range(n_sets)]
+        base = dict(benchmark="decode_diag", batch=B, context=T, chunk=chunk,
+                    case=f"B{B} x {T // 1024}k" + ("" if chunk == CHUNK else f" c{chunk}"))
+        for name, rope, tun in variants:
+            kw = dict(tun)
+            if "table" in kw:
+                kw["cos_sin_table"] = tabs[kw.pop("table")]
+            fn = lambda: [lazy_decode(qs[i], k_pages, v_pages, tables[i], q_pos, inv,  # noqa
+                                      rope=rope, out=outs[i], **kw) for i in range(n_sets)]
+            try:
+                t, timer = bench(fn, n_sets)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {name}: ERR {type(exc).__name__} {str(exc)[:100]}", flush=True)
+                continue
+            rec(out, dict(base, mode=name, rope=rope, tuning=json.dumps(tun)), t, timer, nbytes,
+                flops, env, **kernel_report())
+            r = out[-1]
+            print(f"      {name}: regs {r.get('regs')} spills {r.get('spills')} smem "
+                  f"{r.get('smem')} cp.async {r.get('cp_async')} ld.local {r.get('ld_local')} "
+                  f"mma {r.get('mma')}", flush=True)
+        if (B, T) == cases[0] and chunk == CHUNK:
+            kc = [torch.randn(B, HKV, T, D, device="cuda", dtype=DT) for _ in range(n_sets)]
+            vc = [torch.randn(B, HKV, T, D, device="cuda", dtype=DT) for _ in range(n_sets)]
+            q4 = [q[:, :, None, :] for q in qs]
+            fn = lambda: [F.scaled_dot_product_attention(q4[i], kc[i], vc[i], enable_gqa=True)  # noqa
+                          for i in range(n_sets)]
+            t, timer = bench(fn, n_sets)
+            rec(out, dict(base, mode="sdpa_contiguous", rope=""), t, timer, nbytes, flops, env)
+            del kc, vc
+        del k_pages, v_pages
+        torch.cuda.empty_cache()
+
+
+DIAG_VARIANTS = [
+    ("none", "none", {}),
+    ("none_bn64_s4", "none", dict(block_n=64, num_stages=4)),
+    ("none_w8", "none", dict(num_warps=8)),
+    ("rk", "rotate_k", {}),
+    ("rk_notrig", "rotate_k", dict(diag=1)),
+    ("rk_roundtrip", "rotate_k", dict(diag=2)),
+    ("rk_tab32", "rotate_k", dict(table="f32")),
+    ("rk_tab16", "rotate_k", dict(table="bf16")),
+    ("rk_w8", "rotate_k", dict(num_warps=8)),
+    ("rk_w8_s2", "rotate_k", dict(num_warps=8, num_stages=2)),
+    ("rk_notrig_w8", "rotate_k", dict(diag=1, num_warps=8)),
+    ("rk_roundtrip_w8", "rotate_k", dict(diag=2, num_warps=8)),
+    ("rk_tab32_w8", "rotate_k", dict(table="f32", num_warps=8)),
+    ("rk_bn64_s3", "rotate_k", dict(block_n=64, num_stages=3)),
+    ("rk_bn64_s4", "rotate_k", dict(block_n=64, num_stages=4)),
+    ("rk_bn64_w8_s4", "rotate_k", dict(block_n=64, num_warps=8, num_stages=4)),
+    ("rk_hg2_bn64_s3", "rotate_k", dict(heads_per_program=2, block_n=64, num_stages=3)),
+    ("rk_hg2_bn64_w8_s3", "rotate_k", dict(heads_per_program=2, block_n=64, num_warps=8,
+                                           num_stages=3)),
+    ("rk_hg4_bn64_s2", "rotate_k", dict(heads_per_program=4, block_n=64, num_stages=2)),
+    ("rk_hg4_bn64_w8_s2", "rotate_k", dict(heads_per_program=4, block_n=64, num_warps=8,
+                                           num_stages=2)),
+    ("rk_hg2_bn128_w8_s2", "rotate_k", dict(heads_per_program=2, num_warps=8, num_stages=2)),
+    ("rq_while", "rotate_q", dict(multi_shift=2)),
+    ("rq_static", "rotate_q", dict(multi_shift=1)),
+    ("rq_if", "rotate_q", {}),
+    ("rq_if_nocache", "rotate_q", dict(qrot_cache=False)),
+    ("rq_if_s2", "rotate_q", dict(num_stages=2)),
+    ("rq_if_s4", "rotate_q", dict(num_stages=4)),
+    ("rq_if_sp3", "rotate_q", dict(split_target=3.0)),
+    ("rk_hg2_bn128_s2", "rotate_k", dict(heads_per_program=2, num_stages=2)),
+    ("rk_hg2_tab16_s2", "rotate_k", dict(heads_per_program=2, num_stages=2, table="bf16")),
+    ("rk_s2", "rotate_k", dict(num_stages=2)),
+    ("rq_noshift", "rotate_q", dict(multi_shift=0)),
+    ("rq_static_w8", "rotate_q", dict(num_warps=8)),
+    ("rq_bn64_s3", "rotate_q", dict(block_n=64, num_stages=3)),
+    ("rq_bn64_s4", "rotate_q", dict(block_n=64, num_stages=4)),
+]
+DIAG2 = ["none", "rk", "rk_notrig", "rk_tab16", "rk_s2", "rk_hg2_bn128_s2", "rk_hg2_tab16_s2",
+         "rq_while", "rq_static", "rq_noshift", "rq_if", "rq_if_nocache", "rq_if_s2", "rq_if_s4",
+         "rq_if_sp3"]
+DIAG2_SHORT = ["none", "rk", "rq_static", "rq_if", "rq_if_nocache"]
+DIAG_SHORT = ["none", "rk", "rk_notrig", "rk_roundtrip", "rk_tab32", "rk_w8", "rk_bn64_w8_s4",
+              "rk_hg2_bn64_w8_s3", "rk_hg4_bn64_w8_s2", "rq_while", "rq_static", "rq_bn64_s4"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time a few tuning variants")
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--diag", action="store_true",
+                    help="time leave-one-out / candidate variants of the decode kernel only")
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
@@ -291,6 +471,31 @@ def main():
     print("# bf16 check rel err:", check_once(inv), flush=True)
     records = []
     t0 = time.time()
+    if args.diag:
+        print("# variant check (bf16 rel err vs fp64 ref):", flush=True)
+        for k_, v_ in diag_check(inv, DIAG_VARIANTS).items():
+            print(f"   {k_}: {v_}", flush=True)
+        first = [v for v in DIAG_VARIANTS if v[0] in DIAG2]
+        diag(env, records, inv, [(32, 8192)], first)
+        short = [v for v in DIAG_VARIANTS if v[0] in DIAG2_SHORT]
+        diag(env, records, inv, [(32, 8192)], short, chunk=31 * PAGE)  # every chunk straddles
+        diag(env, records, inv, [(128, 8192), (32, 32768)], short)
+        psets = [dict(multi_shift=m) for m in (2, 3)]
+        prefill_cases(env, records, [1, 16], [32, 512], inv, np.random.default_rng(0),
+                      tuning_sets=psets, ropes=("rotate_q",))
+        prefill_cases(env, records, [16], [512], inv, np.random.default_rng(0),
+                      ropes=("rotate_k", "none"))
+        os.makedirs(args.out, exist_ok=True)
+        for r in records:
+            r.update({k: env[k] for k in ("torch", "triton", "copy_gbps", "matmul_tflops",
+                                          "date")})
+        json.dump(records, open(os.path.join(args.out, "diag.json"), "w"), indent=1)
+        print(f"# diag done in {time.time() - t0:.0f} s")
+        for r in records:
+            print(f"{r['case']:<16} {r['mode']:<16} {r.get('rope', ''):<9} {r['time_us']:9.1f} us "
+                  f"{r['gbps']:7.0f} GB/s regs {r.get('regs')} spills {r.get('spills')} "
+                  f"smem {r.get('smem')} {r.get('tuning', '')}")
+        return
     if args.sweep:
         sets = [dict(block_n=bn, num_warps=4, num_stages=st, split_target=sp)
                 for bn in (128, 256) for st in (2, 3, 4) for sp in (2, 4, 8)]
@@ -317,6 +522,12 @@ def main():
     decode_sweep(env, records, batches, ctxs, inv)
     shared_decode(env, records, [8, 32] if args.quick else [8, 32, 128], inv, rng)
     prefill_cases(env, records, [1, 16], [32, 512], inv, rng)
+    if not args.quick:   # probe: rotate_q prefill with the decode's two-page shift branch
+        n0 = len(records)
+        prefill_cases(env, records, [1, 16], [32, 512], inv, rng,
+                      tuning_sets=[dict(multi_shift=3)], ropes=("rotate_q",))
+        for r in records[n0:]:
+            r["benchmark"] = "prefill_sweep"
     for r in records:
         r.update({k: env[k] for k in ("torch", "triton", "copy_gbps", "matmul_tflops", "date")})
     tag = name.replace("NVIDIA ", "").replace(" ", "_").lower()

@@ -11,7 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from lazy_rag.chat import build_rag_segments
+from lazy_rag.chat import DEFAULT_INSTRUCTION, build_rag_segments
 from lazy_rag.errors import LazyRagError
 from lazy_rag.segments import Chunk, Segment
 from lazy_rag.span_match import ChunkMatcher
@@ -87,6 +87,23 @@ async def aiter_in_thread(it: Iterable) -> AsyncIterator:
         yield item
 
 
+class RuntimeBacked:
+    """What every adapter class exposes of its ``LazyRuntime`` (kept in ``self._runtime``)."""
+
+    @property
+    def runtime(self) -> "LazyRuntime":
+        return self._runtime
+
+    @property
+    def last_stats(self) -> dict | None:
+        """Stats of the latest call: prompt_tokens, cached_tokens, computed_tokens, chunk_ids..."""
+        return self._runtime.last_stats
+
+    def register(self, texts, ids=None) -> list[str]:
+        """Make these texts reusable from the LLM's chunk cache when they appear in prompts."""
+        return self._runtime.register(texts, ids)
+
+
 class LazyRuntime:
     """``LazyRuntime(llm=lazy_llm)`` (chunks registered with ``register``, KV from the LLM's
     memory cache) or ``LazyRuntime(index=lazy_index)`` (the index's chunks, KV from its store)."""
@@ -151,12 +168,10 @@ class LazyRuntime:
                 raise LazyRagError(f"Chunk {cid!r} is not in the index and has no text.")
             ids.append(cid if cid is not None else "")
         prefix = self.index.manifest.get("shared_prefix") if self.index is not None else None
-        if prefix:
-            if system_prompt not in (None, prefix["system_prompt"]):
-                raise LazyRagError("This index encoded chunks after a fixed system prompt; it cannot be changed "
-                                   "per query. Rebuild the index with the new system prompt.")
-            system_prompt = prefix["system_prompt"]
-        segments = build_rag_segments(self.tokenizer, question, segs, system_prompt)
+        instruction = DEFAULT_INSTRUCTION
+        if self.index is not None:
+            system_prompt, instruction = self.index.prompt_settings(system_prompt)
+        segments = build_rag_segments(self.tokenizer, question, segs, system_prompt, instruction)
         kv_source = self.index if (uses_index or prefix) else None
         return Plan(segments, kv_source, ids, "chunk_ids")
 

@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazy_rag.errors import LazyRagError
 
-from ._runtime import LazyRuntime, Plan, aiter_in_thread
+from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
 
 __all__ = ["LazyRAGLLM", "ChatLazyRAG", "LazyRAGRetriever", "LazyRAGChain"]
 
@@ -38,7 +38,7 @@ _LAST = {"chunk_position": "last"} if "chunk_position" in AIMessageChunk.model_f
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 
 
-class _LazyRAGModel:
+class _LazyRAGModel(RuntimeBacked):
     """Fields and plumbing shared by the two model classes (a plain mixin: no pydantic fields)."""
 
     _runtime: LazyRuntime
@@ -46,19 +46,6 @@ class _LazyRAGModel:
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
         self._runtime = LazyRuntime(llm=self.llm, index=self.index)
-
-    @property
-    def runtime(self) -> LazyRuntime:
-        return self._runtime
-
-    @property
-    def last_stats(self) -> dict | None:
-        """Stats of the latest call: prompt_tokens, cached_tokens, computed_tokens, chunk_ids..."""
-        return self._runtime.last_stats
-
-    def register(self, texts, ids=None) -> list[str]:
-        """Make these texts reusable from the LLM's chunk cache when they appear in prompts."""
-        return self._runtime.register(texts, ids)
 
     @property
     def _identifying_params(self) -> dict:

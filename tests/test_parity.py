@@ -27,9 +27,9 @@ def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{r}" for f, r in CASES])
-def tiny(request, tokenizer):
+def tiny(request, tokenizer, device):
     family, rope = request.param
-    return LazyLLM(tiny_model(family, rope), tokenizer)
+    return LazyLLM(tiny_model(family, rope).to(device), tokenizer)
 
 
 def test_lazy_and_block_match_oracle_in_any_order_and_offset(tiny):
@@ -73,8 +73,8 @@ def test_greedy_generation_matches_oracle(tiny):
     assert tiny.generate(segs, max_new_tokens=6, mode="prefix").token_ids == full
 
 
-def test_shared_prefix_lazy_equals_block_and_chunk_kv_equals_hf_cache(tokenizer):
-    model = tiny_model("qwen2", "default", seed=5)
+def test_shared_prefix_lazy_equals_block_and_chunk_kv_equals_hf_cache(tokenizer, device):
+    model = tiny_model("qwen2", "default", seed=5).to(device)
     rng = random.Random(4)
     prefix = _ids(rng, 11)
     llm = LazyLLM(model, tokenizer, shared_prefix=prefix)
@@ -82,8 +82,8 @@ def test_shared_prefix_lazy_equals_block_and_chunk_kv_equals_hf_cache(tokenizer)
     kv = llm.encode_chunk(chunk)
     # HF's own cache for [prefix + chunk] holds keys rotated at their positions: ours, rotated, must match
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prefix + chunk]), use_cache=True)
-    pos = torch.arange(len(prefix), len(prefix) + len(chunk))
+        out = model(input_ids=torch.tensor([prefix + chunk], device=device), use_cache=True)
+    pos = torch.arange(len(prefix), len(prefix) + len(chunk), device=device)
     for layer in range(model.config.num_hidden_layers):
         hf_k = out.past_key_values.layers[layer].keys[0, :, len(prefix):].transpose(0, 1)
         hf_v = out.past_key_values.layers[layer].values[0, :, len(prefix):].transpose(0, 1)
@@ -100,10 +100,30 @@ def test_shared_prefix_lazy_equals_block_and_chunk_kv_equals_hf_cache(tokenizer)
         llm.next_token_logits([_ids(rng, 4), Chunk(chunk), _ids(rng, 2)])
 
 
-def test_positions_far_from_zero_keep_parity(tokenizer):
+def test_positions_far_from_zero_keep_parity(tokenizer, device):
     """A long uncached head pushes chunks to large offsets (RoPE angles far from the encode-time ones)."""
-    llm = LazyLLM(tiny_model("llama", "llama3"), tokenizer)
+    llm = LazyLLM(tiny_model("llama", "llama3").to(device), tokenizer)
     rng = random.Random(6)
     segs = [_ids(rng, 3000), Chunk(_ids(rng, 40)), _ids(rng, 4), Chunk(_ids(rng, 12)), _ids(rng, 3)]
     ref = block_diagonal_logits(llm.model, llm.prepare(segs))[-1]
     assert rel_err(llm.next_token_logits(segs, mode="lazy"), ref) < 1e-4
+
+
+def test_boundary_recompute_lazy_equals_block_and_degenerates_correctly(tokenizer, device):
+    """EPIC-style recompute of each chunk's first tokens: lazy and block agree; 0 is plain lazy;
+    recomputing whole chunks turns them into ordinary text, i.e. a plain causal forward."""
+    llm = LazyLLM(tiny_model("qwen3", "default", seed=9).to(device), tokenizer)
+    rng = random.Random(8)
+    segs = _prompt(rng, [_ids(rng, n) for n in (1, 7, 30)], [2, 0, 1])
+    layout = llm.prepare(segs, boundary_recompute=4)
+    assert layout.cached_tokens == 26 + 0 + 3 and len(layout.uncached) == len(layout.token_ids) - 29
+    lazy = llm.next_token_logits(segs, mode="lazy", boundary_recompute=4)
+    assert rel_err(lazy, llm.next_token_logits(segs, mode="block", boundary_recompute=4)) < 1e-5
+    plain = llm.next_token_logits(segs, mode="lazy")
+    assert rel_err(llm.next_token_logits(segs, mode="lazy", boundary_recompute=0), plain) < 1e-6
+    assert rel_err(lazy, plain) > 1e-4  # the recompute changes the answer
+    everything = llm.next_token_logits(segs, mode="lazy", boundary_recompute=30)
+    assert rel_err(everything, causal_logits(llm.model, layout.token_ids)[-1]) < 1e-4
+    res = llm.generate(segs, max_new_tokens=4, mode="lazy", boundary_recompute=4)
+    assert res.stats.cached_tokens == 29
+    assert res.token_ids == llm.generate(segs, max_new_tokens=4, mode="block", boundary_recompute=4).token_ids

@@ -148,3 +148,26 @@ def test_block_attention_decode_matches_lazy(source):
     blk = block_attention_decode(c.q, c.k_pages, c.v_pages, c.table, c.q_pos, inv, source=source)
     ref = _ref(c, inv.cpu(), scale, source)
     assert rel_err(blk, ref) < 3 * TOL[dtype]
+
+
+@pytest.mark.parametrize("multi_shift", [None, 1, 2, 3])
+def test_decode_two_pages_per_tile(multi_shift):
+    """rotate_q with two pages per KV tile (the GPU's page-64 / 128-key case) where chunk
+    boundaries fall inside tiles: every variant of the second-page shift handling is exact."""
+    dtype = DTYPES[0]
+    c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=64, page=16, dtype=dtype, seed=21, pos_base=90_000)
+    inv, scale = inv_freq_for("default", 64)
+    out = lazy_decode(c.q, c.k_pages, c.v_pages, c.table, c.q_pos, inv.to(c.q.device),
+                      rope="rotate_q", block_n=32, multi_shift=multi_shift, out=_poisoned(c))
+    assert rel_err(out, _ref(c, inv, scale, "rotate_q")) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rope", ["rotate_k", "rotate_q", "none"])
+def test_decode_heads_per_program(rope):
+    """One program covering 2 KV heads (cos/sin shared across heads) computes the same."""
+    dtype = DTYPES[0]
+    c = Case(MIXED, CHUNKS, Hkv=4, G=2, D=64, page=16, dtype=dtype, seed=22)
+    inv, scale = inv_freq_for("default", 64)
+    out = lazy_decode(c.q, c.k_pages, c.v_pages, c.table, c.q_pos, inv.to(c.q.device),
+                      rope=rope, heads_per_program=2, out=_poisoned(c))
+    assert rel_err(out, _ref(c, inv, scale, rope)) < TOL[dtype]

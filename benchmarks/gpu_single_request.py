@@ -1,0 +1,107 @@
+"""Single-request TTFT of LazyLLM's torch path on a GPU, at the paper's request size.
+
+Llama-3.1-8B shape with random bf16 weights built on the device (the GPU machine has no model
+hub), 5 chunks of 2048 tokens from a pool of 10, a 32-token question, chunk KV already in the
+memory tier. This is the simple one-request path every mode shares (torch SDPA, per-request
+tensors); the paged, batched engine with the Triton kernels is separate work.
+
+    python benchmarks/gpu_single_request.py [--layers 32] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, print_table, write_records  # noqa: E402
+
+
+class IdTokenizer:
+    """Prompts here are token ids only; this stands in for a tokenizer (decode, EOS, vocab)."""
+
+    bos_token_id = eos_token_id = unk_token_id = None
+    all_special_tokens: list = []
+    chat_template = None
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lazy_rag import Chunk, LazyLLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # build the 16 GB of weights in bf16 directly, on the GPU
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    llm = LazyLLM(model, IdTokenizer())
+    rng = random.Random(0)
+    pool = [[rng.randrange(1000, 120000) for _ in range(args.chunk_tokens)] for _ in range(10)]
+    head = [rng.randrange(1000, 120000) for _ in range(40)]
+
+    def prompt(chosen, q):
+        segs = [head]
+        for c in chosen:
+            segs += [Chunk(pool[c]), [13, 13]]
+        return segs + [q]
+
+    def ttft(segs, mode):
+        torch.cuda.synchronize()
+        r = llm.generate(segs, max_new_tokens=1, mode=mode)
+        torch.cuda.synchronize()
+        return r.stats
+
+    env = environment()
+    records = []
+    for mode in ("full", "prefix", "block", "lazy"):
+        times, st = [], None
+        for rep in range(args.reps + 1):
+            chosen = rng.sample(range(10), 5)
+            q = [rng.randrange(1000, 120000) for _ in range(32)]
+            if mode == "prefix":  # an earlier request retrieved the same chunks in another order
+                llm.prefix_cache.blocks.clear()
+                ttft(prompt(chosen[1:] + chosen[:1], q), "prefix")
+            else:
+                for c in chosen:  # chunk KV already stored (memory tier)
+                    llm.chunk_kv(tuple(pool[c]))
+            st = ttft(prompt(chosen, q), mode)
+            if rep:  # the first is warm-up
+                times.append(st.ttft_ms)
+        records.append({"benchmark": "gpu_single_request", "mode": mode, "device": env["device"],
+                        "model": f"llama-3.1-8b-shape ({args.layers} layers, random bf16)", "chunks": 5,
+                        "chunk_tokens": args.chunk_tokens, "prompt_tokens": st.prompt_tokens,
+                        "cached_tokens": st.cached_tokens, "computed_tokens": st.computed_tokens,
+                        "ttft_ms": statistics.median(times), "ttft_ms_min": min(times), "reps": args.reps,
+                        "torch": env["torch"], "transformers": env["transformers"], "date": env["date"]})
+    full = records[0]["ttft_ms"]
+    for r in records:
+        r["speedup_vs_full"] = full / r["ttft_ms"]
+    path = write_records("gpu_single_request", records)
+    print(f"\n{env['device']}, torch {env['torch']}, transformers {env['transformers']} -> {path}")
+    print_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "ttft_ms", "ttft_ms_min",
+                          "speedup_vs_full"])
+
+
+if __name__ == "__main__":
+    main()
