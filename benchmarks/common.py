@@ -4,9 +4,16 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+# Python puts this folder first on sys.path when a script in it runs, and our kernels.py would then
+# shadow the `kernels` package that transformers probes for (seen on the GPU image: importing
+# LlamaConfig failed). Scripts import this module first; from here on the folder is off the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 
 def environment() -> dict:

@@ -10,6 +10,7 @@ tensors); the paged, batched engine with the Triton kernels is separate work.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, print_table, write_records  # noqa: E402
 
 
@@ -92,6 +92,7 @@ def main():
                         "model": f"llama-3.1-8b-shape ({args.layers} layers, random bf16)", "chunks": 5,
                         "chunk_tokens": args.chunk_tokens, "prompt_tokens": st.prompt_tokens,
                         "cached_tokens": st.cached_tokens, "computed_tokens": st.computed_tokens,
+                        "chunk_sources": json.dumps(st.chunk_sources, sort_keys=True),
                         "ttft_ms": statistics.median(times), "ttft_ms_min": min(times), "reps": args.reps,
                         "torch": env["torch"], "transformers": env["transformers"], "date": env["date"]})
     full = records[0]["ttft_ms"]
@@ -99,8 +100,8 @@ def main():
         r["speedup_vs_full"] = full / r["ttft_ms"]
     path = write_records("gpu_single_request", records)
     print(f"\n{env['device']}, torch {env['torch']}, transformers {env['transformers']} -> {path}")
-    print_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "ttft_ms", "ttft_ms_min",
-                          "speedup_vs_full"])
+    print_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "chunk_sources", "ttft_ms",
+                          "ttft_ms_min", "speedup_vs_full"])
 
 
 if __name__ == "__main__":

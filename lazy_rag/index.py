@@ -31,7 +31,7 @@ from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .chunking import TokenChunker, discover_files, read_text
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
-from .llm import LazyLLM
+from .llm import LazyLLM, default_cache_bytes
 from .segments import Chunk, tokenize_text
 from .store import ChunkStore, _DTYPES
 
@@ -119,7 +119,7 @@ class BuildReport:
 
 class LazyIndex:
     def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records: list[ChunkRecord],
-                 vectors, memory_bytes: int = 1 << 30):
+                 vectors, memory_bytes: int | None = None):
         self.path = Path(path)
         self.llm = llm
         self.embedder = embedder
@@ -130,7 +130,8 @@ class LazyIndex:
         prefix_ids = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
         kv_dtype = _DTYPES[manifest["kv_dtype"]]
         self.store = ChunkStore(self.path, llm, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
-                                memory_bytes, precomputed=manifest.get("kv_precomputed", True))
+                                memory_bytes or default_cache_bytes(llm.device),
+                                precomputed=manifest.get("kv_precomputed", True))
 
     @property
     def boundary_recompute(self) -> int:
@@ -373,7 +374,7 @@ class LazyIndex:
 
     @classmethod
     def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *, device: str = "auto",
-             memory_bytes: int = 1 << 30) -> "LazyIndex":
+             memory_bytes: int | None = None) -> "LazyIndex":
         path = Path(path).expanduser()
         manifest = cls._read_manifest(path)
         if llm is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .rope import RopeTable, apply_cos_sin
 
@@ -75,7 +76,11 @@ class ContiguousKV:
     def begin_step(self, positions: torch.Tensor) -> None:
         self._slots = positions
         self._cos_sin = self.rope.cos_sin(positions, self.k.dtype)
-        self.length = max(self.length, int(positions.max()) + 1)
+        first, last = int(positions[0]), int(positions[-1])
+        self.length = max(self.length, last + 1)
+        # new tokens that are one run ending at the last slot (full prefill, a prefix-cache tail,
+        # decode) need only the causal rule, so SDPA can take its flash path instead of a mask
+        self._causal_run = last - first + 1 == positions.shape[0] and last + 1 == self.length
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, self._slots] = apply_cos_sin(k, *self._cos_sin)
@@ -83,14 +88,21 @@ class ContiguousKV:
 
     def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """q [n, Hq, D] rotated -> out [n, Hq, D]."""
-        t = int(q_pos.max()) + 1
+        n, t = q.shape[0], self.length
         k = self.k[layer, :t].transpose(0, 1)[None]  # [1, Hkv, t, D]
         v = self.v[layer, :t].transpose(0, 1)[None]
-        mask = torch.arange(t, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=self.scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        gqa = q.shape[1] != k.shape[1]
+        qh = q.transpose(0, 1)[None]
+        if self._causal_run and n == 1:
+            out = F.scaled_dot_product_attention(qh, k, v, scale=self.scaling, enable_gqa=gqa)
+        elif self._causal_run and n == t:
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
+        elif self._causal_run:  # a run after reused slots: causal, aligned to the bottom right
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(n, t), scale=self.scaling,
+                                                 enable_gqa=gqa)
+        else:
+            mask = torch.arange(t, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
         return out[0].transpose(0, 1)
 
     def export(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

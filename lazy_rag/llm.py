@@ -66,6 +66,14 @@ class GenerationStream:
         return next(self._pieces)
 
 
+def default_cache_bytes(device: torch.device) -> int:
+    """Budget of each in-memory KV cache when none is given: a fifth of the GPU's memory (the
+    paper's 5 x 2048-token request is 1.25 GiB of KV for an 8B model), 2 GiB on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 5
+    return 2 << 30
+
+
 def _resolve_eos(model, tokenizer) -> set[int]:
     eos = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -91,7 +99,7 @@ class LazyLLM:
     """
 
     def __init__(self, model, tokenizer, *, shared_prefix: str | Sequence[int] | None = None,
-                 chunk_cache_bytes: int = 1 << 30, prefix_cache_bytes: int = 1 << 30,
+                 chunk_cache_bytes: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_block_size: int = 16):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -102,8 +110,9 @@ class LazyLLM:
         if isinstance(shared_prefix, str):
             shared_prefix = tokenize_text(tokenizer, shared_prefix, first=True)
         self.shared_prefix_ids: tuple[int, ...] = tuple(shared_prefix or ())
-        self.chunk_cache: ByteLRU[ChunkKV] = ByteLRU(chunk_cache_bytes, lambda c: c.nbytes)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block_size)
+        default = default_cache_bytes(self.device)
+        self.chunk_cache: ByteLRU[ChunkKV] = ByteLRU(chunk_cache_bytes or default, lambda c: c.nbytes)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes or default, prefix_block_size)
         self._prefix_kv: dict[tuple[int, ...], ChunkKV] = {}
         self.eos_ids = _resolve_eos(model, tokenizer)
         self._fingerprint = None
@@ -237,16 +246,22 @@ class LazyLLM:
                     reused += blk_k.shape[1]
             new_pos = torch.arange(reused, T, device=dev)
         logits, _, _ = self.decoder.forward(ids[new_pos], new_pos, kv)
-        if mode == "prefix":
-            self.prefix_cache.insert(layout.token_ids, *kv.export(T))
         stats.computed_tokens = int(new_pos.numel())
         stats.cached_tokens = T - stats.computed_tokens
         return kv, logits[-1], stats
 
+    def _remember_prefix(self, layout: PromptLayout, mode: str, kv) -> None:
+        """Prefix mode keeps the prompt's KV blocks for later requests. Done after the first token:
+        a paged engine writes KV into its blocks in place, so this copy is not part of TTFT."""
+        if mode == "prefix":
+            T = len(layout.token_ids)
+            self.prefix_cache.insert(layout.token_ids, *kv.export(T))
+
     def next_token_logits(self, segments, mode: str = "lazy", kv_source=None, boundary_recompute: int = 0) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after the assembled prompt."""
         layout = self.prepare(segments, kv_source, boundary_recompute)
-        _, logits, _ = self._prefill(layout, mode, 0, kv_source)
+        kv, logits, _ = self._prefill(layout, mode, 0, kv_source)
+        self._remember_prefix(layout, mode, kv)
         return logits
 
     def generate(self, segments, max_new_tokens: int = 128, mode: str = "lazy", temperature: float = 0.0,
@@ -281,6 +296,7 @@ class LazyLLM:
         first_logits = logits.cpu() if keep_first_logits else None
         tok = sample_next(logits.cpu(), temperature, top_p, gen)
         stats.ttft_ms = (time.perf_counter() - t0) * 1e3
+        self._remember_prefix(layout, mode, kv)
         t_first = time.perf_counter()
         text = TextAssembler(self.tokenizer, stop)
         out: list[int] = []

@@ -32,18 +32,23 @@ class PrefixCache:
 
     def lookup(self, ids: list[int], max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The cached blocks of the longest block-aligned prefix of ``ids`` (at most max_tokens)."""
-        found = []
+        hashes = []
         for h in _block_hashes(ids[:max_tokens], self.block_size):
-            kv = self.blocks.get(h)
-            if kv is None:
+            if h not in self.blocks:
                 break
-            found.append(kv)
-        return found
+            hashes.append(h)
+        # touch tail-first so that a chain's head is the most recently used: eviction then takes
+        # tails first, never a head that would make the rest of its chain unreachable (as vLLM)
+        found = [self.blocks.get(h) for h in reversed(hashes)]
+        return found[::-1]
 
     def insert(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store every full block of ``ids`` from rotated K/V [layers, len(ids), H, D]."""
         bs = self.block_size
-        for b, h in enumerate(_block_hashes(ids, bs)):
-            if h not in self.blocks:
+        hashes = _block_hashes(ids, bs)
+        for b in reversed(range(len(hashes))):  # tail first, head last: see lookup
+            if hashes[b] in self.blocks:
+                self.blocks.get(hashes[b])
+            else:
                 sl = slice(b * bs, (b + 1) * bs)
-                self.blocks.put(h, (k[:, sl].clone(), v[:, sl].clone()))
+                self.blocks.put(hashes[b], (k[:, sl].clone(), v[:, sl].clone()))

@@ -127,3 +127,17 @@ def test_boundary_recompute_lazy_equals_block_and_degenerates_correctly(tokenize
     res = llm.generate(segs, max_new_tokens=4, mode="lazy", boundary_recompute=4)
     assert res.stats.cached_tokens == 29
     assert res.token_ids == llm.generate(segs, max_new_tokens=4, mode="block", boundary_recompute=4).token_ids
+
+
+def test_prefix_cache_evicts_tails_before_heads(tokenizer):
+    """A prefix cache too small for a whole prompt must keep its head reachable (LRU by chain)."""
+    from lazy_rag.prefix_cache import PrefixCache
+
+    cache = PrefixCache(max_bytes=4 * 2 * 2 * 16 * 4, block_size=16)  # room for 4 blocks of [1, 16, 2, 1] fp32 K+V
+    ids = list(range(16 * 6))
+    k = torch.randn(1, len(ids), 2, 1)
+    cache.insert(ids, k, k)
+    found = cache.lookup(ids, len(ids))
+    assert len(found) == 4 and torch.equal(found[0][0], k[:, :16])
+    cache.insert(list(range(1000, 1016)), k[:, :16], k[:, :16])  # another prompt evicts one more tail
+    assert len(cache.lookup(ids, len(ids))) == 3
