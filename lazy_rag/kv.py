@@ -138,14 +138,17 @@ class LazyKV:
         self.pos[self._slots] = positions
         self.used += n
         self._cos_sin = self.rope.cos_sin(positions, self.dtype)
-        self._masks = None  # per-step visibility masks, built by the first layer and reused by the rest
+        self._biases = None  # per-step visibility as additive biases, built by the first layer
 
-    def _step_masks(self, q_pos: torch.Tensor, g: int) -> list[torch.Tensor]:
-        if self._masks is None:
+    def _step_biases(self, q_pos: torch.Tensor, g: int) -> list[torch.Tensor]:
+        """0 where a key is visible to a query row, -inf where not: one [1, n*g, L] per piece,
+        added inside the score matmul (baddbmm) instead of a separate masking pass."""
+        if self._biases is None:
             qp = q_pos.repeat_interleave(g)[None, :, None]  # query position per row of the grouped q
-            self._masks = [pos[None, None, :] > qp for _, pos, _ in self.pieces]
-            self._masks.append(self.pos[:self.used][None, None, :] > qp)
-        return self._masks
+            keys = [pos for _, pos, _ in self.pieces] + [self.pos[:self.used]]
+            self._biases = [torch.zeros((), dtype=torch.float32, device=qp.device).masked_fill(
+                pos[None, None, :] > qp, float("-inf")) for pos in keys]
+        return self._biases
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, self._slots] = apply_cos_sin(k, *self._cos_sin)
@@ -157,16 +160,13 @@ class LazyKV:
         hkv = self.k.shape[2]
         g = hq // hkv
         qg = q.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d).float()
-        masks = self._step_masks(q_pos, g)
-        scores, values = [], []
-        for (chunk, _, (cos, sin)), hidden in zip(self.pieces, masks):
-            k = apply_cos_sin(chunk.k[layer].to(self.dtype), cos, sin)  # lazy RoPE
-            scores.append(torch.matmul(qg, k.permute(1, 2, 0).float()).masked_fill_(hidden, float("-inf")))
-            values.append(chunk.v[layer])
-        k = self.k[layer, :self.used]
-        scores.append(torch.matmul(qg, k.permute(1, 2, 0).float()).masked_fill_(masks[-1], float("-inf")))
-        values.append(self.v[layer, :self.used])
-        probs = torch.softmax(torch.cat(scores, dim=-1) * self.scaling, dim=-1)
+        biases = self._step_biases(q_pos, g)
+        keys = [apply_cos_sin(chunk.k[layer].to(self.dtype), cos, sin)  # lazy RoPE
+                for chunk, _, (cos, sin) in self.pieces] + [self.k[layer, :self.used]]
+        values = [chunk.v[layer] for chunk, _, _ in self.pieces] + [self.v[layer, :self.used]]
+        scores = [torch.baddbmm(bias, qg, k.permute(1, 2, 0).float(), alpha=self.scaling)
+                  for k, bias in zip(keys, biases)]
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
         out = torch.zeros(hkv, n * g, d, dtype=torch.float32, device=q.device)
         col = 0
         for v in values:
