@@ -1,0 +1,168 @@
+"""``Engine``: the serving loop. ``submit`` a request, get a handle; ``step`` runs one batch;
+``generate`` runs requests to completion; ``stream`` yields a request's text asynchronously.
+
+One pool, one scheduler, one model runner and one sampling rule for all four modes; the mode
+only changes where the KV of a request comes from (``KVPlanner``).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..llm import GenerationResult, GenerationStats
+from ..sampling import TextAssembler, sample_next, validate_sampling
+from .block_manager import BlockManager
+from .kv_planner import MODES, KVPlanner
+from .model_runner import ModelRunner
+from .page_pool import PagePool
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence
+from .tiers import ChunkTiers
+
+
+@dataclass
+class RequestHandle:
+    seq: Sequence
+    text: TextAssembler
+    generator: torch.Generator | None
+    t0: float
+    pieces: list[str] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    result: GenerationResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+
+class Engine:
+    def __init__(self, llm, *, kv_bytes: int | None = None, gpu_memory_fraction: float | None = None,
+                 num_pages: int | None = None, page_size: int = 16, policy: str = "lru",
+                 host_bytes: int = 4 << 30, store=None, max_num_seqs: int = 64,
+                 max_batched_tokens: int = 16384, tiers: ChunkTiers | None = None):
+        """KV budget: ``num_pages``, else ``kv_bytes``, else ``gpu_memory_fraction`` of the
+        device's free memory (CUDA), else 1 GiB. ``tiers``: share a ChunkTiers (host tier) between
+        engines."""
+        self.llm = llm
+        shp, dt, dev = llm.shape, llm.dtype, llm.device
+        dims = (shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim)
+        if num_pages is None:
+            if kv_bytes is None and gpu_memory_fraction is not None and dev.type == "cuda":
+                kv_bytes = int(torch.cuda.mem_get_info(dev)[0] * gpu_memory_fraction)
+            num_pages = PagePool.pages_for_budget(kv_bytes or (1 << 30), *dims, dt)
+        self.pool = PagePool(shp.num_layers, num_pages, shp.num_kv_heads, page_size, shp.head_dim, dt, dev)
+        self.bm = BlockManager(self.pool, policy)
+        self.tiers = tiers or ChunkTiers(llm, host_bytes, store)
+        self.planner = KVPlanner(self.bm, self.tiers, llm.rope)
+        self.scheduler = Scheduler(self.planner, max_num_seqs, max_batched_tokens)
+        self.runner = ModelRunner(llm.handles, self.pool)
+        self.handles: dict[int, RequestHandle] = {}
+        self.num_steps = 0
+
+    # -- API ------------------------------------------------------------------------------------
+    def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
+               top_p: float = 1.0, stop: list[str] | str | None = None, seed: int | None = None,
+               kv_source=None) -> RequestHandle:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
+        validate_sampling(temperature, top_p, max_new_tokens)
+        stop = [stop] if isinstance(stop, str) else stop
+        layout = self.llm.prepare(segments, kv_source)
+        T = len(layout.token_ids)
+        if T + max_new_tokens > self.llm.context_window:
+            from ..errors import PromptTooLongError
+            raise PromptTooLongError(f"{T} prompt tokens + {max_new_tokens} new exceed the context "
+                                     f"window of {self.llm.context_window}.")
+        prefix = tuple(getattr(kv_source or self.llm, "shared_prefix_ids", ()))
+        seq = Sequence(layout, mode, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), prefix)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed if seed is not None else torch.seed())
+        handle = RequestHandle(seq, TextAssembler(self.llm.tokenizer, stop), gen, time.perf_counter())
+        self.handles[seq.id] = handle
+        self.scheduler.add(seq)
+        return handle
+
+    def step(self) -> bool:
+        """Run one batch; False when there was nothing runnable (idle, or waiting on transfers)."""
+        step = self.scheduler.schedule()
+        if not step:
+            return False
+        seqs = step.prefill + step.decode
+        for seq in step.prefill:
+            self.planner.materialize(seq)
+        logits = self.runner.run(seqs).cpu()
+        for seq in step.prefill:
+            seq.needs_prefill = False
+            self.planner.publish(seq)
+        for row, seq in zip(logits, seqs):
+            seq.kv_len = seq.num_tokens
+            self._accept(seq, row)
+        self.num_steps += 1
+        return True
+
+    def run_until_done(self) -> None:
+        while self.scheduler.has_work:
+            if not self.step():
+                time.sleep(0)  # only chunk transfers in flight
+
+    def generate(self, requests: list[dict]) -> list[GenerationResult]:
+        """Blocking: each request is a dict of ``submit`` keyword arguments (``segments`` required)."""
+        handles = [self.submit(**r) for r in requests]
+        self.run_until_done()
+        return [h.result for h in handles]
+
+    async def stream(self, handle: RequestHandle):
+        """Text pieces of one request as they are generated (drives the engine meanwhile)."""
+        sent = 0
+        while True:
+            while sent < len(handle.pieces):
+                yield handle.pieces[sent]
+                sent += 1
+            if handle.done:
+                return
+            self.step()
+            await asyncio.sleep(0)
+
+    def stats(self) -> dict:
+        return {**self.bm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
+                "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+                "page_size": self.pool.page_size, "bytes_per_page": self.pool.bytes_per_page}
+
+    # -- sampling and stopping (the same rule as LazyLLM.generate) -------------------------------
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        h = self.handles[seq.id]
+        p = seq.params
+        tok = sample_next(logits, p.temperature, p.top_p, h.generator)
+        if not seq.output and not h.ttft_ms:
+            h.ttft_ms = (time.perf_counter() - h.t0) * 1e3
+        if tok in self.llm.eos_ids:
+            return self._finish(seq, "stop")
+        seq.output.append(tok)
+        piece = h.text.push(seq.output)
+        if piece:
+            h.pieces.append(piece)
+        if h.text.stopped:
+            return self._finish(seq, "stop")
+        if len(seq.output) >= p.max_tokens:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        h = self.handles.pop(seq.id)
+        tail = h.text.flush()
+        if tail:
+            h.pieces.append(tail)
+        self.scheduler.finish(seq, reason)
+        lay = seq.layout
+        stats = GenerationStats(mode=seq.mode, prompt_tokens=len(lay.token_ids),
+                                cached_tokens=lay.cached_tokens if seq.mode in ("lazy", "block") else 0,
+                                computed_tokens=len(lay.token_ids) - (lay.cached_tokens if seq.mode in ("lazy", "block") else 0),
+                                ttft_ms=h.ttft_ms, total_ms=(time.perf_counter() - h.t0) * 1e3,
+                                new_tokens=len(seq.output))
+        h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
+                                    finish_reason=reason)
+        h.seq = seq
