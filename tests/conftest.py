@@ -6,6 +6,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when lazy_rag.kernels is first
+# imported, which any test module may do (the engine imports the kernels): set it before all.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..architecture import ModelHandles
-from ..kernels import PageTable, lazy_prefill, plan_prefill
+from ..kernels import PageTable, lazy_prefill, paged_attention_ref, plan_prefill
 from ..rope import apply_cos_sin
 from .page_pool import PagePool
 from .sequence import Sequence
@@ -87,9 +87,13 @@ class ModelRunner:
             # private pages hold keys rotated at their logical positions (rot_shift 0)
             self.pool.k[i][slot_page, :, slot_off] = apply_cos_sin(k, cos, sin).to(self.pool.dtype)
             self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
-            o = lazy_prefill(q, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
-                             rope="rotate_q", attention_scaling=h.rope.attention_scaling,
-                             sm_scale=h.scaling, plan=plan)
+            if dev.type == "cuda":
+                o = lazy_prefill(q, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
+                                 rope="rotate_q", attention_scaling=h.rope.attention_scaling,
+                                 sm_scale=h.scaling, plan=plan)
+            else:  # the CPU runtime is plain torch (the Triton interpreter is for kernel tests only)
+                o = paged_attention_ref(q, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
+                                        "rotate_q", h.rope.attention_scaling, h.scaling)
             x = x + attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = torch.tensor(qo[1:], device=dev) - 1
