@@ -210,7 +210,7 @@ class LazyLLM:
         stats = GenerationStats(mode=mode, prompt_tokens=T, cached_tokens=0, computed_tokens=T)
         dims = (shp.num_layers, shp.num_kv_heads, shp.head_dim)
         if mode in ("lazy", "block"):
-            if (T - 1) not in set(layout.uncached[-1:]):
+            if not layout.uncached or layout.uncached[-1] != T - 1:
                 raise LazyRagError(
                     "The prompt ends with a cached chunk; put the question (or any text) after the "
                     "last Chunk so the next token is computed with attention to every chunk."
