@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 

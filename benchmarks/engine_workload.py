@@ -18,21 +18,8 @@ import time
 import numpy as np
 import torch
 
-from common import environment, print_table, write_records  # noqa: E402
+from common import IdTokenizer, environment, print_table, random_llama31_8b, write_records  # noqa: E402
 
-
-class IdTokenizer:
-    """Prompts are token ids only; this stands in for a tokenizer (decode, EOS, vocab)."""
-
-    bos_token_id = eos_token_id = unk_token_id = None
-    all_special_tokens: list = []
-    chat_template = None
-
-    def get_vocab(self):
-        return {}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def zipf_pick(rng: np.random.Generator, n: int, k: int, a: float) -> list[int]:
@@ -53,22 +40,11 @@ def main():
     ap.add_argument("--spot-check", type=int, default=2)
     ap.add_argument("--out", default="engine_workload")
     args = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from lazy_rag import Chunk, LazyLLM
     from lazy_rag.engine import Engine
     from lazy_rag.engine.tiers import ChunkTiers
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_llama31_8b(args.layers)
     llm = LazyLLM(model, IdTokenizer())
     rng = random.Random(0)
     nrng = np.random.default_rng(0)

@@ -37,7 +37,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lazy_rag.kernels import (PageTable, apply_rope, block_attention_decode,  # noqa: E402
+from lazy_rag.kernels import (PageTable, block_attention_decode,  # noqa: E402
                               lazy_decode, lazy_prefill, plan_prefill)
 
 H, HKV, D, PAGE, CHUNK = 32, 8, 128, 64, 2048
