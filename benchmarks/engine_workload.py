@@ -78,7 +78,7 @@ def main():
                 ref = llm.generate(reqs[i], max_new_tokens=16, mode=mode).token_ids
                 got = res[i].token_ids
                 checks.append(next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref)))
-            rec = {"mode": mode, "budget_chunks": fit, "requests": len(res),
+            rec = {"benchmark": "engine_workload", "mode": mode, "budget_chunks": fit, "requests": len(res),
                    "completed": sum(r is not None and len(r.token_ids) == 16 for r in res),
                    "wall_s": round(wall, 2), "req_per_s": round(len(res) / wall, 2),
                    "ttft_ms_p50": round(float(np.median([r.stats.ttft_ms for r in res])), 1),
