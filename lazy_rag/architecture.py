@@ -83,6 +83,17 @@ class ModelHandles:
         self.scaling = float(attn.scaling)
         self.has_qk_norm = hasattr(attn, "q_norm")
 
+    def project_qkv(self, layer, y: torch.Tensor):
+        """q [n, Hq, D], k and v [n, Hkv, D] of normed hidden states y [n, hidden], before RoPE
+        (Qwen3 normalises q and k per head here, before any rotation)."""
+        attn, shp, n = layer.self_attn, self.shape, y.shape[0]
+        q = attn.q_proj(y).view(n, shp.num_heads, shp.head_dim)
+        k = attn.k_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
+        v = attn.v_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype

@@ -35,12 +35,7 @@ class Decoder:
             caught_v = torch.empty_like(caught_k)
         for i, layer in enumerate(h.layers):
             attn = layer.self_attn
-            y = layer.input_layernorm(x)
-            q = attn.q_proj(y).view(n, shp.num_heads, shp.head_dim)
-            k = attn.k_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-            v = attn.v_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-            if h.has_qk_norm:  # Qwen3 normalises q and k per head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
             if capture_kv:
                 caught_k[i], caught_v[i] = k, v
             kv.write(i, k, v)

@@ -78,12 +78,7 @@ class ModelRunner:
         x = h.embed(ids_t)
         for i, layer in enumerate(h.layers):
             attn = layer.self_attn
-            y = layer.input_layernorm(x)
-            q = attn.q_proj(y).view(n, shp.num_heads, shp.head_dim)
-            k = attn.k_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-            v = attn.v_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-            if h.has_qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
             # private pages hold keys rotated at their logical positions (rot_shift 0)
             self.pool.k[i][slot_page, :, slot_off] = apply_cos_sin(k, cos, sin).to(self.pool.dtype)
             self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
