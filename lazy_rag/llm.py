@@ -8,6 +8,7 @@ Modes (same model, same sampling; only KV reuse and attention differ):
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -25,6 +26,7 @@ from .sampling import TextAssembler, sample_next, validate_sampling
 from .segments import PromptLayout, Segment, assemble, token_ids_key, tokenize_text
 
 MODES = ("lazy", "block", "prefix", "full")
+BACKENDS = ("auto", "engine", "torch")
 
 
 @dataclass
@@ -38,6 +40,7 @@ class GenerationStats:
     new_tokens: int = 0
     decode_tokens_per_s: float = 0.0
     chunk_sources: dict = field(default_factory=dict)  # tier -> number of chunks served from it
+    backend: str = "torch"  # "engine" (paged pool, Triton kernels on CUDA) or "torch" (one request)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -64,6 +67,12 @@ class GenerationStream:
 
     def __next__(self) -> str:
         return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (an engine request in flight is dropped and its KV freed)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
 
 
 def default_cache_bytes(device: torch.device) -> int:
@@ -96,11 +105,24 @@ class LazyLLM:
     ``LazyLLM(model, tokenizer)`` wraps a loaded model; ``LazyLLM.from_pretrained(name)`` loads a
     bundled name, a local folder, a GGUF file or a hub id. ``shared_prefix`` (text or ids): every
     chunk is encoded after it, and prompts must start with it (off by default).
+
+    ``backend``: ``"engine"`` serves requests through the paged serving engine (``lazy_rag.engine``:
+    shared chunk pages, Triton lazy-RoPE kernels on CUDA, continuous batching across threads,
+    CUDA-graph decode); ``"torch"`` is the one-request torch path (contiguous tensors, the CPU
+    runtime); ``"auto"`` (default) picks the engine on CUDA when the kernels support the model
+    (head_dim a multiple of 32) and torch otherwise. ``engine_options``: keyword arguments of
+    ``Engine`` (e.g. ``kv_bytes``, ``page_size``, ``max_num_seqs``, ``policy``).
     """
 
     def __init__(self, model, tokenizer, *, shared_prefix: str | Sequence[int] | None = None,
                  chunk_cache_bytes: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_block_size: int = 16):
+                 prefix_block_size: int = 16, backend: str = "auto", engine_options: dict | None = None):
+        if backend not in BACKENDS:
+            raise LazyRagError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+        self.backend = backend
+        self.engine_options = dict(engine_options or {})
+        self._engine = None
+        self._engine_lock = threading.RLock()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.handles = ModelHandles(model)
@@ -126,6 +148,26 @@ class LazyLLM:
         llm = cls(model, tokenizer, **kwargs)
         llm.model_name = name_or_path  # recorded in indexes so `lazy-rag query` reloads the same model
         return llm
+
+    # -- serving engine ---------------------------------------------------------------------
+    @property
+    def uses_engine(self) -> bool:
+        """Whether ``generate`` goes through the serving engine (see ``backend``)."""
+        if self.backend != "auto":
+            return self.backend == "engine"
+        return self.device.type == "cuda" and self.shape.head_dim % 32 == 0
+
+    @property
+    def engine(self):
+        """The serving engine of this model, created on first use. Its KV pool takes
+        ``engine_options["kv_bytes"]``, default a fifth of the GPU's memory (2 GiB on the CPU)."""
+        if self._engine is None:
+            from .engine import Engine
+
+            opts = {"kv_bytes": default_cache_bytes(self.device), "page_size": 16 if self.device.type == "cpu" else 64}
+            opts.update(self.engine_options)
+            self._engine = Engine(self, **opts)
+        return self._engine
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -259,6 +301,9 @@ class LazyLLM:
 
     def next_token_logits(self, segments, mode: str = "lazy", kv_source=None, boundary_recompute: int = 0) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after the assembled prompt."""
+        if self.uses_engine and not boundary_recompute:
+            return self.generate(segments, max_new_tokens=1, mode=mode, kv_source=kv_source,
+                                 output_first_logits=True).first_logits
         layout = self.prepare(segments, kv_source, boundary_recompute)
         kv, logits, _ = self._prefill(layout, mode, 0, kv_source)
         self._remember_prefix(layout, mode, kv)
@@ -274,6 +319,13 @@ class LazyLLM:
         validate_sampling(temperature, top_p, max_new_tokens)
         if isinstance(stop, str):
             stop = [stop]
+        if mode not in MODES:
+            raise LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
+        # the engine's pages start on page boundaries, so a chunk cannot start mid-page at its
+        # first reused token: boundary recompute runs on the torch path
+        if self.uses_engine and not boundary_recompute:
+            return self._engine_generate(segments, max_new_tokens, mode, temperature, top_p, stop, stream,
+                                         seed, kv_source, output_first_logits)
         t0 = time.perf_counter()
         layout = self.prepare(segments, kv_source, boundary_recompute)
         stream_obj = GenerationStream(iter(()))
@@ -284,6 +336,41 @@ class LazyLLM:
         for _ in stream_obj:
             pass
         return stream_obj.result
+
+    def _engine_generate(self, segments, max_new_tokens, mode, temperature, top_p, stop, stream, seed,
+                         kv_source, output_first_logits):
+        with self._engine_lock:
+            handle = self.engine.submit(segments, mode=mode, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                                        kv_source=kv_source, output_first_logits=output_first_logits)
+        holder = GenerationStream(iter(()))
+        holder._pieces = self._engine_pieces(handle, holder)
+        if stream:
+            return holder
+        for _ in holder:
+            pass
+        return holder.result
+
+    def _engine_pieces(self, handle, holder: GenerationStream):
+        """Drive the engine until this request is done. Any thread's step advances every
+        request in flight, so concurrent callers are batched together."""
+        sent = 0
+        try:
+            while True:
+                while sent < len(handle.pieces):
+                    yield handle.pieces[sent]
+                    sent += 1
+                if handle.done:
+                    break
+                with self._engine_lock:
+                    stepped = handle.done or self.engine.step()
+                if not stepped:
+                    time.sleep(0)  # chunk transfers in flight
+        finally:
+            if not handle.done:  # the consumer stopped early
+                with self._engine_lock:
+                    self.engine.abort(handle)
+        holder.result = handle.result
 
     @torch.inference_mode()
     def _generate_pieces(self, layout, max_new_tokens, mode, temperature, top_p, stop, seed, kv_source,

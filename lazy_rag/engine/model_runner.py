@@ -6,13 +6,21 @@ kernels: the new tokens' keys are rotated at their logical positions and written
 private pages, then ``lazy_prefill`` attends over each sequence's page table with
 ``rope="rotate_q"`` (query rotated per page by position - rot_shift). On CPU tensors the
 kernels dispatch to their torch references, so the same code runs the CPU tests.
+
+Two fast paths, both exact rewrites of the same attention:
+- a *fresh* sequence (nothing cached: full mode, a prefix-mode miss) attends only to its own
+  new tokens, causally; on CUDA that is torch SDPA's flash path over contiguous q/k/v, which is
+  what a user of plain transformers gets, so ``full`` is measured at its best;
+- a step of decodes only (one token per sequence) is replayed from a CUDA graph
+  (``cuda_graphs.DecodeGraphs``), so Python launch overhead does not dominate small batches.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..architecture import ModelHandles
-from ..kernels import PageTable, lazy_prefill, paged_attention_ref, plan_prefill
+from ..kernels import PageTable, lazy_decode, lazy_prefill, paged_attention_ref, plan_prefill
 from ..rope import apply_cos_sin
 from .page_pool import PagePool
 from .sequence import Sequence
@@ -46,50 +54,127 @@ def write_slots(seq: Sequence, positions: list[int], page_size: int) -> list[tup
     return out
 
 
+def is_fresh(seq: Sequence) -> bool:
+    """Nothing cached and every token computed now: plain causal attention over the new tokens."""
+    return not seq.cached_runs and len(seq.compute_pos) == seq.num_tokens
+
+
+def is_decode_step(seqs: list[Sequence]) -> bool:
+    return all(len(s.compute_pos) == 1 and s.kv_len == s.num_tokens - 1 for s in seqs)
+
+
 class ModelRunner:
-    def __init__(self, handles: ModelHandles, pool: PagePool):
+    def __init__(self, handles: ModelHandles, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256):
         self.h, self.pool = handles, pool
         self.inv_freq = handles.rope.inv_freq.to(pool.device)
+        self.graphs = None
+        if cuda_graphs and pool.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_graph_batch)
+
+    # -- one layer stack, shared by the eager paths and the captured decode ----------------------
+    def forward_decode(self, ids, pos, slot_page, slot_off, table: PageTable) -> torch.Tensor:
+        """One new token per sequence: ids/pos/slot_page/slot_off [B] on the device; no host
+        syncs and no allocation that depends on values, so it can be captured."""
+        h, shp = self.h, self.h.shape
+        B = ids.shape[0]
+        q_pos = pos.to(torch.int32)
+        cuda = ids.is_cuda
+        qo = None if cuda else torch.arange(B + 1, dtype=torch.int32, device=ids.device)
+        cos, sin = h.rope.cos_sin(pos, h.dtype)
+        x = h.embed(ids)
+        for i, layer in enumerate(h.layers):
+            q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
+            self.pool.k[i][slot_page, :, slot_off] = apply_cos_sin(k, cos, sin).to(self.pool.dtype)
+            self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
+            if cuda:
+                o = lazy_decode(q, self.pool.k[i], self.pool.v[i], table, q_pos, self.inv_freq, rope="rotate_q",
+                                attention_scaling=h.rope.attention_scaling, sm_scale=h.scaling)
+            else:  # the CPU runtime is plain torch, as in _run_eager
+                o = paged_attention_ref(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
+                                        "rotate_q", h.rope.attention_scaling, h.scaling)
+            x = x + layer.self_attn.o_proj(o.reshape(B, shp.num_heads * shp.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return h.lm_head(h.final_norm(x)).float()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Compute every sequence's ``compute_pos`` tokens; returns fp32 logits [len(seqs), vocab]
         of each sequence's last new token."""
+        if self.graphs is not None and is_decode_step(seqs):
+            out = self.graphs.run(seqs)
+            if out is not None:
+                return out
+        return self._run_eager(seqs)
+
+    def _run_eager(self, seqs: list[Sequence]) -> torch.Tensor:
         h, shp, ps, dev = self.h, self.h.shape, self.pool.page_size, self.pool.device
-        ids, pos, slots, qo, rows = [], [], [], [0], ([], [], [], [])
+        cuda = dev.type == "cuda"
+        ids, pos, slots, spans = [], [], [], []
+        paged, fresh = [], []    # sequences through the paged kernel / through SDPA
         for seq in seqs:
-            toks = seq.tokens
-            ids += [toks[p] for p in seq.compute_pos]
+            a = len(ids)
+            ids += [seq.tokens[p] for p in seq.compute_pos]
             pos += seq.compute_pos
             slots += write_slots(seq, seq.compute_pos, ps)
-            qo.append(len(ids))
-            for acc, part in zip(rows, page_table_rows(seq, ps)):
-                acc.append(part)
-        table = PageTable.from_lists(*rows, device=dev)
+            spans.append((a, len(ids)))
+            (fresh if cuda and is_fresh(seq) else paged).append(len(spans) - 1)
         n = len(ids)
         ids_t = torch.tensor(ids, device=dev)
         pos_t = torch.tensor(pos, device=dev)
-        q_pos = pos_t.to(torch.int32)
-        qo_t = torch.tensor(qo, dtype=torch.int32, device=dev)
-        plan = plan_prefill(qo, shp.num_heads, shp.num_kv_heads, dev) if dev.type == "cuda" else None
         slot_page = torch.tensor([s[0] for s in slots], device=dev)
         slot_off = torch.tensor([s[1] for s in slots], device=dev)
         cos, sin = h.rope.cos_sin(pos_t, h.dtype)
+        if paged:
+            rows = ([], [], [], [])
+            qo = [0]
+            for j in paged:
+                qo.append(qo[-1] + spans[j][1] - spans[j][0])
+                for acc, part in zip(rows, page_table_rows(seqs[j], ps)):
+                    acc.append(part)
+            table = PageTable.from_lists(*rows, device=dev)
+            qo_t = torch.tensor(qo, dtype=torch.int32, device=dev)
+            rows_idx = None
+            if len(paged) < len(seqs):
+                rows_idx = torch.tensor([r for j in paged for r in range(*spans[j])], device=dev)
+            q_pos = (pos_t if rows_idx is None else pos_t[rows_idx]).to(torch.int32)
+            plan = plan_prefill(qo, shp.num_heads, shp.num_kv_heads, dev) if cuda else None
         x = h.embed(ids_t)
         for i, layer in enumerate(h.layers):
-            attn = layer.self_attn
             q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
+            k_rot = apply_cos_sin(k, cos, sin)
             # private pages hold keys rotated at their logical positions (rot_shift 0)
-            self.pool.k[i][slot_page, :, slot_off] = apply_cos_sin(k, cos, sin).to(self.pool.dtype)
+            self.pool.k[i][slot_page, :, slot_off] = k_rot.to(self.pool.dtype)
             self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
-            if dev.type == "cuda":
-                o = lazy_prefill(q, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
-                                 rope="rotate_q", attention_scaling=h.rope.attention_scaling,
-                                 sm_scale=h.scaling, plan=plan)
-            else:  # the CPU runtime is plain torch (the Triton interpreter is for kernel tests only)
-                o = paged_attention_ref(q, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
-                                        "rotate_q", h.rope.attention_scaling, h.scaling)
-            x = x + attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
+            o = torch.empty_like(q) if fresh else None
+            if paged:
+                qp = q if rows_idx is None else q[rows_idx]
+                if cuda:
+                    op = lazy_prefill(qp, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
+                                      rope="rotate_q", attention_scaling=h.rope.attention_scaling,
+                                      sm_scale=h.scaling, plan=plan)
+                else:  # the CPU runtime is plain torch (the Triton interpreter is for kernel tests only)
+                    op = paged_attention_ref(qp, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table,
+                                             self.inv_freq, "rotate_q", h.rope.attention_scaling, h.scaling)
+                if o is None:
+                    o = op
+                else:
+                    o[rows_idx] = op
+            for j in fresh:
+                a, b = spans[j]
+                o[a:b] = self._causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_rot[a:b], v[a:b])
+            x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = torch.tensor(qo[1:], device=dev) - 1
+        last = torch.tensor([b - 1 for _, b in spans], device=dev)
         return h.lm_head(h.final_norm(x[last])).float()
+
+    def _causal_sdpa(self, q, k, v):
+        """q [n, H, D], k/v [n, Hkv, D] (rotated) -> [n, H, D]; KV heads repeated for GQA so the
+        flash kernel applies."""
+        g = q.shape[1] // k.shape[1]
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, scale=self.h.scaling)
+        return o.transpose(0, 1)

@@ -33,7 +33,10 @@ class PagePool:
         self.num_layers, self.num_pages, self.num_kv_heads = num_layers, num_pages, num_kv_heads
         self.page_size, self.head_dim, self.dtype = page_size, head_dim, dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        # one spare page past the allocator's range: CUDA-graph decode points its padding rows
+        # at it, so a padded batch never writes into a page somebody owns
+        self.scratch_page = num_pages
+        shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._free: deque[int] = deque(range(num_pages))

@@ -43,8 +43,10 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, layout: PromptLayout, mode: str = "lazy", params: SamplingParams | None = None,
-                 shared_prefix: tuple = ()):
+                 shared_prefix: tuple = (), store=None, keep_first_logits: bool = False):
         self.id = next(_ids)
+        self.store = store                # the request's chunk store (its index's), if any
+        self.keep_first_logits = keep_first_logits
         self.layout = layout
         self.mode = mode
         self.params = params or SamplingParams()
@@ -53,6 +55,8 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.preemptions = 0
+        self.chunk_sources_seen: list[str] = []  # where its chunks came from at its last admission
+        self.prefix_hit_tokens = 0               # prefix mode: prompt tokens reused at admission
         self.clear_kv()
 
     def clear_kv(self) -> None:

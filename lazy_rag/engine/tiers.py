@@ -29,9 +29,10 @@ CONVENTIONS = ("rotate_q", "rotate_k")
 
 
 def chunk_key(token_ids: Sequence[int], chunk_id: str | None, shared_prefix: Sequence[int] = ()) -> tuple:
-    """Cache key of a chunk's KV: which prefix it was encoded after, and the chunk itself."""
+    """Cache key of a chunk's KV: which prefix it was encoded after, and the chunk itself. The
+    token ids are always part of it: two sources may use one chunk id for different texts."""
     pre = token_ids_key(tuple(shared_prefix)) if shared_prefix else ""
-    return ("chunk", pre, chunk_id if chunk_id is not None else token_ids_key(tuple(token_ids)))
+    return ("chunk", pre, chunk_id or "", token_ids_key(tuple(token_ids)))
 
 
 def to_pool_keys(k: torch.Tensor, rope: RopeTable, convention: str) -> torch.Tensor:
@@ -73,16 +74,18 @@ class ChunkTiers:
         return ChunkKV(k, v)
 
     def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None = None,
-              shared_prefix: Sequence[int] | None = None) -> tuple[ChunkKV, str]:
-        """The chunk's KV on the host and the tier it came from: host, disk or encoded."""
+              shared_prefix: Sequence[int] | None = None, store=None) -> tuple[ChunkKV, str]:
+        """The chunk's KV on the host and the tier it came from: host, disk or encoded.
+        ``store``: the request's own chunk store (its index), else the engine's."""
+        store = store if store is not None else self.store
         kv = self.host.get(key)
         if kv is not None:
             self.counters["host_hits"] += 1
             return kv, "host"
         self.counters["host_misses"] += 1
         tier = None
-        if self.store is not None and chunk_id is not None:
-            kv, _why = self.store.read(chunk_id, tuple(token_ids))
+        if store is not None and chunk_id is not None:
+            kv, _why = store.read(chunk_id, tuple(token_ids))
             if kv is not None:
                 tier = "disk"
                 self.counters["disk_hits"] += 1
@@ -94,8 +97,8 @@ class ChunkTiers:
             tier = "encoded"
             self.counters["encoded"] += 1
             self.counters["encoded_tokens"] += len(token_ids)
-            if self.store is not None and chunk_id is not None:
-                self.counters["bytes_to_disk"] += self.store.write(chunk_id, tuple(token_ids), kv)
+            if store is not None and chunk_id is not None:
+                self.counters["bytes_to_disk"] += store.write(chunk_id, tuple(token_ids), kv)
         kv = self._to_host(kv)
         self.host.put(key, kv)
         return kv, tier

@@ -18,7 +18,9 @@ MODES = ("lazy", "block", "prefix", "full")
 def llm(tokenizer, device):
     # head_dim 32: the Triton kernels need a multiple of 32 (this test also runs on CUDA)
     hidden = 128 if torch.device(device).type == "cuda" else 64
-    return LazyLLM(tiny_model("llama", "llama3", seed=3, hidden_size=hidden).to(device), tokenizer)
+    # the one-request torch path is the reference here (on CUDA "auto" would pick the engine)
+    return LazyLLM(tiny_model("llama", "llama3", seed=3, hidden_size=hidden).to(device), tokenizer,
+                   backend="torch")
 
 
 def workload(n, seed=0, num_chunks=6):
@@ -75,3 +77,46 @@ def test_stream_and_stop_strings(llm):
         want = llm.generate(segs, max_new_tokens=6, stop=stop)
         got = eng.generate([dict(segments=segs, max_new_tokens=6, stop=stop)])[0]
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+
+
+def test_decode_graph_inputs_reproduce_the_eager_step(llm):
+    """The CUDA-graph decode path minus the capture: packing a step into one buffer (padded to
+    its batch bucket, page table padded to its pages bucket, padding rows on the scratch page)
+    and running the packed forward gives the eager step's logits and leaves owned pages alone."""
+    from lazy_rag.engine.cuda_graphs import DecodeGraphs, batch_bucket
+    from lazy_rag.engine.model_runner import is_decode_step, write_slots
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 16, 24]
+    reqs = workload(3, seed=4)
+    eng = Engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
+    for segs, _ in reqs:
+        eng.submit(segs, mode="lazy", max_new_tokens=8)
+    while True:  # run until a step is decodes only
+        step = eng.scheduler.schedule()
+        seqs = step.prefill + step.decode
+        if not step.prefill and is_decode_step(seqs):
+            break
+        for seq in step.prefill:
+            eng.planner.materialize(seq)
+        logits = eng.runner.run(seqs).cpu()
+        for seq in step.prefill:
+            seq.needs_prefill = False
+        for row, seq in zip(logits, seqs):
+            seq.kv_len = seq.num_tokens
+            eng._accept(seq, row)
+    graphs = DecodeGraphs(eng.runner, page_step=4)
+    pool = eng.pool
+    owned = [p for p in range(pool.num_pages) if pool.is_used(p)]
+    before = pool.k[:, owned].clone()
+    buf, B, P = graphs.pack(seqs)
+    assert B == batch_bucket(len(seqs)) == 4 and P % 4 == 0
+    packed = graphs.packed_forward(buf, B, P)[:len(seqs)]
+    # the eager step writes the same K/V again (same tokens, same slots) and must agree
+    eager = eng.runner._run_eager(seqs)
+    assert (packed - eager).abs().max() < 1e-5
+    slots = {slot for s in seqs for slot in write_slots(s, s.compute_pos, 4)}
+    after = pool.k[:, owned]
+    for i, page in enumerate(owned):  # only the new tokens' slots changed
+        for off in range(4):
+            if (page, off) not in slots:
+                assert torch.equal(after[:, i, :, off], before[:, i, :, off])
