@@ -61,7 +61,7 @@ class DecodeGraphs:
         indptr, pid, ppos, plen, shift = [0], [], [], [], []
         for seq, (a, b, c, d) in zip(seqs, tables):
             p = seq.num_tokens - 1
-            ids.append(seq.tokens[p])
+            ids.append(seq.output[-1] if seq.output else seq.prompt[p])
             pos.append(p)
             (page, off), = write_slots(seq, [p], ps)
             spage.append(page)

@@ -115,7 +115,8 @@ class ModelRunner:
         paged, fresh = [], []    # sequences through the paged kernel / through SDPA
         for seq in seqs:
             a = len(ids)
-            ids += [seq.tokens[p] for p in seq.compute_pos]
+            toks = seq.tokens  # a new list per access: take it once (10k-token prompts)
+            ids += [toks[p] for p in seq.compute_pos]
             pos += seq.compute_pos
             slots += write_slots(seq, seq.compute_pos, ps)
             spans.append((a, len(ids)))
@@ -175,6 +176,8 @@ class ModelRunner:
         g = q.shape[1] // k.shape[1]
         if g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=self.h.scaling)
-        return o.transpose(0, 1)
+        # 4-D [1, H, n, D]: the flash backend takes only batched 4-D inputs (3-D ones fall back
+        # to the math backend, which materialises the n x n scores)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], is_causal=True, scale=self.h.scaling)
+        return o[0].transpose(0, 1)
