@@ -110,7 +110,7 @@ def test_decode_graph_inputs_reproduce_the_eager_step(llm):
     before = pool.k[:, owned].clone()
     buf, B, P = graphs.pack(seqs)
     assert B == batch_bucket(len(seqs)) == 4 and P % 4 == 0
-    packed = graphs.packed_forward(buf, B, P)[:len(seqs)]
+    packed = graphs.packed_forward(buf.to(pool.device), B, P)[:len(seqs)]
     # the eager step writes the same K/V again (same tokens, same slots) and must agree
     eager = eng.runner._run_eager(seqs)
     assert (packed - eager).abs().max() < 1e-5

@@ -36,7 +36,7 @@ def assert_oracle_consistent(llm, reqs, results, mode, logit_tol, tol):
     for (segs, m), res in zip(reqs, results):
         assert res.stats.backend == "engine"
         assert len(res.token_ids) == m and res.finish_reason == "length"
-        first = teacher_forced_logits(llm, segs, mode, res.token_ids[:1])[0]
+        first = teacher_forced_logits(llm, segs, mode, res.token_ids[:1])[0].cpu()
         assert rel_err(res.first_logits, first) < logit_tol, mode
         assert max(oracle_gaps(llm, segs, mode, res.token_ids)) <= tol, mode
 
@@ -78,7 +78,7 @@ def test_lazyllm_generate_and_stream_go_through_the_engine(tiny_llm):
     res = tiny_llm.generate(segs, max_new_tokens=5, mode="lazy", output_first_logits=True)
     assert res.stats.backend == "engine" and res.stats.cached_tokens > 0
     assert sum(res.stats.chunk_sources.values()) == 3
-    first = teacher_forced_logits(tiny_llm, segs, "lazy", res.token_ids[:1])[0]
+    first = teacher_forced_logits(tiny_llm, segs, "lazy", res.token_ids[:1])[0].cpu()
     assert rel_err(res.first_logits, first) < 1e-4
     stream = tiny_llm.generate(segs, max_new_tokens=5, mode="lazy", stream=True)
     assert "".join(stream) == res.text and stream.result.token_ids == res.token_ids
