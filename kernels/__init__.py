@@ -12,6 +12,8 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
     lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope=..., plan=...)
     block_gather_rotate(k_pages, v_pages, table, inv_freq, *, source=...) -> k, v, kv_len
     block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, source=...)
+    copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
+                                    Block-Attention's copy inside the engine pool (page_copy.py)
     paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path)
     apply_rope, rope_cos_sin, rotate                RoPE helpers (transformers' rotate_half)
 
@@ -20,9 +22,10 @@ else the torch reference.
 """
 from .block_copy import block_attention_decode, block_gather_rotate
 from .decode import lazy_decode
+from .page_copy import copy_rotate_run
 from .page_table import PageTable, ROPE_MODES, interpreting, use_triton
 from .prefill import PrefillPlan, lazy_prefill, plan_prefill
-from .reference import block_gather_rotate_ref, paged_attention_ref
+from .reference import block_gather_rotate_ref, copy_rotate_run_ref, paged_attention_ref
 from .rope import apply_rope, rope_cos_sin, rotate
 
 # Default RoPE strategy of the engine (set from benchmarks/kernels.py on the GPU): the KV store
@@ -36,6 +39,6 @@ DEFAULT_ROPE = "rotate_q"
 __all__ = [
     "PageTable", "ROPE_MODES", "DEFAULT_ROPE", "lazy_decode", "lazy_prefill", "plan_prefill",
     "PrefillPlan", "block_gather_rotate", "block_attention_decode", "paged_attention_ref",
-    "block_gather_rotate_ref", "apply_rope", "rope_cos_sin", "rotate", "interpreting",
+    "block_gather_rotate_ref", "copy_rotate_run", "copy_rotate_run_ref", "apply_rope", "rope_cos_sin", "rotate", "interpreting",
     "use_triton",
 ]

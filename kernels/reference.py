@@ -121,3 +121,19 @@ def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq, source
         kv_len[b] = n
         pos[b, :n] = kpos.to(torch.int32)
     return ko, vo, kv_len, pos
+
+
+def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
+                        dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor) -> None:
+    """Torch reference of kernels.page_copy.copy_rotate_run (also the CPU path)."""
+    L, _, H, page, D = k.shape
+    src = src_pages.long()
+    ks = k[:, src].transpose(2, 3).reshape(L, -1, H, D)[:, :n_tokens]    # [L, n, H, D]
+    vs = v[:, src].transpose(2, 3).reshape(L, -1, H, D)[:, :n_tokens]
+    c, s = rope_cos_sin(torch.tensor(float(shift), device=k.device), inv_freq)
+    ks = rotate(ks, c, s).to(k.dtype)
+    slots = torch.arange(first_slot, first_slot + n_tokens, device=k.device)
+    dpage, doff = dst_pages.long()[slots // page], slots % page
+    # advanced indices on dims 1 and 3 (a slice between): the indexed dim comes first
+    k[:, dpage, :, doff] = ks.permute(1, 0, 2, 3)
+    v[:, dpage, :, doff] = vs.permute(1, 0, 2, 3)

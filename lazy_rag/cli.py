@@ -196,5 +196,78 @@ def eval_squad(
     out.print(f"records -> {path}")
 
 
+bench_app = typer.Typer(help="Serving benchmark: every mode and plain transformers over request rates and KV budgets.")
+app.add_typer(bench_app, name="bench")
+
+
+def _bench_help(name: str) -> str:
+    from .bench.command import HELP
+
+    return HELP[name]
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, help=_bench_help("model")),
+    random_weights: Optional[str] = typer.Option(None, help=_bench_help("random_weights")),
+    device: str = typer.Option("auto", help=_bench_help("device")),
+    dtype: str = typer.Option("auto", help=_bench_help("dtype")),
+    docs: Optional[int] = typer.Option(None, help=_bench_help("docs")),
+    doc_tokens: Optional[int] = typer.Option(None, help=_bench_help("doc_tokens")),
+    k: Optional[int] = typer.Option(None, help=_bench_help("k")),
+    question_tokens: Optional[int] = typer.Option(None, help=_bench_help("question_tokens")),
+    output_tokens: Optional[int] = typer.Option(None, help=_bench_help("output_tokens")),
+    requests: Optional[int] = typer.Option(None, help=_bench_help("requests")),
+    hf_requests: Optional[int] = typer.Option(None, help=_bench_help("hf_requests")),
+    popularity: str = typer.Option("zipf", help=_bench_help("popularity")),
+    zipf_a: float = typer.Option(2.1, help=_bench_help("zipf_a")),
+    rates: Optional[str] = typer.Option(None, help=_bench_help("rates")),
+    budgets: Optional[str] = typer.Option(None, help=_bench_help("budgets")),
+    systems: str = typer.Option("lazy,block,prefix,full,transformers", help=_bench_help("systems")),
+    page_size: int = typer.Option(64, help=_bench_help("page_size")),
+    max_num_seqs: Optional[int] = typer.Option(None, help=_bench_help("max_num_seqs")),
+    max_batched_tokens: int = typer.Option(16384, help=_bench_help("max_batched_tokens")),
+    host_gb: Optional[float] = typer.Option(None, help=_bench_help("host_gb")),
+    seed: int = typer.Option(0, help=_bench_help("seed")),
+    out_name: Optional[str] = typer.Option(None, "--out", help=_bench_help("out")),
+    results_dir: Path = typer.Option(Path("benchmarks/results"), help=_bench_help("results_dir")),
+    plots: bool = typer.Option(True, help=_bench_help("plots")),
+    as_json: bool = typer.Option(False, "--json", help=_bench_help("as_json")),
+    progress: str = typer.Option("auto", help=_bench_help("progress")),
+):
+    """Serve the paper's RAG workload (CPU: a small SmolLM2 variant) in every mode; write JSON
+    records and PNG plots to benchmarks/results/ and print a summary table."""
+    if ctx.invoked_subcommand is not None:
+        return
+    _quiet_libraries()
+    from .bench.command import run_command
+
+    try:
+        run_command(model=model, random_weights=random_weights, device=device, dtype=dtype, docs=docs,
+                    doc_tokens=doc_tokens, k=k, question_tokens=question_tokens, output_tokens=output_tokens,
+                    requests=requests, hf_requests=hf_requests, popularity=popularity, zipf_a=zipf_a, rates=rates,
+                    budgets=budgets, systems=systems, page_size=page_size, max_num_seqs=max_num_seqs,
+                    max_batched_tokens=max_batched_tokens, host_gb=host_gb, seed=seed, out=out_name,
+                    results_dir=results_dir, plots=plots, as_json=as_json, progress=progress)
+    except LazyRagError as e:
+        _fail(e)
+
+
+@bench_app.command("plot")
+def bench_plot(results_json: List[Path] = typer.Argument(..., help="Results file(s) written by `lazy-rag bench`; "
+                                                                   "several (a sweep run in pieces) are concatenated."),
+               out_dir: Optional[Path] = typer.Option(None, help="Where to write the PNGs (default: beside the first JSON)."),
+               name: Optional[str] = typer.Option(None, help="PNG name prefix (default: the first JSON's name).")):
+    """Make the PNG plots of existing results (e.g. measured on a machine without matplotlib)."""
+    from .bench.command import plot_command
+
+    try:
+        for p in plot_command(results_json, out_dir, name):
+            out.print(f"plot -> {p}")
+    except LazyRagError as e:
+        _fail(e)
+
+
 if __name__ == "__main__":
     app()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LazyRagError
-from ..kernels import rope_cos_sin, rotate
+from ..kernels import copy_rotate_run
 from .block_manager import BlockManager
 from .page_pool import OutOfPages
 from .sequence import Run, Sequence
@@ -42,19 +42,13 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
     return [(a, n) for a, n in runs]
 
 
-def apply_rope_shift(k: torch.Tensor, shift: int, rope) -> torch.Tensor:
-    """Keys [..., n, Hkv, D] rotated at (p - shift) -> rotated at p: a pure rotation by shift
-    (no attention_scaling: it was applied once already; see kernels/rope.py)."""
-    c, s = rope_cos_sin(torch.tensor(shift, device=k.device), rope.inv_freq, 1.0)
-    return rotate(k, c, s).to(k.dtype)
-
-
 class KVPlanner:
     def __init__(self, bm: BlockManager, tiers: ChunkTiers, rope, convention: str = "rotate_q"):
         if convention != "rotate_q":
             raise NotImplementedError("the engine stores keys in the rotate_q convention only")
         self.bm, self.tiers, self.rope, self.convention = bm, tiers, rope, convention
         self.pool = bm.pool
+        self.inv_freq = rope.inv_freq.to(self.pool.device, torch.float32)
 
     # -- scheduler protocol ---------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
@@ -167,11 +161,14 @@ class KVPlanner:
         if seq.mode != "block" or not seq.held:
             return
         run = seq.block_run
+        dev = self.pool.device
+        dst = torch.tensor(run.pages, device=dev)
         for e, start in zip(seq.held, seq.block_starts):
-            k, v = self.pool.read_run(list(e.pages), e.num_tokens)
-            k = apply_rope_shift(k, start, self.rope)
-            self.pool.write_run(list(run.pages), k, v, first_slot=start)
-            self.bm.counters["block_copied_bytes"] += 2 * k.numel() * k.element_size()
+            # one fused kernel per chunk: read its pages once, keys rotated by `start`, written
+            # into the request's run (CPU: the same in torch)
+            copy_rotate_run(self.pool.k, self.pool.v, torch.tensor(e.pages, device=dev), e.num_tokens, dst,
+                            start, start, self.inv_freq)
+            self.bm.counters["block_copied_bytes"] += e.num_tokens * self.pool.bytes_per_page // self.pool.page_size
         self.bm.release_all(seq.held)
         seq.held = []
 

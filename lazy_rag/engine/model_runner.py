@@ -7,10 +7,13 @@ private pages, then ``lazy_prefill`` attends over each sequence's page table wit
 ``rope="rotate_q"`` (query rotated per page by position - rot_shift). On CPU tensors the
 kernels dispatch to their torch references, so the same code runs the CPU tests.
 
-Two fast paths, both exact rewrites of the same attention:
+Fast paths, exact rewrites of the same attention:
 - a *fresh* sequence (nothing cached: full mode, a prefix-mode miss) attends only to its own
-  new tokens, causally; on CUDA that is torch SDPA's flash path over contiguous q/k/v, which is
-  what a user of plain transformers gets, so ``full`` is measured at its best;
+  new tokens, causally: torch SDPA (flash on CUDA) over contiguous q/k/v, which is what a user
+  of plain transformers gets, so ``full`` is measured at its best;
+- a long tail after reused prefix blocks (prefix mode) gathers the sequence's pages once per
+  layer and runs SDPA with a lower-right causal mask, as vLLM runs flash attention over its
+  paged prefix;
 - a step of decodes only (one token per sequence) is replayed from a CUDA graph
   (``cuda_graphs.DecodeGraphs``), so Python launch overhead does not dominate small batches.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..architecture import ModelHandles
 from ..kernels import PageTable, lazy_decode, lazy_prefill, paged_attention_ref, plan_prefill
@@ -57,6 +61,23 @@ def write_slots(seq: Sequence, positions: list[int], page_size: int) -> list[tup
 def is_fresh(seq: Sequence) -> bool:
     """Nothing cached and every token computed now: plain causal attention over the new tokens."""
     return not seq.cached_runs and len(seq.compute_pos) == seq.num_tokens
+
+
+def contiguous_pages(seq: Sequence, page_size: int) -> list[int] | None:
+    """Pages holding the sequence's whole KV in position order when it is one stretch from
+    position 0 with keys at logical positions (prefix mode: reused blocks + its own run), and
+    its new tokens are that stretch's tail; else None."""
+    runs = seq.cached_runs + seq.private_runs
+    pages, pos = [], 0
+    for r in runs:
+        if r.pos != pos or r.rot_shift != 0 or (pos % page_size):
+            return None
+        pages.extend(r.pages[:-(-r.length // page_size)])
+        pos += r.length
+    n = len(seq.compute_pos)
+    if pos != seq.num_tokens or seq.compute_pos != list(range(pos - n, pos)):
+        return None
+    return pages
 
 
 def is_decode_step(seqs: list[Sequence]) -> bool:
@@ -112,7 +133,7 @@ class ModelRunner:
         h, shp, ps, dev = self.h, self.h.shape, self.pool.page_size, self.pool.device
         cuda = dev.type == "cuda"
         ids, pos, slots, spans = [], [], [], []
-        paged, fresh = [], []    # sequences through the paged kernel / through SDPA
+        paged, fresh, tails = [], [], []  # through the paged kernel / SDPA / SDPA over gathered pages
         for seq in seqs:
             a = len(ids)
             toks = seq.tokens  # a new list per access: take it once (10k-token prompts)
@@ -120,7 +141,17 @@ class ModelRunner:
             pos += seq.compute_pos
             slots += write_slots(seq, seq.compute_pos, ps)
             spans.append((a, len(ids)))
-            (fresh if cuda and is_fresh(seq) else paged).append(len(spans) - 1)
+            j = len(spans) - 1
+            if is_fresh(seq):
+                fresh.append(j)
+                continue
+            # a long tail after reused prefix blocks: gather the pages once per layer and run
+            # SDPA (a vLLM-style prefix hit followed by thousands of new tokens)
+            history = contiguous_pages(seq, ps) if len(seq.compute_pos) >= 128 else None
+            if history is not None:
+                tails.append((j, torch.tensor(history, device=dev)))
+            else:
+                paged.append(j)
         n = len(ids)
         ids_t = torch.tensor(ids, device=dev)
         pos_t = torch.tensor(pos, device=dev)
@@ -148,7 +179,7 @@ class ModelRunner:
             # private pages hold keys rotated at their logical positions (rot_shift 0)
             self.pool.k[i][slot_page, :, slot_off] = k_rot.to(self.pool.dtype)
             self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
-            o = torch.empty_like(q) if fresh else None
+            o = torch.empty_like(q) if fresh or tails else None
             if paged:
                 qp = q if rows_idx is None else q[rows_idx]
                 if cuda:
@@ -165,19 +196,29 @@ class ModelRunner:
             for j in fresh:
                 a, b = spans[j]
                 o[a:b] = self._causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_rot[a:b], v[a:b])
+            for j, pages_t in tails:
+                a, b = spans[j]
+                T = seqs[j].num_tokens
+                kk = self.pool.k[i][pages_t].transpose(1, 2).reshape(-1, shp.num_kv_heads, shp.head_dim)[:T]
+                vv = self.pool.v[i][pages_t].transpose(1, 2).reshape(-1, shp.num_kv_heads, shp.head_dim)[:T]
+                o[a:b] = self._causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype), vv.to(q.dtype))
             x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = torch.tensor([b - 1 for _, b in spans], device=dev)
         return h.lm_head(h.final_norm(x[last])).float()
 
     def _causal_sdpa(self, q, k, v):
-        """q [n, H, D], k/v [n, Hkv, D] (rotated) -> [n, H, D]; KV heads repeated for GQA so the
-        flash kernel applies."""
+        """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of the m positions)
+        -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies."""
         g = q.shape[1] // k.shape[1]
         if g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        n, m = q.shape[0], k.shape[0]
+        # lower-right causal when the queries are a tail (torch's is_causal is upper-left)
+        mask = None if n == m else causal_lower_right(n, m)
         # 4-D [1, H, n, D]: the flash backend takes only batched 4-D inputs (3-D ones fall back
         # to the math backend, which materialises the n x n scores)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], is_causal=True, scale=self.h.scaling)
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                           scale=self.h.scaling)
         return o[0].transpose(0, 1)

@@ -120,3 +120,18 @@ def real_shape_llm():
         model = LlamaForCausalLM(cfg).eval()
     return LazyLLM(model, IdTokenizer(), backend="engine",
                    engine_options={"kv_bytes": 4 << 30, "page_size": 64, "max_num_seqs": 64})
+
+
+def test_prefix_hit_followed_by_a_long_tail_matches_the_oracle(tiny_llm):
+    """Prefix mode reuses whole blocks, then computes 150+ tokens: those go through SDPA over
+    the gathered pages with a lower-right causal mask (model_runner.contiguous_pages)."""
+    rng = random.Random(5)
+    shared = [rng.randrange(100, 40000) for _ in range(45)]
+    first = [shared, [rng.randrange(100, 40000) for _ in range(5)]]
+    second = [shared, [rng.randrange(100, 40000) for _ in range(170)]]
+    eng = tiny_llm.engine
+    before = eng.stats().get("prefix_hit_tokens", 0)
+    results = run_concurrently(tiny_llm, [(first, 2)], "prefix") + run_concurrently(tiny_llm, [(second, 3)], "prefix")
+    assert eng.stats()["prefix_hit_tokens"] - before >= 40  # 5 blocks of 8 reused by the second
+    assert results[1].stats.cached_tokens >= 40
+    assert_oracle_consistent(tiny_llm, [(first, 2), (second, 3)], results, "prefix", logit_tol=1e-4, tol=1e-5)

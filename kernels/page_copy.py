@@ -1,0 +1,79 @@
+"""copy_rotate_run: Block-Attention's per-request copy inside the engine's pool, fused.
+
+Block mode places a chunk in the pool once (keys at chunk-local rotation, like lazy) and, for
+each request, copies it into the request's own pages at the chunk's offset with the keys
+re-rotated to their logical positions. Every layer and KV head of every source page is one
+program: read K and V once, rotate K by the constant angle ``shift * inv_freq`` (fp32), write
+both to the destination slots, which may straddle page boundaries (the chunk need not start on
+a page boundary of the request's run). Bytes moved: the chunk's KV read once and written once,
+the floor for a materialised copy.
+
+Pool layout: ``k, v [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` (engine
+``PagePool``), head_dim contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .page_table import interpreting, use_triton
+from .reference import copy_rotate_run_ref
+
+
+@triton.jit
+def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot, shift, INV_FREQ,
+                        NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr):
+    pg = tl.program_id(0)                 # source page within the chunk
+    lh = tl.program_id(1)                 # layer * NUM_HEADS + head
+    layer = (lh // NUM_HEADS).to(tl.int64)
+    head = (lh % NUM_HEADS).to(tl.int64)
+    src = tl.load(SRC + pg).to(tl.int64)
+    slot = tl.arange(0, PAGE)
+    t = pg * PAGE + slot                  # token index within the chunk
+    ok = t < n_tokens
+    d = first_slot + t                    # slot index within the destination run
+    dst = tl.load(DST + d // PAGE, mask=ok, other=0).to(tl.int64)
+    base = layer * s_l + head * s_h
+    dh = tl.arange(0, HALF)
+    s_off = base + src * s_p + slot.to(tl.int64)[:, None] * s_t
+    d_off = base + dst[:, None] * s_p + (d % PAGE).to(tl.int64)[:, None] * s_t
+    m = ok[:, None]
+    k1 = tl.load(K + s_off + dh[None, :], mask=m, other=0.0).to(tl.float32)
+    k2 = tl.load(K + s_off + HALF + dh[None, :], mask=m, other=0.0).to(tl.float32)
+    ang = shift * tl.load(INV_FREQ + dh)
+    c = tl.cos(ang)[None, :]
+    s = tl.sin(ang)[None, :]
+    tl.store(K + d_off + dh[None, :], (k1 * c - k2 * s).to(K.dtype.element_ty), mask=m)
+    tl.store(K + d_off + HALF + dh[None, :], (k2 * c + k1 * s).to(K.dtype.element_ty), mask=m)
+    v1 = tl.load(V + s_off + dh[None, :], mask=m, other=0.0)
+    v2 = tl.load(V + s_off + HALF + dh[None, :], mask=m, other=0.0)
+    tl.store(V + d_off + dh[None, :], v1, mask=m)
+    tl.store(V + d_off + HALF + dh[None, :], v2, mask=m)
+
+
+def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
+                    dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor) -> None:
+    """Copy the first ``n_tokens`` slots of ``src_pages`` (in order) to slots ``first_slot ..``
+    of the run ``dst_pages``, every layer, keys rotated by ``shift`` positions (values copied).
+
+    k, v       [L, P, Hkv, page, D] pool (modified in place; source and destination pages must
+               not overlap)
+    src_pages  [ceil(n_tokens / page)] int, dst_pages [m] int (device tensors)
+    inv_freq   [D/2] fp32: the model's RoPE frequencies (no attention_scaling: it was applied
+               once when the keys were first rotated)
+    """
+    if not use_triton(k):
+        copy_rotate_run_ref(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
+        return
+    L, _, H, page, D = k.shape
+    assert k.stride(-1) == 1 and v.stride() == k.stride() and D % 2 == 0
+    assert page & (page - 1) == 0 and (D // 2) & (D // 2 - 1) == 0, "page and head_dim/2: powers of 2"
+    if n_tokens <= 0:
+        return
+    meta = {} if interpreting() and not k.is_cuda else {"num_warps": 4}
+    grid = (triton.cdiv(n_tokens, page), L * H)
+    _copy_rotate_kernel[grid](k, v, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+                              src_pages, dst_pages, n_tokens, first_slot, float(shift),
+                              inv_freq.to(device=k.device, dtype=torch.float32),
+                              NUM_HEADS=H, PAGE=page, HALF=D // 2, **meta)

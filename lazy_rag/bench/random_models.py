@@ -1,0 +1,87 @@
+"""Named architectures with random weights, built in place on the device.
+
+The benchmark machine has no model hub, so a serving benchmark there runs a real architecture's
+shape (what decides speed and KV size) with random weights. ``IdTokenizer`` stands in for a
+tokenizer when prompts are token ids only.
+"""
+from __future__ import annotations
+
+from ..errors import LazyRagError
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# LlamaConfig arguments per name. "tiny-llama" keeps head_dim 32 (the Triton kernels need a multiple
+# of 32) so that the same tests run on CPU and GPU.
+ARCHITECTURES: dict[str, dict] = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                         rope_parameters=LLAMA3_ROPE),
+    "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768,
+                       rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
+}
+
+
+class IdTokenizer:
+    """Prompts of token ids only: this stands in for a tokenizer (decode, EOS, vocab)."""
+
+    bos_token_id = eos_token_id = unk_token_id = None
+    all_special_tokens: list = []
+    all_special_ids: list = []
+    chat_template = None
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def random_config(name: str, layers: int | None = None):
+    """The LlamaConfig of a named architecture (``layers`` overrides its depth)."""
+    from transformers import LlamaConfig
+
+    if name not in ARCHITECTURES:
+        raise LazyRagError(f"Unknown random architecture {name!r}; choose one of {', '.join(ARCHITECTURES)}.")
+    kwargs = dict(ARCHITECTURES[name])
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+    return LlamaConfig(**kwargs)
+
+
+def random_model(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
+    """A causal LM of the named architecture with random weights, created directly on ``device``
+    in ``dtype`` (default: bf16 on CUDA, fp32 on CPU): an 8B model is never built on the host."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from ..models import resolve_device, resolve_dtype
+
+    cfg = random_config(name, layers)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype or "auto", dev)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(dev):
+            return LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def random_llm(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
+    """``LazyLLM`` over a random model of the named architecture, prompts as token ids."""
+    from ..llm import LazyLLM
+
+    llm = LazyLLM(random_model(name, device, dtype, layers, seed), IdTokenizer())
+    llm.model_name = f"random:{name}"
+    return llm
+
+
+def random_llama31_8b(layers: int = 32, device: str = "cuda"):
+    """Llama-3.1-8B's shape (llama3 RoPE) with random bf16 weights (the GPU benchmark scripts' model)."""
+    import torch
+
+    return random_model("llama-3.1-8b", device, torch.bfloat16, layers)

@@ -1,0 +1,211 @@
+"""The serving benchmark (lazy_rag.bench, `lazy-rag bench`) on a tiny random model: workload
+statistics, metrics, the sweep's records for every system, plots, the CLI and its errors.
+No timing assertions."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from lazy_rag.bench.command import run_command
+from lazy_rag.bench.driver import SYSTEMS
+from lazy_rag.bench.metrics import cache_metrics, latency_summary, throughput
+from lazy_rag.bench.random_models import random_llm
+from lazy_rag.bench.runner import BenchConfig, run_bench
+from lazy_rag.bench.workload import WorkloadSpec, arrival_times, make_workload
+from lazy_rag.cli import app
+from lazy_rag.errors import LazyRagError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(docs=6, doc_tokens=24, k=2, question_tokens=4, output_tokens=3, requests=5)
+CASE_KEYS = {"benchmark", "mode", "device", "model", "rate_rps", "budget_chunks", "budget_fraction", "popularity",
+             "zipf_a", "requests", "docs", "doc_tokens", "k", "question_tokens", "output_tokens", "seed"}
+METRIC_KEYS = {f"{m}_{s}" for m in ("ttft_ms", "e2e_ms") for s in ("mean", "p50", "p99")} | {
+    "throughput_rps", "output_tokens_per_s", "peak_gpu_mem_gib", "torch", "transformers", "date"}
+CACHE_KEYS = {"gpu_hit_ratio", "host_hit_ratio", "disk_hit_ratio", "encoded_ratio", "gpu_chunk_hits",
+              "gpu_chunk_misses", "tier_host_hits", "tier_disk_hits", "tier_encoded"}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return random_llm("tiny-llama", "cpu")
+
+
+@pytest.fixture(scope="module")
+def records(llm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    cfg = BenchConfig(spec=WorkloadSpec(**TINY), rates=(None, 200.0), budgets=(1.0, 0.5), hf_requests=2,
+                      page_size=8, max_num_seqs=4)
+    recs = run_bench(llm, cfg, "random:tiny-llama", out, progress="off")
+    return recs, out
+
+
+# -- workload ---------------------------------------------------------------------------------------
+def test_workload_is_seeded_and_uses_no_special_ids(llm):
+    from lazy_rag.bench.workload import allowed_token_ids
+
+    vocab = allowed_token_ids(llm)
+    assert not set(llm.eos_ids) & set(vocab.tolist()) and 1 not in vocab  # EOS (2) and BOS (1) excluded
+    a, b = (make_workload(WorkloadSpec(**TINY, seed=3), vocab) for _ in range(2))
+    c = make_workload(WorkloadSpec(**TINY, seed=4), vocab)
+    ids = lambda w: [[list(s.content) if hasattr(s, "content") else list(s) for s in r.segments] for r in w.requests]
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    r = a.requests[0]
+    assert len(r.segments) == 1 + TINY["k"] + 1 and len(set(r.doc_ids)) == TINY["k"]
+    assert [s.chunk_id for s in r.segments[1:-1]] == [f"doc{d}" for d in r.doc_ids]
+    assert len(r.segments[-1]) == TINY["question_tokens"]
+    assert np.array_equal(arrival_times(50, 2.0, 3), arrival_times(50, 2.0, 3))
+
+
+def test_zipf_concentrates_on_popular_documents_and_uniform_does_not():
+    vocab = np.arange(10, 100)
+    n, docs = 3000, 20
+    counts = {}
+    for pop in ("zipf", "uniform"):
+        w = make_workload(WorkloadSpec(docs=docs, doc_tokens=1, k=1, question_tokens=1, requests=n, popularity=pop,
+                                       zipf_a=2.1, head_tokens=0), vocab)
+        counts[pop] = np.bincount([r.doc_ids[0] for r in w.requests], minlength=docs)
+    z, u = counts["zipf"], counts["uniform"]
+    # Zipf(2.1) over 20 ranks: P(rank 1) = 1 / H(20, 2.1) ~ 0.64, P(rank 2) ~ 0.15
+    p1 = 1 / sum(1 / i ** 2.1 for i in range(1, docs + 1))
+    assert abs(z[0] / n - p1) < 0.05 and z[0] > z[1] > z[4]
+    assert u.max() / n < 0.1 and u.min() > 0  # 1/20 each; generous bound
+
+
+def test_documents_of_a_request_come_in_random_order():
+    w = make_workload(WorkloadSpec(docs=10, doc_tokens=1, k=3, question_tokens=1, requests=400, head_tokens=0),
+                      np.arange(10, 100))
+    # without the shuffle the most popular document (0) would nearly always come first
+    first = sum(r.doc_ids[0] == 0 for r in w.requests if 0 in r.doc_ids)
+    has = sum(0 in r.doc_ids for r in w.requests)
+    assert 0.2 < first / has < 0.5
+
+
+def test_arrivals_are_poisson_at_the_requested_rate():
+    for rate in (0.5, 4.0):
+        t = arrival_times(4000, rate, seed=1)
+        gaps = np.diff(np.concatenate([[0.0], t]))
+        assert np.all(gaps >= 0)
+        assert abs(gaps.mean() - 1 / rate) < 0.1 / rate          # mean gap 1/rate (sd ~1.6% here)
+        assert abs(gaps.std() / gaps.mean() - 1) < 0.1             # exponential: coefficient of variation 1
+        assert abs(np.mean(gaps < 1 / rate) - (1 - math.exp(-1))) < 0.03
+    assert not arrival_times(5, None).any()
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+def test_metrics_math():
+    s = latency_summary("ttft_ms", range(1, 101))
+    assert s == {"ttft_ms_mean": 50.5, "ttft_ms_p50": 50.5, "ttft_ms_p99": 99.01}
+    assert latency_summary("e2e_ms", [])["e2e_ms_p99"] is None
+    assert throughput(10, 160, 4.0) == {"throughput_rps": 2.5, "output_tokens_per_s": 40.0}
+    c = cache_metrics({"chunk_hits": 6, "chunk_misses": 4, "chunk_from_host": 3, "chunk_from_encoded": 1,
+                       "prefix_hit_tokens": 0}, 1000)
+    assert (c["gpu_hit_ratio"], c["host_hit_ratio"], c["disk_hit_ratio"], c["encoded_ratio"]) == (0.6, 0.3, 0.0, 0.1)
+    assert cache_metrics({}, 10)["gpu_hit_ratio"] is None
+    assert cache_metrics({"prefix_hit_tokens": 250}, 1000)["prefix_hit_ratio"] == 0.25
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+def test_runner_records_every_system_flat_with_required_keys(records):
+    recs, path = records
+    assert json.loads(path.read_text()) == recs
+    # 2 budgets x 2 rates x 4 engine modes + transformers once per rate
+    assert len(recs) == 2 * 2 * 4 + 2
+    assert {r["mode"] for r in recs} == set(SYSTEMS)
+    for r in recs:
+        assert all(not isinstance(v, (dict, list)) for v in r.values()), r
+        missing = (CASE_KEYS | METRIC_KEYS) - set(r)
+        assert not missing, (r["mode"], missing)
+        assert r["benchmark"] == "serving" and r["rate_rps"] in ("offline", 200.0)
+        assert r["requests"] == (2 if r["mode"] == "transformers" else TINY["requests"])
+        assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["ttft_ms_mean"] <= r["e2e_ms_mean"]
+        assert r["throughput_rps"] > 0 and 0 < r["output_tokens_per_s"] <= r["throughput_rps"] * 3 * 1.001
+        assert r["peak_gpu_mem_gib"] is None  # CPU
+        if r["mode"] == "transformers":
+            assert r["budget_chunks"] is None and r["budget_fraction"] is None
+        else:
+            assert r["budget_chunks"] in (6, 3) and r["budget_fraction"] == r["budget_chunks"] / 6
+    for r in recs:
+        if r["mode"] in ("lazy", "block"):
+            assert not CACHE_KEYS - set(r)
+            # every document was encoded by the warm-up: the pool misses come from the host tier
+            assert r["encoded_ratio"] == 0 and r["tier_encoded"] == 0
+            total = r["gpu_hit_ratio"] + r["host_hit_ratio"] + r["disk_hit_ratio"] + r["encoded_ratio"]
+            assert abs(total - 1) < 1e-3 and r["chunk_lookups"] == TINY["requests"] * TINY["k"]
+        if r["mode"] in ("prefix", "full"):
+            assert r["gpu_hit_ratio"] is None
+
+
+def test_plots_are_written(records, tmp_path):
+    pytest.importorskip("matplotlib")
+    from lazy_rag.bench.plots import plot_results
+
+    paths = plot_results(records[0], tmp_path, "tiny")
+    assert sorted(p.name for p in paths) == ["tiny_hit_ratio_vs_budget.png", "tiny_throughput_vs_budget.png",
+                                             "tiny_ttft_vs_rate.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+# -- command line -----------------------------------------------------------------------------------
+TINY_CLI = ["--random-weights", "tiny-llama", "--device", "cpu", "--docs", "4", "--doc-tokens", "16", "--k", "2",
+            "--question-tokens", "4", "--output-tokens", "2", "--requests", "3", "--hf-requests", "1",
+            "--rates", "offline", "--budgets", "1.0", "--page-size", "8", "--progress", "off"]
+
+
+def test_cli_bench_smoke_and_plot(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", *TINY_CLI, "--results-dir", str(tmp_path), "--out", "smoke", "--no-plots"])
+    assert res.exit_code == 0, res.output
+    recs = json.loads((tmp_path / "smoke.json").read_text())
+    assert [r["mode"] for r in recs] == list(SYSTEMS)
+    assert "ttft_ms_p50" in res.output and "transformers" in res.output  # the summary table
+    pytest.importorskip("matplotlib")
+    res = runner.invoke(app, ["bench", "plot", str(tmp_path / "smoke.json")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "smoke_throughput_vs_budget.png").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "9"], "--k 9 exceeds --docs 4"),
+    (["--budgets", "1.5"], "outside (0, 1]"),
+    (["--budgets", "0.25"], "block mode"),
+    (["--rates", "fast"], "--rates: 'fast'"),
+    (["--systems", "lazy,vllm"], "Unknown system 'vllm'"),
+    (["--popularity", "pareto"], "Unknown --popularity"),
+    (["--random-weights", "gpt-5"], "Unknown random architecture 'gpt-5'"),
+    (["--model", "smollm2"], "either --model or --random-weights"),
+])
+def test_cli_bench_bad_input_names_the_option(tmp_path, args, message):
+    res = CliRunner().invoke(app, ["bench", *TINY_CLI, "--results-dir", str(tmp_path), *args])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()), res.output
+
+
+def test_bench_core_runs_without_optional_libraries(tmp_path):
+    """benchmarks/serving.py with typer, rich, matplotlib, faiss, llama-index and langchain unimportable
+    (the GPU image): the run completes and says how to make the plots later."""
+    blocked = ["typer", "rich", "matplotlib", "faiss", "llama_index", "langchain_core", "langchain",
+               "sentence_transformers"]
+    code = ("import runpy, sys\n"
+            f"for m in {blocked!r}: sys.modules[m] = None\n"
+            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+            f"sys.argv = ['serving.py', *{TINY_CLI!r}, '--systems', 'lazy,transformers', '--results-dir', "
+            f"{str(tmp_path)!r}, '--out', 'core']\n"
+            f"runpy.run_path({str(ROOT / 'benchmarks' / 'serving.py')!r}, run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["mode"] for r in json.loads((tmp_path / "core.json").read_text())] == ["lazy", "transformers"]
+    assert "pip install matplotlib" in res.stderr
+
+
+def test_run_command_rejects_a_bad_out_name(tmp_path):
+    with pytest.raises(LazyRagError, match="plain name"):
+        run_command(random_weights="tiny-llama", device="cpu", docs=4, doc_tokens=8, k=2, requests=2,
+                    rates="offline", budgets="1.0", out="a/b", results_dir=tmp_path, plots=False)
