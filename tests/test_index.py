@@ -161,3 +161,23 @@ def test_from_texts_keeps_given_ids_as_chunk_ids(tmp_path, smollm2, embedder):
                                  llm=smollm2, embedder=embedder, ids=["a", "z"], split=False, progress=False)
     assert sorted(r.id for r in index.records) == ["a", "z"]
     assert index.retrieve("Which letter is last?", top_k=1)[0].chunk_id == "z"
+
+
+def test_query_through_the_serving_engine_reads_the_index_store(built, smollm2, embedder):
+    """LazyIndex.query on the engine backend (the CUDA default; forced here on the CPU): chunk KV
+    comes from the index's KV files into the engine's pool, and the answer is the torch path's."""
+    from lazy_rag import LazyLLM
+
+    index, _, out = built
+    engine_llm = LazyLLM(smollm2.model, smollm2.tokenizer, backend="engine",
+                         engine_options={"num_pages": 256, "page_size": 16})
+    engine_llm.model_name = smollm2.model_name
+    loaded = LazyIndex.load(out, llm=engine_llm, embedder=embedder)
+    q = "When was the Marrow Point Lighthouse completed?"
+    res = loaded.query(q, top_k=2, max_new_tokens=8)
+    assert res.stats["backend"] == "engine" and res.stats["chunk_sources"] == {"disk": 2}
+    assert engine_llm.engine.tiers.counters["disk_hits"] == 2
+    again = loaded.query(q, top_k=2, max_new_tokens=8)
+    assert again.stats["chunk_sources"] == {"pool": 2} and again.answer == res.answer
+    torch_path = LazyIndex.load(out, llm=smollm2, embedder=embedder).query(q, top_k=2, max_new_tokens=8)
+    assert res.answer == torch_path.answer

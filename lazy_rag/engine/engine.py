@@ -216,7 +216,7 @@ class Engine:
         now = time.perf_counter()
         sources = {}
         for src in seq.chunk_sources_seen:
-            tier = "gpu" if src == "hits" else src.removeprefix("from_")
+            tier = "pool" if src == "hits" else src.removeprefix("from_")  # pool: resident already
             if tier != "misses":
                 sources[tier] = sources.get(tier, 0) + 1
         stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,

@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from helpers import IdTokenizer, rel_err
+from helpers import rel_err
 from lazy_rag import Chunk, LazyLLM
+from lazy_rag.bench.random_models import IdTokenizer
 from lazy_rag.oracle import oracle_gaps, teacher_forced_logits
 from tiny_models import tiny_model
 
@@ -82,7 +83,7 @@ def test_lazyllm_generate_and_stream_go_through_the_engine(tiny_llm):
     assert rel_err(res.first_logits, first) < 1e-4
     stream = tiny_llm.generate(segs, max_new_tokens=5, mode="lazy", stream=True)
     assert "".join(stream) == res.text and stream.result.token_ids == res.token_ids
-    assert stream.result.stats.chunk_sources == {"gpu": 3}  # all three chunks stayed in the pool
+    assert stream.result.stats.chunk_sources == {"pool": 3}  # all three chunks stayed in the pool
     # a consumer that stops early leaves nothing behind in the engine
     partial = tiny_llm.generate(segs, max_new_tokens=5, mode="block", stream=True)
     next(partial)
