@@ -53,11 +53,14 @@ class KVPlanner:
     # -- scheduler protocol ---------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
         seq.chunk_sources = []
+        seq.placed_now = {}
         try:
             getattr(self, f"_admit_{seq.mode}")(seq)
         except OutOfPages:
             self.release(seq)
+            seq.placed_by_refused.update(seq.placed_now)
             return False
+        seq.placed_by_refused.clear()
         # counted once per admission (a refused admission is retried and must not count twice)
         for src in seq.chunk_sources:
             self.bm.counters[f"chunk_{src}"] += 1
@@ -118,12 +121,15 @@ class KVPlanner:
         e = self.bm.lookup(key)
         if e is not None:
             self.bm.acquire(e)
-            seq.chunk_sources.append("hits")  # resident in the pool (hit in the GPU tier)
+            # resident in the pool: a hit, unless this request placed it itself in an admission
+            # that was then refused for lack of pages (it still came from a lower tier)
+            seq.chunk_sources += seq.placed_by_refused.pop(key, ["hits"])
         else:
             kv, tier = self.tiers.fetch(key, ids, chunk_id, prefix, store=seq.store)
             e = self.bm.insert(key, len(ids), cost=len(ids))
             e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.rope, self.convention)
             seq.chunk_sources += ["misses", f"from_{tier}"]
+            seq.placed_now[key] = ["misses", f"from_{tier}"]
         seq.held.append(e)
         return e
 

@@ -57,6 +57,7 @@ class Sequence:
         self.preemptions = 0
         self.chunk_sources_seen: list[str] = []  # where its chunks came from at its last admission
         self.prefix_hit_tokens = 0               # prefix mode: prompt tokens reused at admission
+        self.placed_by_refused: dict = {}        # chunk key -> its sources, placed by a refused admission
         self.clear_kv()
 
     def clear_kv(self) -> None:

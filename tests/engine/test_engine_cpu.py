@@ -120,3 +120,26 @@ def test_decode_graph_inputs_reproduce_the_eager_step(llm):
         for off in range(4):
             if (page, off) not in slots:
                 assert torch.equal(after[:, i, :, off], before[:, i, :, off])
+
+
+def test_refused_admission_does_not_turn_its_own_placement_into_a_hit(llm):
+    """A chunk placed by an admission that then ran out of pages is still cached; when the same
+    request is admitted later it must count as the miss (and tier) it was, not as a pool hit."""
+    from lazy_rag.engine.sequence import Sequence
+
+    eng = Engine(llm, num_pages=6, page_size=4)  # 2 + 2 chunk pages + 2 private (head, question)
+    segs = [[300, 301], Chunk(list(range(400, 408)), chunk_id="a"), Chunk(list(range(500, 508)), chunk_id="b"),
+            [600, 601, 602]]
+    seq = Sequence(llm.prepare(segs), "lazy")
+    blocker = eng.bm.allocate(3)           # another owner holds 3 of the 6 pages
+    assert not eng.planner.admit(seq)      # chunk a placed (2 pages), chunk b does not fit
+    assert eng.bm.lookup(next(iter(seq.placed_by_refused))) is not None
+    eng.bm.free(blocker)
+    assert eng.planner.admit(seq)
+    # a: placed by the refused attempt (encoded then); b: encoded by it too but never placed,
+    # so this time it comes from the host tier
+    assert seq.chunk_sources_seen == ["misses", "from_encoded", "misses", "from_host"]
+    st = eng.stats()
+    assert st.get("chunk_hits", 0) == 0 and st["chunk_misses"] == 2
+    eng.planner.release(seq)
+    eng.bm.check()
