@@ -112,26 +112,34 @@ def rec(out, base, t_us, timer, nbytes, flops, env, **extra):
           f"{r['pct_of_copy_bw']:6.1f}% copy {r['pct_of_roofline']:6.1f}% roof", flush=True)
 
 
+def decode_inputs(B: int, T: int, chunk: int):
+    """Decode inputs on paged, permuted KV: B sequences of T tokens each, in enough independent
+    sets (pages, tables, queries) that cycling through them defeats the L2 cache; rot_shift groups
+    of `chunk` tokens (rotate_q). Returns kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos."""
+    kv_bytes = B * T * TOKEN_KV_BYTES
+    n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // kv_bytes)))
+    ppseq = T // PAGE
+    total = B * ppseq * n_sets
+    k_pages, v_pages = new_pool(total)
+    perm = torch.randperm(total).tolist()
+    tables, qs = [], []
+    for s in range(n_sets):
+        seqs = []
+        for b in range(B):
+            base = (s * B + b) * ppseq
+            seqs.append([(perm[base + j], j * PAGE, PAGE, (j * PAGE // chunk) * chunk)
+                         for j in range(ppseq)])
+        tables.append(seq_table(seqs))
+        qs.append(torch.randn(B, H, D, device="cuda", dtype=DT))
+    q_pos = torch.full((B,), T - 1, dtype=torch.int32, device="cuda")
+    return kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos
+
+
 def decode_sweep(env, out, batches, ctxs, inv, tuning_sets=None,
                  ropes=("rotate_k", "rotate_q", "none")):
     for B in batches:
         for T in ctxs:
-            kv_bytes = B * T * TOKEN_KV_BYTES
-            n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // kv_bytes)))
-            ppseq = T // PAGE
-            total = B * ppseq * n_sets
-            k_pages, v_pages = new_pool(total)
-            perm = torch.randperm(total).tolist()
-            tables, qs = [], []
-            for s in range(n_sets):
-                seqs = []
-                for b in range(B):
-                    base = (s * B + b) * ppseq
-                    seqs.append([(perm[base + j], j * PAGE, PAGE, (j * PAGE // CHUNK) * CHUNK)
-                                 for j in range(ppseq)])
-                tables.append(seq_table(seqs))
-                qs.append(torch.randn(B, H, D, device="cuda", dtype=DT))
-            q_pos = torch.full((B,), T - 1, dtype=torch.int32, device="cuda")
+            kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(B, T, CHUNK)
             nbytes = kv_bytes + 2 * B * H * D * ES
             flops = 4 * B * H * T * D
             base = dict(benchmark="decode", batch=B, context=T, page_size=PAGE, n_sets=n_sets,
@@ -349,22 +357,7 @@ def diag(env, out, inv, cases, variants, chunk=CHUNK):
     """Time leave-one-out and candidate variants of the decode kernel on paged, permuted KV.
     chunk: tokens per rot_shift group (rotate_q); not a multiple of 2 pages -> tiles straddle."""
     for B, T in cases:
-        kv_bytes = B * T * TOKEN_KV_BYTES
-        n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // kv_bytes)))
-        ppseq = T // PAGE
-        total = B * ppseq * n_sets
-        k_pages, v_pages = new_pool(total)
-        perm = torch.randperm(total).tolist()
-        tables, qs = [], []
-        for s in range(n_sets):
-            seqs = []
-            for b in range(B):
-                base = (s * B + b) * ppseq
-                seqs.append([(perm[base + j], j * PAGE, PAGE, (j * PAGE // chunk) * chunk)
-                             for j in range(ppseq)])
-            tables.append(seq_table(seqs))
-            qs.append(torch.randn(B, H, D, device="cuda", dtype=DT))
-        q_pos = torch.full((B,), T - 1, dtype=torch.int32, device="cuda")
+        kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(B, T, chunk)
         tabs = {"f32": cos_sin_table(T, inv), "bf16": cos_sin_table(T, inv, dtype=torch.bfloat16)}
         nbytes = kv_bytes + 2 * B * H * D * ES
         flops = 4 * B * H * T * D

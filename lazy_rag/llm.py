@@ -236,10 +236,8 @@ class LazyLLM:
         source = kv_source or self
         return assemble(self.tokenizer, segments, getattr(source, "shared_prefix_ids", ()), boundary_recompute)
 
-    def _prefill(self, layout: PromptLayout, mode: str, max_new_tokens: int, kv_source):
-        if mode not in MODES:
-            raise LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
-        source = kv_source or self
+    def check_fits(self, layout: PromptLayout, max_new_tokens: int) -> None:
+        """PromptTooLongError unless the prompt and max_new_tokens fit the context window."""
         T = len(layout.token_ids)
         if T + max_new_tokens > self.context_window:
             raise PromptTooLongError(
@@ -247,6 +245,13 @@ class LazyLLM:
                 f"in all, but the model's context window is {self.context_window}. Retrieve fewer or "
                 "smaller chunks, shorten the question, or lower max_new_tokens."
             )
+
+    def _prefill(self, layout: PromptLayout, mode: str, max_new_tokens: int, kv_source):
+        if mode not in MODES:
+            raise LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
+        source = kv_source or self
+        self.check_fits(layout, max_new_tokens)
+        T = len(layout.token_ids)
         shp, dev = self.shape, self.device
         ids = torch.tensor(layout.token_ids, device=dev)
         stats = GenerationStats(mode=mode, prompt_tokens=T, cached_tokens=0, computed_tokens=T)

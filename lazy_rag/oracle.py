@@ -69,8 +69,9 @@ def teacher_forced_logits(llm, segments, mode: str, tokens: list[int]) -> torch.
     """Oracle logits [len(tokens), vocab] predicting each of ``tokens`` after the prompt and the
     tokens before it (one forward): the block-diagonal mask for lazy/block, causal otherwise."""
     segments = list(segments) if isinstance(segments, (list, tuple)) else [segments]
-    T = len(llm.prepare(segments).token_ids)
-    layout = llm.prepare(segments + ([list(tokens[:-1])] if len(tokens) > 1 else []))
+    fed = list(tokens[:-1])
+    layout = llm.prepare(segments + ([fed] if fed else []))
+    T = len(layout.token_ids) - len(fed)  # the prompt's own length
     if mode in ("lazy", "block"):
         logits = block_diagonal_logits(llm.model, layout)
     else:

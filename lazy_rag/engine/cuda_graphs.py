@@ -14,9 +14,12 @@ captured once per (batch bucket, pages-per-sequence bucket) and replayed with ne
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import PageTable
+from .model_runner import page_table_rows, write_slots
 from .sequence import Sequence
 
 
@@ -27,9 +30,11 @@ def batch_bucket(n: int) -> int:
     return -(-n // 8) * 8
 
 
+@dataclass
 class _Captured:
-    def __init__(self, graph, buf, out, batch, pages):
-        self.graph, self.buf, self.out, self.batch, self.pages = graph, buf, out, batch, pages
+    graph: torch.cuda.CUDAGraph
+    buf: torch.Tensor   # the static packed inputs
+    out: torch.Tensor   # the static logits
 
 
 class DecodeGraphs:
@@ -54,7 +59,7 @@ class DecodeGraphs:
         return cap.out[:B]
 
     # -- inputs: one int64 vector [ids | pos | slot_page | slot_off | indptr | ids | pos | len | shift]
-    def _pack(self, Bb: int, P: int, seqs, tables, write_slots) -> torch.Tensor:
+    def _pack(self, Bb: int, P: int, seqs, tables) -> torch.Tensor:
         scratch = self.runner.pool.scratch_page
         ps = self.runner.pool.page_size
         ids, pos, spage, soff = [], [], [], []
@@ -85,13 +90,6 @@ class DecodeGraphs:
         return torch.tensor(ids + pos + spage + soff + indptr + pid + fill + ppos + fill + plen + fill
                             + shift + fill, dtype=torch.int64)
 
-    def buckets(self, seqs: list[Sequence]) -> tuple[int, int]:
-        ps = self.runner.pool.page_size
-        from .model_runner import page_table_rows
-
-        P = max(len(page_table_rows(s, ps)[0]) for s in seqs)
-        return batch_bucket(len(seqs)), -(-P // self.page_step) * self.page_step
-
     def packed_forward(self, buf: torch.Tensor, B: int, P: int) -> torch.Tensor:
         """The captured computation: decode logits [B, vocab] from a packed input buffer."""
         ids, pos, spage, soff = (buf[i * B:(i + 1) * B] for i in range(4))
@@ -103,17 +101,16 @@ class DecodeGraphs:
 
     def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int]:
         """(packed inputs on the host, batch bucket, pages bucket) of a decode step."""
-        from .model_runner import page_table_rows, write_slots
-
-        B, P = self.buckets(seqs)
         tables = [page_table_rows(s, self.runner.pool.page_size) for s in seqs]
-        return self._pack(B, P, seqs, tables, write_slots), B, P
+        B = batch_bucket(len(seqs))
+        P = -(-max(len(t[0]) for t in tables) // self.page_step) * self.page_step
+        return self._pack(B, P, seqs, tables), B, P
 
     def _capture(self, B: int, P: int) -> _Captured:
         dev = self.runner.pool.device
         n = 5 * B + 1 + 4 * B * P
         buf = torch.zeros(n, dtype=torch.int64, device=dev)
-        buf.copy_(self._pack(B, P, [], [], None))  # all padding: warm-up touches the scratch page only
+        buf.copy_(self._pack(B, P, [], []))  # all padding: warm-up touches the scratch page only
         # warm up outside the capture (Triton compiles and caches its launchers here)
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -124,6 +121,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self.packed_forward(buf, B, P)
         self.mempool = graph.pool()
-        cap = _Captured(graph, buf, out, B, P)
+        cap = _Captured(graph, buf, out)
         self.graphs[(B, P)] = cap
         return cap

@@ -84,11 +84,7 @@ class Engine:
         validate_sampling(temperature, top_p, max_new_tokens)
         stop = [stop] if isinstance(stop, str) else stop
         layout = self.llm.prepare(segments, kv_source)
-        T = len(layout.token_ids)
-        if T + max_new_tokens > self.llm.context_window:
-            from ..errors import PromptTooLongError
-            raise PromptTooLongError(f"{T} prompt tokens + {max_new_tokens} new exceed the context "
-                                     f"window of {self.llm.context_window}.")
+        self.llm.check_fits(layout, max_new_tokens)
         prefix = tuple(getattr(kv_source or self.llm, "shared_prefix_ids", ()))
         seq = Sequence(layout, mode, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), prefix,
                        store=getattr(kv_source, "store", None), keep_first_logits=output_first_logits)
