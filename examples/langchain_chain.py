@@ -3,17 +3,22 @@
     python examples/langchain_chain.py
 """
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is bundled: never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from lazy_rag import LazyIndex, LazyLLM  # noqa: E402
+from lazy_rag.errors import MissingDependencyError  # noqa: E402
+
+try:
+    from lazy_rag.integrations.langchain import ChatLazyRAG, LazyRAGChain, LazyRAGRetriever
+except MissingDependencyError as e:  # langchain is an optional extra: one sentence, no traceback
+    sys.exit(f"error: {e}")
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableParallel, RunnablePassthrough  # noqa: E402
-
-from lazy_rag import LazyIndex, LazyLLM  # noqa: E402
-from lazy_rag.integrations.langchain import ChatLazyRAG, LazyRAGChain, LazyRAGRetriever  # noqa: E402
 
 CORPUS = Path(__file__).parent / "corpus"
 MAX_NEW_TOKENS = int(os.environ.get("LAZY_RAG_MAX_NEW_TOKENS", "48"))

@@ -7,21 +7,22 @@ finds the chunks' text in the engine's prompt and serves those spans from cache.
     python examples/llama_index_query_engine.py
 """
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is bundled: never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex  # noqa: E402
-
 from lazy_rag import LazyLLM  # noqa: E402
-from lazy_rag.integrations.llama_index import (  # noqa: E402
-    LazyRAGEmbedding,
-    LazyRAGLLM,
-    LazyRAGSynthesizer,
-    index_from_documents,
-)
+from lazy_rag.errors import MissingDependencyError  # noqa: E402
+
+try:
+    from lazy_rag.integrations.llama_index import (LazyRAGEmbedding, LazyRAGLLM, LazyRAGSynthesizer,
+                                                   index_from_documents)
+except MissingDependencyError as e:  # llama-index is an optional extra: one sentence, no traceback
+    sys.exit(f"error: {e}")
+from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex  # noqa: E402
 
 CORPUS = Path(__file__).parent / "corpus"
 MAX_NEW_TOKENS = int(os.environ.get("LAZY_RAG_MAX_NEW_TOKENS", "48"))

@@ -15,6 +15,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Iterator, Optional
 
+from lazy_rag.deps import require
+
+require("langchain_core")  # an optional extra: say what to install instead of a bare ImportError
+
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel

