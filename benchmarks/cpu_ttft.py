@@ -4,12 +4,12 @@ Workload: the bundled SmolLM2, a question over 4 retrieved chunks of 256 tokens 
 paragraphs), chat template, chunk KV already stored. Each mode answers the same prompts; we
 time the first token (prefill + sampling) and report the median over repetitions.
 
-- ``lazy`` / ``block``: chunk KV served from the in-memory tier (``*_disk``: read from the
-  index's safetensors files each time, checksum verified).
-- ``prefix``: vLLM-style prefix cache warmed by earlier requests over the same 4 chunks in the
-  other orders, as retrieval returns them: only the common token prefix (the template head) is
-  reused. ``prefix_same_order`` is its best case: the same chunks in the same order were asked
-  about before, with another question.
+- ``lazy`` / ``block``: chunk KV resident in the engine's page pool (``*_disk``: a fresh engine,
+  so the chunks are read from the index's safetensors files, checksum verified).
+- ``prefix``: vLLM-style prefix cache (a fresh engine) warmed by earlier requests over the same
+  4 chunks in the other orders, as retrieval returns them: only the common token prefix (the
+  template head) is reused. ``prefix_same_order`` is its best case: the same chunks in the same
+  order were asked about before, with another question.
 - ``full``: everything recomputed.
 
     python benchmarks/cpu_ttft.py [--reps 5] [--threads 2]
@@ -27,7 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from common import environment, print_table, write_records  # noqa: E402
+from lazy_rag.bench.records import environment, format_table, write_records  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v1.1_dev.json"
 QUESTION = ("Based on these passages, which of the events described happened first, and who was "
@@ -47,6 +49,7 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--squad", type=Path, default=SQUAD)
+    ap.add_argument("--out", default="cpu_ttft", help="results file name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -70,16 +73,19 @@ def main():
         o = order[rotation:] + order[:rotation]
         return build_rag_segments(tok, question, [Chunk(index.by_id[f"c{i}"].token_ids, f"c{i}") for i in o])
 
-    def warm_prefix_cache(rotations, question):
-        llm.prefix_cache.blocks.clear()
-        for rot in rotations:
-            ttft(prompt(rot, question), "prefix", index)
+    def fresh_engine():
+        llm.engine.clear_cache()  # an empty pool and host tier: nothing cached in memory
 
-    def ttft(segments, mode, source) -> tuple[float, dict]:
-        res = llm.generate(segments, max_new_tokens=1, mode=mode, kv_source=source)
+    def warm_prefix_cache(rotations, question):
+        fresh_engine()
+        for rot in rotations:
+            ttft(prompt(rot, question), "prefix")
+
+    def ttft(segments, mode) -> tuple[float, dict]:
+        res = llm.generate(segments, max_new_tokens=1, mode=mode, source=index.chunk_source)
         return res.stats.ttft_ms, res.stats.as_dict()
 
-    ttft(prompt(0), "lazy", index)  # warm-up: every chunk in the memory tier, kernels paged in
+    ttft(prompt(0), "lazy")  # warm-up: every chunk in the pool
     records = []
     env = environment()
     modes = [("full", "full"), ("prefix", "prefix"), ("prefix_same_order", "prefix"), ("block", "block"),
@@ -89,13 +95,13 @@ def main():
         for r in range(args.reps):
             question = QUESTION + f" (variant {r})"  # a new question each time
             if mode.endswith("_disk"):
-                index.store.memory.clear()
+                fresh_engine()
             if mode == "prefix":
                 warm_prefix_cache(range(1, args.chunks), question + " earlier")
             elif mode == "prefix_same_order":
                 warm_prefix_cache([0], question + " earlier")
             segs = prompt(0, question)
-            t, stats = ttft(segs, source_mode, index)
+            t, stats = ttft(segs, source_mode)
             times.append(t)
         records.append({
             "benchmark": "cpu_ttft", "mode": mode, "device": env["device"], "model": "SmolLM2-135M-Instruct",
@@ -108,10 +114,10 @@ def main():
     full = records[0]["ttft_ms"]
     for r in records:
         r["speedup_vs_full"] = full / r["ttft_ms"]
-    path = write_records("cpu_ttft", records)
+    path = write_records(RESULTS / f"{args.out}.json", records)
     print(f"\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, {env['date']} -> {path}")
-    print_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "ttft_ms", "ttft_ms_min",
-                          "ttft_ms_max", "speedup_vs_full"])
+    print(format_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "ttft_ms", "ttft_ms_min",
+                                 "ttft_ms_max", "speedup_vs_full"]))
 
 
 if __name__ == "__main__":

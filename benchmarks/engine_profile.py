@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
 
-from common import IdTokenizer, environment, print_table, random_llama31_8b, write_records  # noqa: E402
+from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
+from lazy_rag.bench.records import environment, format_table, write_records
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def classify(name: str) -> str:
@@ -34,13 +38,15 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--modes", default="lazy,block,full")
+    ap.add_argument("--out", default="engine_profile")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from lazy_rag import Chunk, LazyLLM
-    from lazy_rag.engine import Engine
+    from lazy_rag import Chunk
+    from lazy_rag.engine import Engine, EngineConfig
+    from lazy_rag.model_host import ModelHost
 
-    llm = LazyLLM(random_llama31_8b(args.layers), IdTokenizer(), backend="torch")
+    host = ModelHost(random_llama31_8b(args.layers), IdTokenizer())
     rng = random.Random(0)
     chunks = [[rng.randrange(1000, 120000) for _ in range(2048)] for _ in range(10)]
     head = [rng.randrange(1000, 120000) for _ in range(16)]
@@ -49,7 +55,7 @@ def main():
         picked = rng.sample(range(10), 5)
         return [head] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in picked] + [[rng.randrange(1000, 120000) for _ in range(32)]]
 
-    eng = Engine(llm, kv_bytes=48 << 30, page_size=64, max_num_seqs=64)
+    eng = Engine(host, EngineConfig(kv_bytes=48 << 30, page_size=64, max_num_seqs=64))
     for mode in args.modes.split(","):  # place every chunk, compile every kernel
         eng.generate([dict(segments=request(), mode=mode, max_new_tokens=2) for _ in range(2)])
     env = environment()
@@ -84,9 +90,9 @@ def main():
                    "torch": env["torch"], "date": env["date"]}
             records.append(rec)
             print(rec, flush=True)
-    write_records("engine_profile", records)
-    print_table(records, ["mode", "batch", "step_wall_ms", "ttft_ms_p50", "matmul_ms", "sdpa_ms", "lazy_kernels_ms",
-                          "other_kernels_ms", "gpu_busy_ms", "host_not_overlapped_ms"])
+    write_records(RESULTS / f"{args.out}.json", records)
+    print(format_table(records, ["mode", "batch", "step_wall_ms", "ttft_ms_p50", "matmul_ms", "sdpa_ms", "lazy_kernels_ms",
+                          "other_kernels_ms", "gpu_busy_ms", "host_not_overlapped_ms"]))
 
 
 if __name__ == "__main__":

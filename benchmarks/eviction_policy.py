@@ -1,6 +1,6 @@
 """Which eviction policy for the chunk pages of the GPU pool: LRU, LFU or GDSF, by hit ratio.
 
-Runs the engine's own ``BlockManager`` over a ``PagePool`` of the real page count and page size
+Runs the engine's own ``PageManager`` over a ``PagePool`` of the real page count and page size
 but one-element pages (no model, CPU, seconds): the paper's request stream (100 documents of
 2048 tokens, 5 per request, Zipf a=2.1 or uniform), ``--concurrency`` requests in flight (each
 holds its chunks and one private page until it completes, first in first out), a KV budget of
@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 from collections import deque
+from pathlib import Path
 
-from common import environment, print_table, write_records  # noqa: E402
+from lazy_rag.bench.records import environment, format_table, write_records
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def simulate(policy: str, fit: int, requests, doc_tokens: int, page_size: int, concurrency: int) -> dict:
-    from lazy_rag.engine.block_manager import BlockManager
+    from lazy_rag.engine.page_manager import PageManager
     from lazy_rag.engine.page_pool import OutOfPages, PagePool
 
     pages_per_doc = -(-doc_tokens // page_size)
     pool = PagePool(1, fit * pages_per_doc + concurrency, 1, page_size, 1)
-    bm = BlockManager(pool, policy)
+    bm = PageManager(pool, policy)
     running: deque = deque()
     hits = misses = 0
 
@@ -85,7 +88,7 @@ def main():
         stream = [r.doc_ids for r in wl.requests]
         for fit in [int(b) for b in args.budgets.split(",")]:
             for policy in args.policies.split(","):
-                rec = {"benchmark": "eviction_policy", "mode": "lazy", "device": "simulated (BlockManager, CPU)",
+                rec = {"benchmark": "eviction_policy", "mode": "lazy", "device": "simulated (PageManager, CPU)",
                        "policy": policy, "popularity": popularity, "zipf_a": spec.zipf_a, "docs": spec.docs,
                        "doc_tokens": spec.doc_tokens, "k": spec.k, "budget_chunks": fit,
                        "budget_fraction": fit / spec.docs, "concurrency": args.concurrency,
@@ -93,9 +96,9 @@ def main():
                        **simulate(policy, fit, stream, spec.doc_tokens, args.page_size, args.concurrency),
                        "date": env["date"]}
                 records.append(rec)
-    path = write_records(args.out, records)
+    path = write_records(RESULTS / f"{args.out}.json", records)
     print(f"-> {path}")
-    print_table(records, ["popularity", "budget_chunks", "policy", "gpu_hit_ratio", "evictions"])
+    print(format_table(records, ["popularity", "budget_chunks", "policy", "gpu_hit_ratio", "evictions"]))
 
 
 if __name__ == "__main__":

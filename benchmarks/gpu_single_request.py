@@ -1,26 +1,26 @@
-"""Single-request TTFT of LazyLLM on a GPU, at the paper's request size, for both backends.
+"""Single-request TTFT of LazyLLM on a GPU, at the paper's request size, every mode.
 
 Llama-3.1-8B shape with random bf16 weights built on the device (the GPU machine has no model
 hub), 5 chunks of 2048 tokens from a pool of 10, a 32-token question, chunk KV already cached
-(torch backend: its memory tier; engine backend: resident in the page pool, placed by an
-earlier request that retrieved the same chunks in another order). ``torch``: the one-request
-path (torch SDPA, per-request tensors); ``engine``: the paged serving engine (Triton lazy-RoPE
-kernels, SDPA for fresh prefills), the default on CUDA.
+(resident in the engine's page pool, placed by an earlier request that retrieved the same chunks
+in another order). ``prefix``: a fresh pool in which only that earlier request is cached.
 
     python benchmarks/gpu_single_request.py [--layers 32] [--reps 5]
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
+from pathlib import Path
 
 import torch
 
-from common import IdTokenizer, environment, print_table, random_llama31_8b, write_records  # noqa: E402
+from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
+from lazy_rag.bench.records import environment, format_table, write_records
 
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main():
@@ -28,10 +28,12 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk-tokens", type=int, default=2048)
+    ap.add_argument("--out", default="gpu_single_request")
     args = ap.parse_args()
     from lazy_rag import Chunk, LazyLLM
 
-    model = random_llama31_8b(args.layers)
+    # engine pool: 16 GiB (the paper's request is 1.25 GiB of KV)
+    llm = LazyLLM(random_llama31_8b(args.layers), IdTokenizer(), kv_bytes=16 << 30)
     rng = random.Random(0)
     pool = [[rng.randrange(1000, 120000) for _ in range(args.chunk_tokens)] for _ in range(10)]
     head = [rng.randrange(1000, 120000) for _ in range(40)]
@@ -42,7 +44,7 @@ def main():
             segs += [Chunk(pool[c]), [13, 13]]
         return segs + [q]
 
-    def ttft(llm, segs, mode):
+    def ttft(segs, mode):
         torch.cuda.synchronize()
         r = llm.generate(segs, max_new_tokens=1, mode=mode)
         torch.cuda.synchronize()
@@ -50,47 +52,33 @@ def main():
 
     env = environment()
     records = []
-    for backend in ("torch", "engine"):
-        # engine pool: 16 GiB (the paper's request is 1.25 GiB of KV); torch caches: 8 GiB each
-        llm = LazyLLM(model, IdTokenizer(), backend=backend, chunk_cache_bytes=8 << 30, prefix_cache_bytes=8 << 30,
-                      engine_options={"kv_bytes": 16 << 30})
-        for mode in ("full", "prefix", "block", "lazy"):
-            times, st = [], None
-            for rep in range(args.reps + 1):
-                chosen = rng.sample(range(10), 5)
-                q = [rng.randrange(1000, 120000) for _ in range(32)]
-                if mode == "prefix":  # an earlier request retrieved the same chunks in another order
-                    if backend == "torch":
-                        llm.prefix_cache.blocks.clear()
-                    else:
-                        llm._engine = None  # a fresh pool: only that earlier request is cached
-                    ttft(llm, prompt(chosen[1:] + chosen[:1], q), "prefix")
-                elif backend == "torch":
-                    for c in chosen:  # chunk KV already stored (memory tier)
-                        llm.chunk_kv(tuple(pool[c]))
-                else:
-                    ttft(llm, prompt(chosen[::-1], q[::-1]), mode)  # chunks resident in the pool
-                st = ttft(llm, prompt(chosen, q), mode)
-                if rep:  # the first is warm-up
-                    times.append(st.ttft_ms)
-            records.append({"benchmark": "gpu_single_request", "mode": mode, "backend": backend,
-                            "device": env["device"],
-                            "model": f"llama-3.1-8b-shape ({args.layers} layers, random bf16)", "chunks": 5,
-                            "chunk_tokens": args.chunk_tokens, "prompt_tokens": st.prompt_tokens,
-                            "cached_tokens": st.cached_tokens, "computed_tokens": st.computed_tokens,
-                            "chunk_sources": json.dumps(st.chunk_sources, sort_keys=True),
-                            "ttft_ms": statistics.median(times), "ttft_ms_min": min(times), "reps": args.reps,
-                            "torch": env["torch"], "transformers": env["transformers"], "date": env["date"]})
-        del llm
-        gc.collect()  # generation streams keep reference cycles to the LLM and its caches
-        torch.cuda.empty_cache()
-    for r in records:  # against full re-encoding on the same backend
-        full = next(f for f in records if f["backend"] == r["backend"] and f["mode"] == "full")
+    for mode in ("full", "prefix", "block", "lazy"):
+        times, st = [], None
+        for rep in range(args.reps + 1):
+            chosen = rng.sample(range(10), 5)
+            q = [rng.randrange(1000, 120000) for _ in range(32)]
+            if mode == "prefix":  # an earlier request retrieved the same chunks in another order
+                llm.engine.clear_cache()  # only that earlier request is cached
+                ttft(prompt(chosen[1:] + chosen[:1], q), "prefix")
+            else:
+                ttft(prompt(chosen[::-1], q[::-1]), mode)  # chunks resident in the pool
+            st = ttft(prompt(chosen, q), mode)
+            if rep:  # the first is warm-up
+                times.append(st.ttft_ms)
+        records.append({"benchmark": "gpu_single_request", "mode": mode, "device": env["device"],
+                        "model": f"llama-3.1-8b-shape ({args.layers} layers, random bf16)", "chunks": 5,
+                        "chunk_tokens": args.chunk_tokens, "prompt_tokens": st.prompt_tokens,
+                        "cached_tokens": st.cached_tokens, "computed_tokens": st.computed_tokens,
+                        "chunk_sources": json.dumps(st.chunk_sources, sort_keys=True),
+                        "ttft_ms": statistics.median(times), "ttft_ms_min": min(times), "reps": args.reps,
+                        "torch": env["torch"], "transformers": env["transformers"], "date": env["date"]})
+    full = next(f for f in records if f["mode"] == "full")
+    for r in records:
         r["speedup_vs_full"] = full["ttft_ms"] / r["ttft_ms"]
-    path = write_records("gpu_single_request", records)
+    path = write_records(RESULTS / f"{args.out}.json", records)
     print(f"\n{env['device']}, torch {env['torch']}, transformers {env['transformers']} -> {path}")
-    print_table(records, ["backend", "mode", "prompt_tokens", "cached_tokens", "computed_tokens", "chunk_sources", "ttft_ms",
-                          "ttft_ms_min", "speedup_vs_full"])
+    print(format_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "chunk_sources",
+                                 "ttft_ms", "ttft_ms_min", "speedup_vs_full"]))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-import common  # noqa: F401  (first: takes this folder off sys.path)
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

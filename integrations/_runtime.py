@@ -1,37 +1,24 @@
 """What both adapters share: a ``LazyLLM`` (and optionally a ``LazyIndex``), a ``ChunkMatcher``
-over the chunks it knows, a lock per model, and per-call stats. Each adapter only translates its
-framework's types to ``complete(prompt)`` (transparent reuse by span matching) or
-``answer(question, chunks)`` (exact reuse by chunk ids).
+over the chunks it knows, and per-call stats. Each adapter only translates its framework's types
+to ``complete(prompt)`` (transparent reuse by span matching) or ``answer(question, chunks)``
+(exact reuse by chunk ids).
 """
 from __future__ import annotations
 
 import asyncio
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 from lazy_rag.chat import DEFAULT_INSTRUCTION, build_rag_segments
 from lazy_rag.errors import LazyRagError
+from lazy_rag.requests import ChunkSource
 from lazy_rag.segments import Chunk, Segment
 from lazy_rag.span_match import ChunkMatcher
 
-# LazyLLM keeps caches (chunk LRU, prefix cache) and a tokenizer that are not thread-safe, and
-# frameworks call models from thread pools (LangChain batch, async executors): one lock per model.
-_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
 _DONE = object()
 
 GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute")
 _ALIASES = {"max_tokens": "max_new_tokens"}
-
-
-def model_lock(llm) -> threading.Lock:
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(llm)
-        if lock is None:
-            lock = _LOCKS[llm] = threading.Lock()
-        return lock
 
 
 @dataclass
@@ -39,7 +26,7 @@ class Plan:
     """A prompt ready for ``LazyLLM.generate``, and how its chunks were found."""
 
     segments: list[Segment]
-    kv_source: object | None
+    source: ChunkSource | None
     chunk_ids: list[str] = field(default_factory=list)  # chunks served from KV, in prompt order
     reuse: str = "span_match"  # or "chunk_ids" (exact path)
     note: str | None = None
@@ -48,8 +35,8 @@ class Plan:
 class RunStream:
     """Text pieces as generated; ``result`` and ``stats`` are set once exhausted.
 
-    The model lock is held per step, not across yields, so a consumer may start another call
-    while iterating, and async wrappers may resume the stream from any thread."""
+    The model's lock is taken per step inside the engine, not across yields, so a consumer may
+    start another call while iterating, and async wrappers may resume the stream from any thread."""
 
     def __init__(self, runtime: "LazyRuntime", plan: Plan, gen: dict):
         self.result = None
@@ -65,14 +52,8 @@ class RunStream:
 
     def _run(self) -> Iterator[str]:
         rt = self._runtime
-        with rt.lock:
-            stream = rt.llm.generate(self._plan.segments, stream=True, kv_source=self._plan.kv_source, **self._gen)
-        while True:
-            with rt.lock:
-                piece = next(stream, _DONE)
-            if piece is _DONE:
-                break
-            yield piece
+        stream = rt.llm.generate(self._plan.segments, stream=True, source=self._plan.source, **self._gen)
+        yield from stream
         self.result = stream.result
         self.stats = rt._record(self.result, self._plan)
 
@@ -105,8 +86,10 @@ class RuntimeBacked:
 
 
 class LazyRuntime:
-    """``LazyRuntime(llm=lazy_llm)`` (chunks registered with ``register``, KV from the LLM's
-    memory cache) or ``LazyRuntime(index=lazy_index)`` (the index's chunks, KV from its store)."""
+    """``LazyRuntime(llm=lazy_llm)`` (chunks registered with ``register``, KV encoded on first use
+    and kept in the engine's memory tiers) or ``LazyRuntime(index=lazy_index)`` (the index's
+    chunks, KV from its store). Frameworks call models from thread pools (LangChain batch, async
+    executors): the matcher tokenizes under the model's one lock (``LazyLLM.lock``)."""
 
     def __init__(self, llm=None, index=None, mode: str = "lazy", defaults: dict | None = None):
         if index is None and llm is None:
@@ -119,7 +102,6 @@ class LazyRuntime:
         self.mode = mode
         self.defaults = dict(defaults or {})
         self.matcher = ChunkMatcher.from_index(index) if index is not None else ChunkMatcher(self.llm.tokenizer)
-        self.lock = model_lock(self.llm)
         self.last_stats: dict | None = None
         self.last_result = None  # the latest GenerationResult (token ids included)
 
@@ -129,7 +111,8 @@ class LazyRuntime:
 
     def register(self, texts: Iterable[str], ids: Iterable[str] | None = None) -> list[str]:
         """Make these texts reusable when they appear in prompts (KV encoded on first use)."""
-        return [c.chunk_id for c in self.matcher.add_many(texts, ids)]
+        with self.llm.lock:
+            return [c.chunk_id for c in self.matcher.add_many(texts, ids)]
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``(role, content)`` pairs with the model's chat template."""
@@ -145,8 +128,9 @@ class LazyRuntime:
         (only ``chunk_ids`` when given)."""
         if not reuse:
             return Plan([prompt], None, reuse="none")
-        m = self.matcher.split(prompt, chunk_ids)
-        return Plan(m.segments, self.index if m.uses_index else None, m.chunk_ids, "span_match", m.note)
+        with self.llm.lock:
+            m = self.matcher.split(prompt, chunk_ids)
+        return Plan(m.segments, self.index.chunk_source if m.uses_index else None, m.chunk_ids, "span_match", m.note)
 
     def plan_question(self, question: str, chunks: Sequence[tuple[str | None, str | None]],
                       system_prompt: str | None = None) -> Plan:
@@ -172,8 +156,8 @@ class LazyRuntime:
         if self.index is not None:
             system_prompt, instruction = self.index.prompt_settings(system_prompt)
         segments = build_rag_segments(self.tokenizer, question, segs, system_prompt, instruction)
-        kv_source = self.index if (uses_index or prefix) else None
-        return Plan(segments, kv_source, ids, "chunk_ids")
+        source = self.index.chunk_source if (uses_index or prefix) else None
+        return Plan(segments, source, ids, "chunk_ids")
 
     # -- running --------------------------------------------------------------------------------
     def generation_kwargs(self, kwargs: dict) -> dict:

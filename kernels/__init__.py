@@ -3,15 +3,19 @@
 Public API (tensor contracts in each module's docstrings; pool and page table in page_table.py):
 
     PageTable                       CSR page table: indptr, page_ids, page_pos, page_len,
-                                    rot_shift, max_pages
-    lazy_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope="rotate_k", ...)
-                                    (DEFAULT_ROPE = "rotate_q" is the recommended store/strategy;
-                                    tuning kwargs: block_n, num_warps, num_stages, split_target,
-                                    heads_per_program, multi_shift: see paged_attention.py)
+                                    rot_shift, max_pages, optional explicit slot positions
+                                    (slot_pos_row, slot_pos); PageTable.from_lists(...)
+    ROPE_MODES, DEFAULT_ROPE_MODE   how the pool stores keys ("none" / "rotate_k" / "rotate_q");
+                                    every entry point's `rope_mode` defaults to "rotate_q"
+    HIDDEN_POS                      slot_pos value hiding a slot from every query
+    lazy_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=..., ...)
+                                    (tuning kwargs: block_n, num_warps, num_stages, split_target,
+                                    num_splits: see paged_attention.py)
     plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device) -> PrefillPlan
-    lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope=..., plan=...)
-    block_gather_rotate(k_pages, v_pages, table, inv_freq, *, source=...) -> k, v, kv_len
-    block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, source=...)
+    lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope_mode=...,
+                 plan=...)
+    block_gather_rotate(k_pages, v_pages, table, inv_freq, *, rope_mode=...) -> k, v, kv_len
+    block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=...)
     copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
                                     Block-Attention's copy inside the engine pool (page_copy.py)
     paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path)
@@ -23,22 +27,15 @@ else the torch reference.
 from .block_copy import block_attention_decode, block_gather_rotate
 from .decode import lazy_decode
 from .page_copy import copy_rotate_run
-from .page_table import PageTable, ROPE_MODES, interpreting, use_triton
+from .page_table import (DEFAULT_ROPE_MODE, HIDDEN_POS, ROPE_MODES, PageTable, interpreting,
+                         use_triton)
 from .prefill import PrefillPlan, lazy_prefill, plan_prefill
 from .reference import block_gather_rotate_ref, copy_rotate_run_ref, paged_attention_ref
 from .rope import apply_rope, rope_cos_sin, rotate
 
-# Default RoPE strategy of the engine (set from benchmarks/kernels.py on the GPU): the KV store
-# format the engine should use, and the `rope` to pass to lazy_decode / lazy_prefill. Changed from
-# "rotate_k" to "rotate_q" (chunk-local store, query rotated once per chunk) after the H200
-# measurements: rotate_q decode costs <= 2% over rope="none" at batch >= 32, context >= 8k, while
-# rotate_k pays ~29% for per-key cos/sin (SFU) and staging keys through registers. The entry
-# points' own `rope=` defaults are unchanged ("rotate_k") so existing callers keep their meaning.
-DEFAULT_ROPE = "rotate_q"
-
 __all__ = [
-    "PageTable", "ROPE_MODES", "DEFAULT_ROPE", "lazy_decode", "lazy_prefill", "plan_prefill",
-    "PrefillPlan", "block_gather_rotate", "block_attention_decode", "paged_attention_ref",
-    "block_gather_rotate_ref", "copy_rotate_run", "copy_rotate_run_ref", "apply_rope", "rope_cos_sin", "rotate", "interpreting",
-    "use_triton",
+    "PageTable", "ROPE_MODES", "DEFAULT_ROPE_MODE", "HIDDEN_POS", "lazy_decode", "lazy_prefill",
+    "plan_prefill", "PrefillPlan", "block_gather_rotate", "block_attention_decode",
+    "paged_attention_ref", "block_gather_rotate_ref", "copy_rotate_run", "copy_rotate_run_ref",
+    "apply_rope", "rope_cos_sin", "rotate", "interpreting", "use_triton",
 ]

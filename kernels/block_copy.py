@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .page_table import PageTable, ROPE_MODES, interpreting, use_triton
-from .reference import block_gather_rotate_ref
+from .page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, rope_mode_code, use_triton
+from .reference import block_gather_rotate_ref, refuse_slot_pos
 from .rope import apply_rope, cos_sin
 
 
@@ -23,7 +23,7 @@ def _gather_rotate_kernel(
     PAGE_IDS, PAGE_POS, PAGE_LEN, ROT_SHIFT, ENTRY_SEQ, DST,
     KO, VO, stride_ob, stride_oh, stride_ot,
     INV_FREQ, rope_scale,
-    HALF: tl.constexpr, BLOCK_T: tl.constexpr, SOURCE: tl.constexpr, FAST_TRIG: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, ROPE_MODE: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     e = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -41,9 +41,9 @@ def _gather_rotate_kernel(
     k2 = tl.load(K + k_off + HALF, mask=ok[:, None], other=0.0)
     v = tl.load(V + pid * stride_vp + kvh * stride_vh + off[:, None] * stride_vt + dfull[None, :],
                 mask=ok[:, None], other=0.0)
-    if SOURCE != 0:
+    if ROPE_MODE != 0:
         freq = tl.load(INV_FREQ + dh)
-        if SOURCE == 1:   # unrotated store: rotate by the logical position, scaled
+        if ROPE_MODE == 1:   # unrotated store: rotate by the logical position, scaled
             ang = (tl.load(PAGE_POS + e) + off).to(tl.float32)[:, None] * freq[None, :]
             c, s = cos_sin(ang, FAST_TRIG)
             c = c * rope_scale
@@ -63,21 +63,24 @@ def _gather_rotate_kernel(
 
 
 def block_gather_rotate(k_pages: torch.Tensor, v_pages: torch.Tensor, table: PageTable,
-                        inv_freq: torch.Tensor, *, source: str = "rotate_k",
+                        inv_freq: torch.Tensor, *, rope_mode: str = DEFAULT_ROPE_MODE,
                         attention_scaling: float = 1.0, max_len: int | None = None,
                         zero_pad: bool = True):
     """Materialise per-sequence contiguous K/V with keys rotated at their logical positions.
 
-    source: how the pool stores keys ("rotate_k" unrotated, "rotate_q" chunk-local rotation with
-    table.rot_shift, "none" already rotated: plain gather). Sequence b's tokens land in table
-    order. max_len: T of the output (default table.max_pages * page_size, no host sync).
+    rope_mode: how the pool stores keys ("rotate_q" chunk-local rotation with table.rot_shift,
+    "rotate_k" unrotated, "none" already rotated: plain gather). Sequence b's tokens land in
+    table order. max_len: T of the output (default table.max_pages * page_size, no host sync).
+    A table with explicit slot positions is refused (ValueError).
     Returns k, v [B, Hkv, T, D] (pool dtype; past kv_len zeros if zero_pad else undefined) and
     kv_len [B] int32.
     """
     if not use_triton(k_pages):
-        k, v, kv_len, _ = block_gather_rotate_ref(k_pages, v_pages, table, inv_freq, source,
+        k, v, kv_len, _ = block_gather_rotate_ref(k_pages, v_pages, table, inv_freq, rope_mode,
                                                   attention_scaling, max_len)
         return k, v, kv_len
+    refuse_slot_pos(table, "block_gather_rotate")
+    mode = rope_mode_code(rope_mode, table)
     num_pages, Hkv, page, D = k_pages.shape
     B = table.batch_size
     T = max_len if max_len is not None else table.max_pages * page
@@ -104,22 +107,23 @@ def block_gather_rotate(k_pages: torch.Tensor, v_pages: torch.Tensor, table: Pag
             table.page_ids, table.page_pos, table.page_len, rot, entry_seq, dst,
             ko, vo, ko.stride(0), ko.stride(1), ko.stride(2),
             inv_freq, float(attention_scaling),
-            HALF=D // 2, BLOCK_T=block_t, SOURCE=ROPE_MODES[source],
+            HALF=D // 2, BLOCK_T=block_t, ROPE_MODE=mode,
             FAST_TRIG=k_pages.is_cuda, **meta)
     return ko, vo, kv_len.to(torch.int32)
 
 
 def block_attention_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                            table: PageTable, q_pos: torch.Tensor, inv_freq: torch.Tensor, *,
-                           source: str = "rotate_k", attention_scaling: float = 1.0,
+                           rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                            sm_scale: float | None = None, max_len: int | None = None,
                            equal_lengths: bool = False) -> torch.Tensor:
     """Block-Attention decode end to end: fused gather + re-rotate, rotate q at q_pos, SDPA.
 
-    q [B, H, D] unrotated; returns [B, H, D]. equal_lengths=True (every sequence has exactly
-    max_len tokens) skips the padding mask and the zero fill.
+    q [B, H, D] unrotated; rope_mode: how the pool stores keys (as block_gather_rotate); returns
+    [B, H, D]. equal_lengths=True (every sequence has exactly max_len tokens) skips the padding
+    mask and the zero fill.
     """
-    k, v, kv_len = block_gather_rotate(k_pages, v_pages, table, inv_freq, source=source,
+    k, v, kv_len = block_gather_rotate(k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
                                        attention_scaling=attention_scaling, max_len=max_len,
                                        zero_pad=not equal_lengths)
     qr = apply_rope(q, q_pos, inv_freq, attention_scaling)          # [B, H, D]

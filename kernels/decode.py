@@ -11,38 +11,43 @@ from __future__ import annotations
 import torch
 
 from . import paged_attention
-from .page_table import PageTable, use_triton
+from .page_table import DEFAULT_ROPE_MODE, PageTable, use_triton
 from .reference import paged_attention_ref
 
 
 def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: PageTable,
-                q_pos: torch.Tensor, inv_freq: torch.Tensor, *, rope: str = "rotate_k",
-                attention_scaling: float = 1.0, sm_scale: float | None = None,
-                num_splits: int | None = None, out: torch.Tensor | None = None,
-                **tuning) -> torch.Tensor:
+                q_pos: torch.Tensor, inv_freq: torch.Tensor, *,
+                rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
+                sm_scale: float | None = None, num_splits: int | None = None,
+                out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
     """Decode attention.
 
-    q        [B, H, D]   new token's query (unrotated; rope="none": already rotated), H % Hkv == 0
+    q        [B, H, D]   new token's query (unrotated; rope_mode="none": already rotated),
+                         H % Hkv == 0
     k_pages, v_pages     [num_pages, Hkv, page_size, D] pool, same dtype as q
-    table    PageTable   B sequences (see page_table.py); the new token's own K/V must already
-                         be in a page listed for it (it attends to itself)
+    table    PageTable   B sequences (see page_table.py, explicit slot positions included); the
+                         new token's own K/V must already be in a page listed for it (it attends
+                         to itself)
     q_pos    [B] int32   logical position of each new token
     inv_freq [D/2] fp32  model's RoPE inverse frequencies; attention_scaling multiplies cos/sin
-    rope     "rotate_k" (keys stored unrotated), "rotate_q" (keys at chunk-local rotation,
-             table.rot_shift), "none" (q and keys already rotated)
+    rope_mode            how the pool stores keys: "rotate_q" (the default: chunk-local
+                         rotation, table.rot_shift), "rotate_k" (unrotated), "none" (q and keys
+                         already rotated)
+    num_splits, tuning   split-KV programs per sequence; block_n, num_warps, num_stages,
+                         split_target (paged_attention.launch)
     Returns  [B, H, D] in q.dtype (written into `out` if given).
     """
     B = q.shape[0]
     if not use_triton(q):
         qo = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-        res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq, rope,
-                                  attention_scaling, sm_scale)
+        res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq,
+                                  rope_mode, attention_scaling, sm_scale)
         if out is not None:
             out.copy_(res)
             return out
         return res
     ar = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return paged_attention.launch(
-        q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope=rope,
+        q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=ar[:B], tile_q0=ar[:B],
         block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out, **tuning)

@@ -8,7 +8,10 @@ K/V tile is read once per KV head whatever the GQA ratio. Decode is BLOCK_M = 1 
 
 A KV tile is PPT consecutive entries of the sequence's page list (BLOCK_N = PPT * PAGE_SIZE
 keys, rounded up to a power of two; the rest masked). Key n of the tile is token n % PAGE of
-entry n // PAGE; its logical position is page_pos + n % PAGE.
+entry n // PAGE; its logical position is page_pos + n % PAGE, or, with HAS_SLOT_POS (the table
+has explicit slot positions, page_table.py), slot_pos[row, n % PAGE] for an entry with a row;
+hidden slots are masked out like a page's tail. Without explicit positions HAS_SLOT_POS is
+False and the kernel is the one it was before they existed.
 
 RoPE (ROPE_MODE):
   0 none      q and keys used as given (keys stored rotated at logical positions).
@@ -20,23 +23,17 @@ RoPE (ROPE_MODE):
               differs from s0 (a chunk boundary inside the tile) get their scores from a second
               pair of QK dots with the query rotated by (m - s_j), so every score uses the
               reference's exact fp32 angle (rotating those keys by s_j - s0 instead would cost
-              fp32 angle error proportional to |s_j - s0|). MULTI_SHIFT picks how: with two pages
-              per tile (page 64, 128 keys: the GPU decode case) a uniform scalar `if s1 != s0`
-              (variant 3); with more pages per tile a `while` loop over the distinct shifts
-              (variant 2). The while loop is exact but stops Triton from software-pipelining the
-              KV loop (no cp.async in the PTX): on an H200 it cost +34% in decode (B32 x 8k:
-              342 us vs 257 us with variant 3 vs 255 us for rope="none").
+              fp32 angle error proportional to |s_j - s0|). MULTI_SHIFT picks how, from the
+              tile shape: 0 with one page per tile (nothing to do); 3 with two pages per tile
+              in decode (page 64, 128 keys: the GPU decode case), a uniform scalar
+              `if s1 != s0`; 2 otherwise, a `while` loop over the tile's distinct shifts. The
+              while loop is exact but stops Triton from software-pipelining the KV loop (no
+              cp.async in the PTX): on an H200 it cost +34% in decode (B32 x 8k: 342 us vs
+              257 us with variant 3 vs 255 us for rope_mode="none").
 
-Multi-head programs (heads_per_program = HG > 1): one program covers HG consecutive KV heads,
-with rows = HG x G query heads; cos/sin of a key tile is computed once for the HG heads and each
-head's scores are selected by row. Correct and tested, but slower on the H200 (bigger per-stage
-shared memory, fewer programs): not the default.
-
-Timing probes (DIAG, measured on the H200 at B32 x 8k, see BENCHMARKS.md): 1 = rotate_k with
-cos/sin replaced by two FMAs (same loads and rotation), 2 = rotate_k with keys only staged
-through fp32 registers. An optional `cos_sin_table` ([n_pos, D] fp32/bf16, cos | sin halves
-at positions 0..n_pos-1; the caller must cover every key position, the kernel clamps) replaces
-the in-kernel cos/sin by loads; slower on the H200 (L2 traffic), kept for measurement.
+History: on the H200 (B32 x 8k, BENCHMARKS.md) rotating the query in every tile, both second-page
+dots unconditionally, cos/sin tables and programs covering several KV heads were all measured
+slower than the choices above, and were removed.
 
 Online softmax in base 2 (fp32); output either written directly (one split) or as per-split
 fp32 partials + log2-sum-exp merged by _merge_kernel (flash-decoding).
@@ -49,17 +46,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .page_table import PageTable, ROPE_MODES, interpreting
+from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .rope import cos_sin
+
+
+@triton.jit
+def _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """Query halves rotated by the angle rel_pos * freq (fp32 angle and cos/sin, times
+    rope_scale), cast to the pool dtype for tl.dot. Inlined by Triton at each call."""
+    c, s = cos_sin(rel_pos.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
+    c = c * rope_scale
+    s = s * rope_scale
+    return (q1 * c - q2 * s).to(dtype), (q2 * c + q1 * s).to(dtype)
 
 
 @triton.jit
 def _paged_attn_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
-    INDPTR, PAGE_IDS, PAGE_POS, PAGE_LEN, ROT_SHIFT,
+    INDPTR, PAGE_IDS, PAGE_POS, PAGE_LEN, ROT_SHIFT, SLOT_POS_ROW, SLOT_POS, stride_sp,
     TILE_SEQ, TILE_Q0, QO_INDPTR, QPOS,
-    INV_FREQ, rope_scale, qk_scale_log2, CS_TAB, cs_tab_len,
+    INV_FREQ, rope_scale, qk_scale_log2,
     O, stride_ot, stride_oh,
     PO, stride_pot, stride_poh, stride_pos,
     LSE, stride_lt, stride_lh,
@@ -67,11 +74,10 @@ def _paged_attn_kernel(
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HALF: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ROPE_MODE: tl.constexpr, FAST_TRIG: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PREC: tl.constexpr, QROT_CACHE: tl.constexpr, HG: tl.constexpr,
-    MULTI_SHIFT: tl.constexpr, USE_TAB: tl.constexpr, DIAG: tl.constexpr,
+    DOT_PREC: tl.constexpr, MULTI_SHIFT: tl.constexpr, HAS_SLOT_POS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    kvg = tl.program_id(1)       # group of HG consecutive KV heads
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     dtype = K.dtype.element_ty
 
@@ -80,12 +86,11 @@ def _paged_attn_kernel(
     q_end = tl.load(QO_INDPTR + b + 1)
 
     r = tl.arange(0, ROWS)
-    t = r // (GP * HG)
-    rh = (r // GP) % HG           # KV head of the row within the group
+    t = r // GP
     h = r % GP
     qi = q0 + t
     row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
-    head = (kvg * HG + rh) * G + h
+    head = kvh * G + h
     dh = tl.arange(0, HALF)
     dfull = tl.arange(0, 2 * HALF)
 
@@ -96,11 +101,7 @@ def _paged_attn_kernel(
     freq = tl.load(INV_FREQ + dh)
 
     if ROPE_MODE == 1:
-        c, s = cos_sin(qp.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-        c = c * rope_scale
-        s = s * rope_scale
-        qa = (q1 * c - q2 * s).to(dtype)
-        qb = (q2 * c + q1 * s).to(dtype)
+        qa, qb = _rotate_query(q1, q2, qp, freq, rope_scale, dtype, FAST_TRIG)
     else:
         qa = q1.to(dtype)
         qb = q2.to(dtype)
@@ -128,115 +129,69 @@ def _paged_attn_kernel(
         ppos = tl.load(PAGE_POS + e, mask=e_ok, other=0)
         k_ok = e_ok & (off < plen)
         kpos = ppos + off
+        if HAS_SLOT_POS:
+            # an entry with row >= 0 takes its keys' positions from SLOT_POS; hidden slots
+            # (HIDDEN_POS) leave k_ok: never loaded, never visible
+            srow = tl.load(SLOT_POS_ROW + e, mask=e_ok, other=-1)
+            explicit = k_ok & (srow >= 0)
+            xpos = tl.load(SLOT_POS + srow.to(tl.int64) * stride_sp + off, mask=explicit,
+                           other=0)
+            kpos = tl.where(explicit, xpos, kpos)
+            k_ok = k_ok & (kpos != 2147483647)
         k_base = pid.to(tl.int64)[:, None] * stride_kp + off[:, None] * stride_kt + dh[None, :]
         v_base = pid.to(tl.int64)[:, None] * stride_vp + off[:, None] * stride_vt \
             + dfull[None, :]
 
         if ROPE_MODE == 1:
-            # cos/sin of the tile's keys: once per key and frequency, shared by the HG KV heads
-            # of the program and the G query heads of each.
-            if USE_TAB:
-                tab = tl.minimum(kpos, cs_tab_len - 1).to(tl.int64)[:, None] * (2 * HALF) \
-                    + dh[None, :]
-                ck = tl.load(CS_TAB + tab, mask=k_ok[:, None], other=0.0).to(tl.float32)
-                sk = tl.load(CS_TAB + tab + HALF, mask=k_ok[:, None], other=0.0).to(tl.float32)
-            elif DIAG == 1:     # timing probe: no trig, same rotation
-                ang = kpos.to(tl.float32)[:, None] * freq[None, :]
-                ck = 1.0 - ang * 1e-30
-                sk = ang * 1e-30
-            elif DIAG != 2:
-                ck, sk = cos_sin(kpos.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-                ck = ck * rope_scale
-                sk = sk * rope_scale
+            # cos/sin of the tile's keys: once per key and frequency, shared by the G query
+            # heads of the KV head
+            ck, sk = cos_sin(kpos.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
+            ck = ck * rope_scale
+            sk = sk * rope_scale
         elif ROPE_MODE == 2:
             s0 = tl.load(ROT_SHIFT + e0)
-            if QROT_CACHE:
-                if s0 != cur_shift:
-                    cq, sq = cos_sin((qp - s0).to(tl.float32)[:, None] * freq[None, :],
-                                     FAST_TRIG)
-                    cq = cq * rope_scale
-                    sq = sq * rope_scale
-                    qa = (q1 * cq - q2 * sq).to(dtype)
-                    qb = (q2 * cq + q1 * sq).to(dtype)
-                    cur_shift = s0
-            else:   # rotate every tile: ROWS x D/2 cos/sin, no branch in the loop body
-                cq, sq = cos_sin((qp - s0).to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-                cq = cq * rope_scale
-                sq = sq * rope_scale
-                qa = (q1 * cq - q2 * sq).to(dtype)
-                qb = (q2 * cq + q1 * sq).to(dtype)
+            if s0 != cur_shift:      # a new chunk: rotate the query once for all its tiles
+                qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, dtype, FAST_TRIG)
+                cur_shift = s0
             if MULTI_SHIFT == 3:
                 s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
-            if MULTI_SHIFT == 1:
-                # PPT == 2: the second page may start a new chunk. Its keys always get their
-                # scores from the query rotated by their own shift (identical to the first
-                # dot's when the shifts agree), with no data-dependent control flow.
-                s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
-                c1, s1n = cos_sin((qp - s1).to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-                c1 = c1 * rope_scale
-                s1n = s1n * rope_scale
-                qa1 = (q1 * c1 - q2 * s1n).to(dtype)
-                qb1 = (q2 * c1 + q1 * s1n).to(dtype)
 
-        sc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for hh in tl.static_range(HG):
-            kvh = kvg * HG + hh
-            k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_ok[:, None], other=0.0)
-            k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
-            if ROPE_MODE == 1:
-                k1f = k1.to(tl.float32)
-                k2f = k2.to(tl.float32)
-                if DIAG == 2:   # timing probe: register round trip only, no trig/rotation
-                    k1 = (k1f * rope_scale).to(dtype)
-                    k2 = (k2f * rope_scale).to(dtype)
-                else:
-                    k1 = (k1f * ck - k2f * sk).to(dtype)
-                    k2 = (k2f * ck + k1f * sk).to(dtype)
-            sch = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
-            sch = tl.dot(qb, tl.trans(k2), acc=sch, input_precision=DOT_PREC)
-            if ROPE_MODE == 2:
-                if MULTI_SHIFT == 1:
+        k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_ok[:, None], other=0.0)
+        k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
+        if ROPE_MODE == 1:
+            k1f = k1.to(tl.float32)
+            k2f = k2.to(tl.float32)
+            k1 = (k1f * ck - k2f * sk).to(dtype)
+            k2 = (k2f * ck + k1f * sk).to(dtype)
+        sc = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
+        sc = tl.dot(qb, tl.trans(k2), acc=sc, input_precision=DOT_PREC)
+        if ROPE_MODE == 2:
+            if MULTI_SHIFT == 3:
+                # PPT == 2: redo the dots for the second page only when it starts a new
+                # chunk (a uniform scalar branch: keeps the loop software-pipelined).
+                if s1 != s0:
+                    qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, dtype,
+                                             FAST_TRIG)
                     sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
                     sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
-                    sch = tl.where((slot == 1)[None, :], sc1, sch)
-                elif MULTI_SHIFT == 3:
-                    # PPT == 2: redo the dots for the second page only when it starts a new
-                    # chunk (a uniform scalar branch: keeps the loop software-pipelined).
-                    if s1 != s0:
-                        c1, s1n = cos_sin((qp - s1).to(tl.float32)[:, None] * freq[None, :],
-                                          FAST_TRIG)
-                        c1 = c1 * rope_scale
-                        s1n = s1n * rope_scale
-                        qa1 = (q1 * c1 - q2 * s1n).to(dtype)
-                        qb1 = (q2 * c1 + q1 * s1n).to(dtype)
-                        sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
-                        sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
-                        sch = tl.where((slot == 1)[None, :], sc1, sch)
-                elif MULTI_SHIFT == 2:
-                    # PPT > 2 (small pages): keys of the tile whose page shift differs from
-                    # s0 get their scores from the query rotated by their own shift, one extra
-                    # pair of dots per distinct shift, so every score uses angle (m - s_j) * f
-                    # computed exactly as the reference does. (Rotating those keys by s_j - s0
-                    # instead would cost fp32 angle error proportional to |s_j - s0|.)
-                    sh = tl.load(ROT_SHIFT + e, mask=k_ok, other=0)
-                    todo = k_ok & (sh != s0)
-                    while tl.max(todo.to(tl.int32), axis=0) > 0:
-                        su = tl.min(tl.where(todo, sh, 2147483647), axis=0)
-                        cu, su_sin = cos_sin((qp - su).to(tl.float32)[:, None] * freq[None, :],
+                    sc = tl.where((slot == 1)[None, :], sc1, sc)
+            elif MULTI_SHIFT == 2:
+                # PPT > 2 (small pages): keys of the tile whose page shift differs from
+                # s0 get their scores from the query rotated by their own shift, one extra
+                # pair of dots per distinct shift, so every score uses angle (m - s_j) * f
+                # computed exactly as the reference does. (Rotating those keys by s_j - s0
+                # instead would cost fp32 angle error proportional to |s_j - s0|.)
+                sh = tl.load(ROT_SHIFT + e, mask=k_ok, other=0)
+                todo = k_ok & (sh != s0)
+                while tl.max(todo.to(tl.int32), axis=0) > 0:
+                    su = tl.min(tl.where(todo, sh, 2147483647), axis=0)
+                    qa2, qb2 = _rotate_query(q1, q2, qp - su, freq, rope_scale, dtype,
                                              FAST_TRIG)
-                        cu = cu * rope_scale
-                        su_sin = su_sin * rope_scale
-                        qa2 = (q1 * cu - q2 * su_sin).to(dtype)
-                        qb2 = (q2 * cu + q1 * su_sin).to(dtype)
-                        sc2 = tl.dot(qa2, tl.trans(k1), input_precision=DOT_PREC)
-                        sc2 = tl.dot(qb2, tl.trans(k2), acc=sc2, input_precision=DOT_PREC)
-                        sel = todo & (sh == su)
-                        sch = tl.where(sel[None, :], sc2, sch)
-                        todo = todo & (sh != su)
-            if HG == 1:
-                sc = sch
-            else:
-                sc = tl.where((rh == hh)[:, None], sch, sc)
+                    sc2 = tl.dot(qa2, tl.trans(k1), input_precision=DOT_PREC)
+                    sc2 = tl.dot(qb2, tl.trans(k2), acc=sc2, input_precision=DOT_PREC)
+                    sel = todo & (sh == su)
+                    sc = tl.where(sel[None, :], sc2, sc)
+                    todo = todo & (sh != su)
         sc = sc * qk_scale_log2
         vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
         sc = tl.where(vis, sc, float("-inf"))
@@ -245,13 +200,8 @@ def _paged_attn_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        for hh in tl.static_range(HG):
-            v = tl.load(V + v_base + (kvg * HG + hh) * stride_vh, mask=k_ok[:, None], other=0.0)
-            if HG == 1:
-                ph = p.to(dtype)
-            else:
-                ph = tl.where((rh == hh)[:, None], p, 0.0).to(dtype)
-            acc = tl.dot(ph, v, acc=acc, input_precision=DOT_PREC)
+        v = tl.load(V + v_base + kvh * stride_vh, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(dtype), v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0
@@ -297,29 +247,47 @@ def _num_sms(device) -> int:
     return 4
 
 
-def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *, rope: str,
+def _multi_shift_variant(rope_mode_code: int, pages_per_tile: int, rows: int) -> int:
+    """How rotate_q handles a tile whose pages have different rot_shifts (module docstring):
+    0 nothing to handle (not rotate_q, or one page per tile), 3 two pages per tile in decode
+    (uniform scalar branch), 2 otherwise (while loop over the tile's distinct shifts)."""
+    if rope_mode_code != ROPE_MODES["rotate_q"] or pages_per_tile == 1:
+        return 0
+    # Prefill keeps the while loop, as last benchmarked: the H200 probe of 3 in prefill was
+    # 16-42% faster at B1 / +32 tokens but 4% slower at B16 +512 (prefill_sweep records in
+    # benchmarks/results/kernels_h200.json).
+    return 3 if pages_per_tile == 2 and rows <= 64 else 2
+
+
+def _slot_pos_args(table: PageTable, page: int, dummy: torch.Tensor):
+    """SLOT_POS_ROW, SLOT_POS, its row stride (dummies when the table has no explicit rows)."""
+    if not table.has_slot_pos:
+        return dummy, dummy, 0
+    sp = table.slot_pos
+    assert sp.dim() == 2 and (sp.shape[0] == 0 or (sp.shape[1] == page and sp.stride(1) == 1)), \
+        "slot_pos: [m, page_size] int32, unit stride along slots"
+    assert table.slot_pos_row.dtype == sp.dtype == torch.int32
+    return table.slot_pos_row, sp, sp.stride(0)
+
+
+def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *, rope_mode: str,
            attention_scaling: float, sm_scale: float | None, tile_seq, tile_q0, block_m: int,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, split_target: float = 2.0,
-           qrot_cache: bool = True, heads_per_program: int = 1,
-           multi_shift: int | None = None, cos_sin_table: torch.Tensor | None = None,
-           diag: int = 0):
+           num_stages: int | None = None, split_target: float = 2.0):
     """Shared launcher. q [Tq, H, D]; tile_seq / tile_q0 [num_q_tiles] int32 (sequence and first
-    query row of each query tile); max_tiles_hint: host-side max page entries of a sequence."""
+    query row of each query tile); max_tiles_hint: host-side max page entries of a sequence.
+    Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
+    num_splits (split-KV programs per sequence; None: about split_target programs per SM)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
     assert k_pages.dtype == v_pages.dtype == q.dtype
-    mode = ROPE_MODES[rope]
-    if mode == 2 and table.rot_shift is None:
-        raise ValueError("rope='rotate_q' needs table.rot_shift")
+    mode = rope_mode_code(rope_mode, table)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
-    hg = heads_per_program
-    assert Hkv % hg == 0 and hg & (hg - 1) == 0, "heads_per_program: power of 2 dividing Hkv"
-    rows = max(16, block_m * GP * hg)
+    rows = max(16, block_m * GP)
     interp = interpreting() and not q.is_cuda
     if block_n is None:   # H200 sweep (B32 x 8k, d128, page 64): 128 keys/tile, 4 warps best
         block_n = 32 if interp else 128
@@ -329,7 +297,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     n_q_tiles = tile_seq.numel()
     if num_splits is None:
         target = int(split_target * _num_sms(q.device))
-        num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_q_tiles * (Hkv // hg))))
+        num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_q_tiles * Hkv)))
     num_splits = max(1, min(num_splits, n_kv_tiles, 64))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
     num_splits = triton.cdiv(n_kv_tiles, tiles_per_split)
@@ -348,6 +316,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         l_strides = (lse.stride(0), lse.stride(1))
     scale = D ** -0.5 if sm_scale is None else sm_scale
     rot = table.rot_shift if table.rot_shift is not None else table.page_pos
+    slot_row, slot_pos, stride_sp = _slot_pos_args(table, page, table.page_pos)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     meta = {}
     if not interp:
@@ -355,35 +324,23 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         # 8 warps, 2 stages.
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
         meta["num_stages"] = num_stages or (3 if rows <= 64 else 2)
-    if multi_shift is None:
-        # 0: one page per tile, one shift. 3: two pages, uniform branch (decode; keeps the loop
-        # pipelined). 2: the general while loop (small pages, and prefill, as last benchmarked;
-        # the H200 probe of 3 in prefill: 16-42% faster at B1 / +32 tokens, 4% slower at
-        # B16 +512, see prefill_sweep in benchmarks/results/kernels_h200.json). Variant 1 (both
-        # dots unconditionally) runs out of shared memory at prefill's 256 rows.
-        multi_shift = 0 if ppt == 1 else (3 if ppt == 2 and rows <= 64 else 2)
-    if mode != 2:
-        multi_shift = 0
-    if cos_sin_table is not None:
-        tab, tab_len = cos_sin_table, cos_sin_table.shape[0]
-    else:
-        tab, tab_len = inv_freq, 1
-    grid = (n_q_tiles, Hkv // hg, num_splits)
+    grid = (n_q_tiles, Hkv, num_splits)
     global LAST_KERNEL
     LAST_KERNEL = _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         table.indptr, table.page_ids, table.page_pos, table.page_len, rot,
+        slot_row, slot_pos, stride_sp,
         tile_seq, tile_q0, qo_indptr, q_pos,
-        inv_freq, float(attention_scaling), float(scale * math.log2(math.e)), tab, tab_len,
+        inv_freq, float(attention_scaling), float(scale * math.log2(math.e)),
         out, out.stride(0), out.stride(1),
         po, *po_strides, lse, *l_strides,
         tiles_per_split,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
-        QROT_CACHE=qrot_cache, HG=hg, MULTI_SHIFT=multi_shift,
-        USE_TAB=cos_sin_table is not None, DIAG=diag, **meta,
+        MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
+        **meta,
     )
     if not direct:
         _merge_kernel[(Tq, H)](po, po.stride(0), po.stride(1), lse, lse.stride(0), lse.stride(1),

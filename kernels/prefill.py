@@ -2,9 +2,9 @@
 paged, position-free KV pool, variable lengths across the batch.
 
 The new tokens' own K/V must already be appended to pages listed in the table for their
-sequence (stored like any other page: unrotated for rope="rotate_k", rotated at logical
-positions with rot_shift 0 for rope="rotate_q"); attention to themselves is then causal through
-the visibility rule (key position <= query position).
+sequence (stored like any other page: unrotated for rope_mode="rotate_k", rotated at logical
+positions with rot_shift 0 for rope_mode="rotate_q"); attention to themselves is then causal
+through the visibility rule (key position <= query position).
 
 `plan_prefill` turns qo_indptr into the list of query tiles once per batch shape (host side);
 `lazy_prefill` runs every layer with it.
@@ -17,7 +17,7 @@ import torch
 import triton
 
 from . import paged_attention
-from .page_table import PageTable, use_triton
+from .page_table import DEFAULT_ROPE_MODE, PageTable, use_triton
 from .reference import paged_attention_ref
 
 
@@ -54,22 +54,24 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
 
 def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  k_pages: torch.Tensor, v_pages: torch.Tensor, table: PageTable,
-                 inv_freq: torch.Tensor, *, rope: str = "rotate_k", attention_scaling: float = 1.0,
-                 sm_scale: float | None = None, plan: PrefillPlan | None = None,
-                 num_splits: int | None = None, out: torch.Tensor | None = None,
-                 **tuning) -> torch.Tensor:
+                 inv_freq: torch.Tensor, *, rope_mode: str = DEFAULT_ROPE_MODE,
+                 attention_scaling: float = 1.0, sm_scale: float | None = None,
+                 plan: PrefillPlan | None = None, num_splits: int | None = None,
+                 out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
     """Prefill / append attention.
 
-    q          [Tq, H, D]  new tokens of all sequences, packed (unrotated unless rope="none")
+    q          [Tq, H, D]  new tokens of all sequences, packed (unrotated unless
+                           rope_mode="none")
     qo_indptr  [B+1] int32 sequence b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1
     q_pos      [Tq] int32  logical position of every new token
-    k_pages, v_pages, table, inv_freq, rope, attention_scaling, sm_scale: as lazy_decode
+    k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
+    tuning: as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
     Returns    [Tq, H, D] in q.dtype.
     """
     if not use_triton(q):
-        res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope,
-                                  attention_scaling, sm_scale)
+        res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
+                                  rope_mode, attention_scaling, sm_scale)
         if out is not None:
             out.copy_(res)
             return out
@@ -77,7 +79,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device)
     return paged_attention.launch(
-        q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope=rope,
+        q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
         num_splits=num_splits, out=out, **tuning)

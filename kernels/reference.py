@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from .page_table import PageTable
+from .page_table import DEFAULT_ROPE_MODE, HIDDEN_POS, PageTable
 from .rope import rope_cos_sin, rotate
 
 
 def gather_tokens(k_pages, v_pages, table: PageTable, b: int):
-    """Sequence b's keys/values in table order: k, v [n, Hkv, D], pos [n], shift [n] (int64)."""
+    """Sequence b's keys/values in table order: k, v [n, Hkv, D], pos [n], shift [n] (int64).
+
+    pos is each slot's logical position: page_pos + slot, or its explicit slot_pos where the
+    entry has a row (HIDDEN_POS for a hidden slot: the caller drops those)."""
     s, e = int(table.indptr[b]), int(table.indptr[b + 1])
     dev = k_pages.device
     ids = table.page_ids[s:e].long().to(dev)
@@ -28,6 +31,11 @@ def gather_tokens(k_pages, v_pages, table: PageTable, b: int):
     k = k_pages[page, :, off]          # [n, Hkv, D]
     v = v_pages[page, :, off]
     pos = pos0[tok_entry] + off
+    if table.has_slot_pos and table.slot_pos.shape[0] > 0:
+        # an entry with row r >= 0 takes slot j's position from slot_pos[r, j]
+        row = table.slot_pos_row[s:e].long().to(dev)[tok_entry]
+        explicit = table.slot_pos.long().to(dev)[row.clamp_min(0), off]
+        pos = torch.where(row >= 0, explicit, pos)
     if table.rot_shift is not None:
         shift = table.rot_shift[s:e].long().to(dev)[tok_entry]
     else:
@@ -35,16 +43,33 @@ def gather_tokens(k_pages, v_pages, table: PageTable, b: int):
     return k, v, pos, shift
 
 
+def visible_tokens(k_pages, v_pages, table: PageTable, b: int):
+    """gather_tokens without the hidden slots (never read: their K/V may hold anything)."""
+    k, v, pos, shift = gather_tokens(k_pages, v_pages, table, b)
+    keep = pos != HIDDEN_POS
+    return k[keep], v[keep], pos[keep], shift[keep]
+
+
+def refuse_slot_pos(table: PageTable, what: str) -> None:
+    """The Block-Attention copies lay tokens out in table order at page_pos + slot; they have no
+    use for explicit slot positions, so a table that carries them is an error there."""
+    if table.has_slot_pos:
+        raise ValueError(f"{what} does not support explicit slot positions (table.slot_pos): "
+                         "use lazy_decode / lazy_prefill / paged_attention_ref")
+
+
 def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
-                        rope: str = "rotate_k", attention_scaling: float = 1.0,
+                        rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                         sm_scale: float | None = None, compute_dtype=torch.float32):
     """Attention of new tokens over a paged, position-free KV pool.
 
-    q [Tq, H, D] (unrotated, except rope="none": already rotated), qo_indptr [B+1] (sequence b's
-    queries are rows qo_indptr[b]..qo_indptr[b+1]-1), q_pos [Tq] logical positions.
-    rope: "rotate_k" keys stored unrotated, rotated at their logical positions;
-          "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by (m - rot_shift);
-          "none"     q and keys already rotated.
+    q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
+    (sequence b's queries are rows qo_indptr[b]..qo_indptr[b+1]-1), q_pos [Tq] logical positions.
+    Explicit slot positions (table.slot_pos) are honoured; hidden slots are dropped.
+    rope_mode: "rotate_k" keys stored unrotated, rotated at their logical positions;
+               "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by
+                          (m - rot_shift);
+               "none"     q and keys already rotated.
     Returns [Tq, H, D] in q.dtype. A query with no visible key gets zeros.
     """
     Tq, H, D = q.shape
@@ -57,21 +82,21 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
         qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if qe == qs:
             continue
-        k, v, kpos, kshift = gather_tokens(k_pages, v_pages, table, b)
+        k, v, kpos, kshift = visible_tokens(k_pages, v_pages, table, b)
         k = k.to(q.device).repeat_interleave(G, dim=1)        # [n, H, D]
         v = v.to(q.device).repeat_interleave(G, dim=1).to(compute_dtype)
         kpos, kshift = kpos.to(q.device), kshift.to(q.device)
         qb = q[qs:qe]
         mpos = q_pos[qs:qe].long().to(q.device)
-        if rope == "none":
+        if rope_mode == "none":
             scores = torch.einsum("thd,nhd->htn", qb.to(compute_dtype), k.to(compute_dtype))
-        elif rope == "rotate_k":
+        elif rope_mode == "rotate_k":
             cq, sq = rope_cos_sin(mpos, inv_freq, attention_scaling)
             ck, sk = rope_cos_sin(kpos, inv_freq, attention_scaling)
             qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
             kr = rotate(k, ck[:, None], sk[:, None]).to(compute_dtype)
             scores = torch.einsum("thd,nhd->htn", qr, kr)
-        elif rope == "rotate_q":
+        elif rope_mode == "rotate_q":
             scores = torch.empty(H, qe - qs, k.shape[0], dtype=compute_dtype, device=q.device)
             kc = k.to(compute_dtype)
             for u in torch.unique(kshift).tolist():
@@ -80,7 +105,7 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
                 qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
                 scores[:, :, sel] = torch.einsum("thd,nhd->htn", qr, kc[sel])
         else:
-            raise ValueError(f"unknown rope mode {rope!r}")
+            raise ValueError(f"unknown rope_mode {rope_mode!r}")
         visible = kpos[None, :] <= mpos[:, None]               # [t, n]
         scores = (scores * scale).masked_fill(~visible[None], float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # rows with no visible key -> 0
@@ -88,16 +113,18 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
     return out.to(q.dtype)
 
 
-def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq, source: str = "rotate_k",
-                            attention_scaling: float = 1.0, max_len: int | None = None):
+def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq,
+                            rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
+                            max_len: int | None = None):
     """Block-Attention's materialised copy: per sequence, contiguous K/V in table order with keys
     re-rotated to their logical positions.
 
-    source describes how the pool stores keys: "rotate_k" unrotated (rotate by pos, scaled),
+    rope_mode describes how the pool stores keys: "rotate_k" unrotated (rotate by pos, scaled),
     "rotate_q" rotated at (pos - rot_shift) (rotate by rot_shift, pure rotation), "none" already
     at logical positions (copy). Returns k, v [B, Hkv, T, D] (pool dtype, zero padded past
-    kv_len), kv_len [B] int32, pos [B, T] int32 (-1 padding).
+    kv_len), kv_len [B] int32, pos [B, T] int32 (-1 padding). No explicit slot positions.
     """
+    refuse_slot_pos(table, "block_gather_rotate")
     B = table.batch_size
     Hkv, D = k_pages.shape[1], k_pages.shape[3]
     seqs = [gather_tokens(k_pages, v_pages, table, b) for b in range(B)]
@@ -110,10 +137,10 @@ def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq, source
     inv_freq = inv_freq.float().to(dev)
     for b, (k, v, kpos, kshift) in enumerate(seqs):
         n = k.shape[0]
-        if source == "rotate_k":
+        if rope_mode == "rotate_k":
             c, s = rope_cos_sin(kpos, inv_freq, attention_scaling)
             k = rotate(k, c[:, None], s[:, None])
-        elif source == "rotate_q":
+        elif rope_mode == "rotate_q":
             c, s = rope_cos_sin(kshift, inv_freq, 1.0)
             k = rotate(k, c[:, None], s[:, None])
         ko[b, :, :n] = k.to(k_pages.dtype).transpose(0, 1)

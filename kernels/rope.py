@@ -1,4 +1,5 @@
-"""RoPE helpers shared by the Triton kernels and the torch references.
+"""RoPE, the one module of it: the model's table (``RopeTable``), the torch helpers the runtime
+and the kernels' references use, and the Triton-side cos/sin.
 
 Convention (transformers' LlamaRotaryEmbedding, non-interleaved "rotate_half"):
 
@@ -19,9 +20,51 @@ attention_scaling again, because R_s(a) R_s(b) != R_s(a + b) when s != 1.
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., n, heads, head_dim] rotated by full-width cos/sin [n, head_dim], in x's dtype,
+    exactly as transformers applies RoPE (so the runtime matches an HF forward bit for bit)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+@dataclass
+class RopeTable:
+    """A model's RoPE: its inverse frequencies and attention scaling (``architecture.rope_table_of``
+    reads them from a checkpoint), at any logical position."""
+
+    inv_freq: torch.Tensor  # [head_dim // 2], fp32
+    attention_scaling: float
+    rope_type: str
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Full-width cos/sin [n, head_dim] for int positions [n], cast to ``dtype`` as HF does."""
+        inv = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [..., n, heads, head_dim] by its positions [n]."""
+        return apply_cos_sin(x, *self.cos_sin(positions, x.dtype))
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(self.rope_type.encode())
+        h.update(repr(self.attention_scaling).encode())
+        h.update(self.inv_freq.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
 
 
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):

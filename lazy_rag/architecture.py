@@ -1,4 +1,4 @@
-"""Which transformers checkpoints lazy-rag can run, and handles on their layers.
+"""Which transformers checkpoints lazy-rag can run, and the parts of them our forward uses.
 
 We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
 attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UnsupportedModelError
-from .rope import RopeTable
+from .kernels.rope import RopeTable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the
+# sequence length, so a chunk's KV could not be computed once and reused
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -56,14 +59,30 @@ def check_supported(config) -> None:
         )
 
 
-class ModelHandles:
-    """The checkpoint's modules in the order our forward uses them."""
+def rope_table_of(model) -> RopeTable:
+    """The checkpoint's own RoPE: ``inv_freq`` and ``attention_scaling`` from transformers' rotary
+    module, so every scaling is computed exactly as the model was trained."""
+    params = getattr(model.config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} is not supported: its frequencies change with sequence length (or per "
+            "token), so chunk KV cannot be computed once and reused. Supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    rotary = model.model.rotary_emb
+    return RopeTable(inv_freq=rotary.inv_freq.detach().to(torch.float32).clone(),
+                     attention_scaling=float(rotary.attention_scaling), rope_type=rope_type)
+
+
+class ModelParts:
+    """The checkpoint's modules in the order our forward uses them, its shape and RoPE table."""
 
     def __init__(self, model):
         check_supported(model.config)
         self.model = model
         self.config = model.config
-        self.rope = RopeTable.from_model(model)
+        self.rope_table = rope_table_of(model)
         inner = model.model
         self.embed = inner.embed_tokens
         self.final_norm = inner.norm

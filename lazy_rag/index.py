@@ -26,18 +26,20 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import __version__
+from .version import __version__
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
-from .llm import LazyLLM, default_cache_bytes
+from .llm import LazyLLM
+from .requests import ChunkSource
 from .segments import Chunk, tokenize_text
 from .store import ChunkStore, _DTYPES
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+ENCODE_BATCH = 16  # chunks per encode call: one forward each (up to the engine's token budget)
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -115,7 +117,7 @@ class BuildReport:
 
 class LazyIndex:
     def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records: list[ChunkRecord],
-                 vectors, memory_bytes: int | None = None):
+                 vectors):
         self.path = Path(path)
         self.llm = llm
         self.embedder = embedder
@@ -125,21 +127,22 @@ class LazyIndex:
         self.vectors = vectors  # a faiss index
         prefix_ids = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
         kv_dtype = _DTYPES[manifest["kv_dtype"]]
-        self.store = ChunkStore(self.path, llm, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
-                                memory_bytes or default_cache_bytes(llm.device),
+        self.store = ChunkStore(self.path, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
                                 precomputed=manifest.get("kv_precomputed", True))
 
     @property
     def boundary_recompute(self) -> int:
         return int(self.manifest.get("query_defaults", {}).get("boundary_recompute", 0))
 
-    # -- the KV source protocol (LazyLLM asks the index for chunk KV) --------------------------
     @property
-    def shared_prefix_ids(self):
+    def shared_prefix_ids(self) -> tuple[int, ...]:
         return self.store.shared_prefix_ids
 
-    def chunk_kv(self, token_ids, chunk_id=None):
-        return self.store.chunk_kv(token_ids, chunk_id)
+    @property
+    def chunk_source(self) -> ChunkSource:
+        """What a request over this index's chunks passes to ``LazyLLM.generate(source=...)``:
+        the prefix its chunks were encoded after, and the store holding their KV files."""
+        return ChunkSource(self.store.shared_prefix_ids, self.store)
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
@@ -246,9 +249,9 @@ class LazyIndex:
                 manifest["files"][source] = prev
                 report.files_unchanged += 1
                 continue
-            pieces = chunker.split(text) if split else [(text, llm.tokenizer(text, add_special_tokens=False).input_ids)]
+            parts = chunker.split(text) if split else [(text, llm.tokenizer(text, add_special_tokens=False).input_ids)]
             recs = [ChunkRecord(_chunk_id(source, i, t) if split else source, source, i, t, ids, dict(meta))
-                    for i, (t, ids) in enumerate(pieces)]
+                    for i, (t, ids) in enumerate(parts)]
             new_records.extend(recs)
             manifest["files"][source] = {"sha256": digest, "chunk_ids": [r.id for r in recs],
                                          "tokens": sum(len(r.token_ids) for r in recs)}
@@ -276,13 +279,15 @@ class LazyIndex:
                     bar.advance(task, len(parts[-1]))
                 vecs_new = np.concatenate(parts)
                 task = bar.add_task("Encoding chunk KV", total=len(new_records) if precompute_kv else 0)
-                for r in (new_records if precompute_kv else []):
-                    written = 0
-                    existing, _ = store.read(r.id, r.token_ids)  # left by an interrupted build?
-                    if existing is None:
-                        _, written = store.encode_and_write(r.id, r.token_ids)
-                    report.kv_bytes_written += written
-                    bar.advance(task)
+                # chunks whose KV an interrupted build already wrote are kept as they are
+                todo = [r for r in (new_records if precompute_kv else []) if store.read(r.id, r.token_ids)[0] is None]
+                bar.advance(task, (len(new_records) if precompute_kv else 0) - len(todo))
+                for s in range(0, len(todo), ENCODE_BATCH):
+                    batch = todo[s:s + ENCODE_BATCH]
+                    kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids)
+                    for r, kv in zip(batch, kvs):
+                        report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
+                    bar.advance(task, len(batch))
         faiss = _faiss()
         vindex = faiss.IndexFlatIP(embedder.dim)
         records = []
@@ -369,8 +374,8 @@ class LazyIndex:
         return _faiss().read_index(str(Path(path) / manifest["vectors_file"]))
 
     @classmethod
-    def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *, device: str = "auto",
-             memory_bytes: int | None = None) -> "LazyIndex":
+    def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
+             device: str = "auto") -> "LazyIndex":
         path = Path(path).expanduser()
         manifest = cls._read_manifest(path)
         if llm is None:
@@ -392,7 +397,7 @@ class LazyIndex:
         elif embedder.name != manifest["embedder"]["name"]:
             raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not {embedder.name}.")
         records = cls._read_records(path, manifest)
-        return cls(path, llm, embedder, manifest, records, cls._read_vectors(path, manifest), memory_bytes)
+        return cls(path, llm, embedder, manifest, records, cls._read_vectors(path, manifest))
 
     # -- querying -----------------------------------------------------------------------------
     def retrieve(self, question: str, top_k: int = 4) -> list[Source]:
@@ -439,7 +444,7 @@ class LazyIndex:
         segs = self.segments(question, sources, system_prompt)
         retrieve_ms = (time.perf_counter() - t0) * 1e3
         gen = self.llm.generate(segs, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                                top_p=top_p, stop=stop, stream=stream, seed=seed, kv_source=self,
+                                top_p=top_p, stop=stop, stream=stream, seed=seed, source=self.chunk_source,
                                 boundary_recompute=self.boundary_recompute if boundary_recompute is None
                                 else boundary_recompute)
         if stream:

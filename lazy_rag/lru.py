@@ -1,4 +1,4 @@
-"""A byte-bounded LRU map, used for in-memory chunk KV and prefix-cache blocks."""
+"""A byte-bounded LRU map (the engine's host tier of chunk KV)."""
 from __future__ import annotations
 
 import threading

@@ -17,7 +17,7 @@ def visibility_mask(layout: PromptLayout) -> torch.Tensor:
 
     Defined for layouts without boundary recompute (there, cached tokens were computed against
     the chunk-local head, which no single mask expresses)."""
-    if any(p.skip for p in layout.pieces):
+    if any(p.skip for p in layout.spans):
         raise ValueError("The oracle mask is not defined for boundary recompute; compare lazy with block.")
     T = len(layout.token_ids)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -52,7 +52,7 @@ def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_
     """Greedy tokens under the oracle mask, recomputing the whole prompt every step (slow, exact):
     each generated token sees everything before it."""
     out: list[int] = []
-    cur = PromptLayout(token_ids=list(layout.token_ids), pieces=list(layout.pieces),
+    cur = PromptLayout(token_ids=list(layout.token_ids), spans=list(layout.spans),
                        uncached=list(layout.uncached), prefix_len=layout.prefix_len)
     for _ in range(max_new_tokens):
         tok = int(block_diagonal_logits(model, cur)[-1].argmax())
@@ -61,6 +61,20 @@ def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_
         out.append(tok)
         cur.uncached.append(len(cur.token_ids))
         cur.token_ids.append(tok)
+    return out
+
+
+@torch.inference_mode()
+def greedy_causal(model, token_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Greedy tokens of a plain causal forward, recomputing the whole prompt every step."""
+    ids = list(token_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(causal_logits(model, ids)[-1].argmax())
+        if tok in eos_ids:
+            break
+        out.append(tok)
+        ids.append(tok)
     return out
 
 

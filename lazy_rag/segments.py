@@ -55,22 +55,22 @@ class CachedSpan:
 class PromptLayout:
     """The assembled prompt: every token, its logical position and where its KV comes from.
 
-    ``pieces`` lists the chunks in prompt order. ``uncached`` holds the positions of tokens that
+    ``spans`` lists the chunks in prompt order. ``uncached`` holds the positions of tokens that
     must be computed at query time, in order (recomputed chunk boundaries included).
     """
 
     token_ids: list[int]
-    pieces: list[CachedSpan] = field(default_factory=list)
+    spans: list[CachedSpan] = field(default_factory=list)
     uncached: list[int] = field(default_factory=list)
     prefix_len: int = 0  # tokens of the shared prefix at the very start (served from cache)
 
     @property
     def cached_tokens(self) -> int:
-        return self.prefix_len + sum(p.cached_tokens for p in self.pieces)
+        return self.prefix_len + sum(p.cached_tokens for p in self.spans)
 
     @property
     def chunk_spans(self) -> list[tuple[int, int]]:
-        return [(p.start, p.end) for p in self.pieces]
+        return [(p.start, p.end) for p in self.spans]
 
 
 def token_ids_key(ids: Sequence[int]) -> str:
@@ -135,7 +135,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
             if not ids:
                 continue  # an empty chunk contributes nothing
             skip = min(boundary_recompute, len(ids))
-            layout.pieces.append(CachedSpan(pos, ids, seg.chunk_id, skip))
+            layout.spans.append(CachedSpan(pos, ids, seg.chunk_id, skip))
             layout.uncached.extend(range(pos, pos + skip))
             layout.token_ids.extend(ids)
         elif isinstance(seg, str):
@@ -156,7 +156,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
     shared_prefix = list(shared_prefix)
     if shared_prefix:
         p = len(shared_prefix)
-        if layout.token_ids[:p] != shared_prefix or (layout.pieces and layout.pieces[0].start < p):
+        if layout.token_ids[:p] != shared_prefix or (layout.spans and layout.spans[0].start < p):
             raise LazyRagError(
                 "These chunks were encoded after a shared prefix, so the prompt must start with "
                 f"exactly its {p} tokens as uncached text (use lazy_rag.chat.build_rag_segments, or "

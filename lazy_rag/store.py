@@ -1,10 +1,12 @@
-"""``ChunkStore``: position-free chunk KV on disk (safetensors) behind a bounded memory tier.
+"""``ChunkKV`` (a chunk's position-free KV) and ``ChunkStore`` (chunk KV on disk, safetensors).
 
 One file per chunk, ``kv/<chunk_id>.safetensors``, holding ``k`` (unrotated) and ``v`` of shape
 [layers, tokens, kv_heads, head_dim] plus metadata: checksums of both tensors, a hash of the
 token ids, and the fingerprint of the model/tokenizer/RoPE/shared prefix that computed them.
 Every write goes to a temp file then ``os.replace``. A missing, corrupt or foreign file is
-detected on read; the chunk is then recomputed and the file repaired, with a warning.
+detected on read (``read`` says why); the engine then recomputes the chunk and writes the file
+again (``engine.chunk_tiers``). The store itself never encodes and keeps nothing in memory:
+the engine's pool and host tier are the memory tiers.
 """
 from __future__ import annotations
 
@@ -14,17 +16,33 @@ import tempfile
 import zlib
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .kv import ChunkKV
-from .lru import ByteLRU
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ChunkKV:
+    """Position-free KV of one chunk: ``k`` (unrotated) and ``v`` of shape [layers, L, kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 def _checksum(t: torch.Tensor) -> str:
@@ -33,18 +51,14 @@ def _checksum(t: torch.Tensor) -> str:
 
 
 class ChunkStore:
-    def __init__(self, root: Path, llm, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
-                 memory_bytes: int = 1 << 30, precomputed: bool = True):
+    def __init__(self, root: Path, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
+                 precomputed: bool = True):
         self.root = Path(root)
         self.kv_dir = self.root / "kv"
-        self.llm = llm
         self.fingerprint_id = fingerprint_id
         self.shared_prefix_ids = tuple(shared_prefix_ids)
         self.kv_dtype = kv_dtype
-        self.memory: ByteLRU[ChunkKV] = ByteLRU(memory_bytes, lambda c: c.nbytes)
-        self.token_ids_of: dict[str, tuple[int, ...]] = {}
         self.precomputed = precomputed  # False: KV is encoded on first use (a missing file is expected)
-        self.counters = {"memory": 0, "disk": 0, "encoded": 0, "repaired": 0}
 
     def path(self, chunk_id: str) -> Path:
         return self.kv_dir / f"{chunk_id}.safetensors"
@@ -90,29 +104,3 @@ class ChunkStore:
         if meta.get("k_crc32") != _checksum(k) or meta.get("v_crc32") != _checksum(v):
             return None, "checksum mismatch (corrupt)"
         return ChunkKV(k, v), None
-
-    def encode_and_write(self, chunk_id: str, token_ids) -> tuple[ChunkKV, int]:
-        kv = self.llm.encode_chunk(token_ids, shared_prefix=self.shared_prefix_ids)
-        return kv, self.write(chunk_id, token_ids, kv)
-
-    # The KV-source protocol used by LazyLLM: memory -> disk -> recompute (and repair).
-    def chunk_kv(self, token_ids: tuple[int, ...], chunk_id: str | None = None) -> tuple[ChunkKV, str]:
-        if chunk_id is None:
-            return self.llm.chunk_kv(token_ids)  # not an indexed chunk: the LLM's own cache
-        kv = self.memory.get(chunk_id)
-        if kv is not None:
-            self.counters["memory"] += 1
-            return kv, "memory"
-        kv, why = self.read(chunk_id, token_ids)
-        tier = "disk"
-        if kv is None:
-            if why != "missing" or self.precomputed:
-                log.warning("Chunk %s KV %s: recomputing it and repairing the store.", chunk_id,
-                            "file is missing" if why == "missing" else why)
-                self.counters["repaired"] += 1
-            kv, _ = self.encode_and_write(chunk_id, token_ids)
-            tier = "encoded"
-        kv = kv.to(self.llm.device, self.llm.dtype)
-        self.memory.put(chunk_id, kv)
-        self.counters[tier] += 1
-        return kv, tier

@@ -59,7 +59,7 @@ def run_engine(engine, mode: str, requests, arrivals, max_new_tokens: int) -> Ru
     handles = []
     submit_at = []
     n = len(requests)
-    _sync(engine.llm.device)
+    _sync(engine.host.device)
     t0 = time.perf_counter()
     i = 0
     while i < n or engine.scheduler.has_work:
@@ -73,7 +73,7 @@ def run_engine(engine, mode: str, requests, arrivals, max_new_tokens: int) -> Ru
                 time.sleep(0)  # only chunk transfers in flight
         elif i < n:
             time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
-    _sync(engine.llm.device)
+    _sync(engine.host.device)
     wall = time.perf_counter() - t0
     timings = []
     for h, arr in zip(handles, arrivals):

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine
-from ..engine.tiers import ChunkTiers, chunk_key
+from ..engine import EngineConfig
+from ..engine.chunk_tiers import ChunkTiers
 from ..errors import LazyRagError
 from .driver import SYSTEMS, run_engine, run_transformers, summarize_timings
 from .metrics import cache_metrics, gib, latency_summary, throughput
@@ -152,7 +153,7 @@ class Bench:
         doc_bytes = spec.doc_tokens * llm.shape.kv_bytes_per_token * torch.finfo(llm.dtype).bits // 8
         self.doc_kv_bytes = doc_bytes
         host = cfg.host_bytes if cfg.host_bytes is not None else int(spec.docs * doc_bytes * 1.1) + (64 << 20)
-        self.tiers = ChunkTiers(llm, host)
+        self.tiers = ChunkTiers(host)
         self.env = environment()
         self.records: list[dict] = []
 
@@ -179,10 +180,9 @@ class Bench:
         """Encode every document into the host tier; run one short request per system (kernel
         compilation, allocator growth) on a throwaway engine."""
         w, llm = self.workload, self.llm
-        for doc in w.docs:
-            ids = tuple(doc.content)
-            self.tiers.fetch(chunk_key(ids, doc.chunk_id, llm.shared_prefix_ids), ids, doc.chunk_id,
-                             llm.shared_prefix_ids)
+        eng = self._engine(self.cfg.spec.docs)
+        eng.encode_chunks([list(doc.content) for doc in w.docs], llm.default_source.shared_prefix_ids)
+        del eng
         first = w.requests[:1]
         for s in self.cfg.systems:
             if s == "transformers":
@@ -200,8 +200,9 @@ class Bench:
 
     def _engine(self, fit: int) -> Engine:
         c = self.cfg
-        return Engine(self.llm, num_pages=pool_pages(self.llm, self.workload, c.page_size, fit), page_size=c.page_size,
-                      tiers=self.tiers, max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens)
+        config = EngineConfig(num_pages=pool_pages(self.llm, self.workload, c.page_size, fit), page_size=c.page_size,
+                              max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens)
+        return Engine(self.llm.host, config, tiers=self.tiers)
 
     def run(self) -> list[dict]:
         pts = self.points()

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import PageTable
-from .model_runner import page_table_rows, write_slots
+from ..kernels import PageTable, lazy_decode
+from .page_table import page_rows, write_targets
 from .sequence import Sequence
 
 
@@ -28,6 +28,18 @@ def batch_bucket(n: int) -> int:
     if n <= 8:
         return 1 << (n - 1).bit_length()
     return -(-n // 8) * 8
+
+
+class DecodeAttention:
+    """One new token per sequence through the Triton decode kernel (the captured decode step)."""
+
+    def __init__(self, runner, table, q_pos):
+        self.runner, self.table, self.q_pos = runner, table, q_pos
+
+    def __call__(self, i: int, q, k_stored, v):
+        r = self.runner
+        return lazy_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.q_pos, r.inv_freq, rope_mode="rotate_q",
+                           attention_scaling=r.parts.rope_table.attention_scaling, sm_scale=r.parts.scaling)
 
 
 @dataclass
@@ -47,11 +59,15 @@ class DecodeGraphs:
         self.replays = 0
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Logits [len(seqs), vocab] of one decode step, or None when the batch is too large."""
+        """Logits [len(seqs), vocab] of one decode step, or None when the batch is too large or a
+        sequence hides slots of a shared page (boundary recompute: the eager step serves it)."""
         B = len(seqs)
         if B > self.max_batch:
             return None
-        host, Bb, P = self.pack(seqs)
+        packed = self.pack(seqs)
+        if packed is None:
+            return None
+        host, Bb, P = packed
         cap = self.graphs.get((Bb, P)) or self._capture(Bb, P)
         cap.buf.copy_(host)
         cap.graph.replay()
@@ -64,11 +80,11 @@ class DecodeGraphs:
         ps = self.runner.pool.page_size
         ids, pos, spage, soff = [], [], [], []
         indptr, pid, ppos, plen, shift = [0], [], [], [], []
-        for seq, (a, b, c, d) in zip(seqs, tables):
+        for seq, (a, b, c, d, _) in zip(seqs, tables):
             p = seq.num_tokens - 1
             ids.append(seq.output[-1] if seq.output else seq.prompt[p])
             pos.append(p)
-            (page, off), = write_slots(seq, [p], ps)
+            (page, off, _),  = write_targets(seq, [p], ps)
             spage.append(page)
             soff.append(off)
             pid += a
@@ -97,11 +113,16 @@ class DecodeGraphs:
         indptr, rest = t[:B + 1], t[B + 1:]
         pid, ppos, plen, shift = (rest[i * B * P:(i + 1) * B * P] for i in range(4))
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P)
-        return self.runner.forward_decode(ids, pos, spage, soff, table)
+        attention = DecodeAttention(self.runner, table, pos.to(torch.int32))
+        logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None))
+        return logits
 
-    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int]:
-        """(packed inputs on the host, batch bucket, pages bucket) of a decode step."""
-        tables = [page_table_rows(s, self.runner.pool.page_size) for s in seqs]
+    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int] | None:
+        """(packed inputs on the host, batch bucket, pages bucket) of a decode step; None when a
+        sequence's table needs explicit slot positions."""
+        tables = [page_rows(s, self.runner.pool.page_size) for s in seqs]
+        if any(t[4] is not None for t in tables):
+            return None
         B = batch_bucket(len(seqs))
         P = -(-max(len(t[0]) for t in tables) // self.page_step) * self.page_step
         return self._pack(B, P, seqs, tables), B, P

@@ -1,27 +1,36 @@
-"""``Engine``: the serving loop. ``submit`` a request, get a handle; ``step`` runs one batch;
-``generate`` runs requests to completion; ``stream`` yields a request's text asynchronously.
+"""``Engine``: the serving loop, the one runtime of every request on every device. ``submit``
+a request, get a handle; ``step`` runs one batch; ``pieces``/``stream`` drive the engine until a
+request is done while yielding its text; ``generate`` runs many to completion; ``encode_chunks``
+computes chunks' position-free KV (index builds).
 
 One pool, one scheduler, one model runner and one sampling rule for all four modes; the mode
-only changes where the KV of a request comes from (``KVPlanner``).
+only changes where the KV of a request comes from (``KVPlanner``). One lock (``Engine.lock``)
+guards all of it: any thread may call ``step``, and a step advances every request in flight, so
+threads that generate at the same time are batched together.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
 
 import torch
 
-from ..llm import GenerationResult, GenerationStats
-from ..sampling import TextAssembler, sample_next, validate_sampling
-from .block_manager import BlockManager
-from .kv_planner import MODES, KVPlanner
+from ..model_host import ModelHost
+from ..requests import ChunkSource, GenerationResult, GenerationStats, SamplingParams
+from ..sampling import TextAssembler, sample_next
+from ..store import ChunkKV
+from .chunk_tiers import ChunkTiers, chunk_key
+from .config import EngineConfig
+from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
+from .page_manager import PageManager
 from .page_pool import PagePool
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence, Status
-from .tiers import ChunkTiers
+from .sequence import EncodeJob, Run, Sequence, Status
 
 
 @dataclass
@@ -42,101 +51,93 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, llm, *, kv_bytes: int | None = None, gpu_memory_fraction: float | None = None,
-                 num_pages: int | None = None, page_size: int = 16, policy: str = "gdsf",
-                 host_bytes: int = 4 << 30, store=None, max_num_seqs: int = 64,
-                 max_batched_tokens: int = 16384, tiers: ChunkTiers | None = None,
-                 cuda_graphs: bool = True):
-        """KV budget: ``num_pages``, else ``kv_bytes``, else ``gpu_memory_fraction`` of the
-        device's free memory (CUDA), else 1 GiB. ``tiers``: share a ChunkTiers (host tier) between
-        engines. ``cuda_graphs``: replay decode steps from captured graphs (CUDA only).
-        ``policy``: eviction of unreferenced cached pages, ``gdsf`` by default: in the paper's
-        Zipf workload it keeps 0.1-0.4 points more chunk hits than LRU (as LFU does) and ties it
-        under uniform popularity (benchmarks/eviction_policy.py, BENCHMARKS.md), and unlike plain
-        LFU it ages, so a corpus whose popular chunks change is not stuck with old favourites."""
-        self.llm = llm
-        shp, dt, dev = llm.shape, llm.dtype, llm.device
-        dims = (shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim)
-        if num_pages is None:
-            if kv_bytes is None and gpu_memory_fraction is not None and dev.type == "cuda":
-                kv_bytes = int(torch.cuda.mem_get_info(dev)[0] * gpu_memory_fraction)
-            num_pages = PagePool.pages_for_budget(kv_bytes or (1 << 30), *dims, dt)
+    def __init__(self, host: ModelHost, config: EngineConfig | None = None, tiers: ChunkTiers | None = None):
+        """``tiers``: share one host tier between engines (benchmarks)."""
+        self.host = host
+        self.config = config = config or EngineConfig()
+        shp, dt, dev = host.shape, host.dtype, host.device
+        page_size = config.resolved_page_size(dev)
+        num_pages = config.num_pages or PagePool.pages_for_budget(
+            config.pool_bytes(dev), shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim, dt)
         self.pool = PagePool(shp.num_layers, num_pages, shp.num_kv_heads, page_size, shp.head_dim, dt, dev)
-        self.bm = BlockManager(self.pool, policy)
-        self.tiers = tiers or ChunkTiers(llm, host_bytes, store)
-        self.planner = KVPlanner(self.bm, self.tiers, llm.rope)
-        self.scheduler = Scheduler(self.planner, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(llm.handles, self.pool, cuda_graphs=cuda_graphs, max_graph_batch=max_num_seqs)
+        self.pm = PageManager(self.pool, config.policy)
+        self.tiers = tiers or ChunkTiers(config.host_bytes)
+        self.runner = ModelRunner(host.parts, self.pool, config.cuda_graphs, config.max_num_seqs)
+        self.planner = KVPlanner(self.pm, self.tiers, host.rope_table, self.runner)
+        self.scheduler = Scheduler(self.planner, config.max_num_seqs, config.max_batched_tokens)
         self.handles: dict[int, RequestHandle] = {}
+        self.lock = threading.RLock()
         self.num_steps = 0
         # where the wall time goes: admission (incl. chunk fetch/encode), steps with a prefill,
         # decode-only steps, idle waits on chunk transfers
         self.timers: Counter = Counter()
 
-    # -- API ------------------------------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------------
     def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
-               top_p: float = 1.0, stop: list[str] | str | None = None, seed: int | None = None,
-               kv_source=None, output_first_logits: bool = False) -> RequestHandle:
-        """Queue one request. ``kv_source``: where its chunks' KV comes from when no tier has it
-        (a ``LazyIndex``: its chunk store and shared prefix; default: encode with the model)."""
-        if mode not in MODES:
-            raise ValueError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}.")
-        validate_sampling(temperature, top_p, max_new_tokens)
-        stop = [stop] if isinstance(stop, str) else stop
-        layout = self.llm.prepare(segments, kv_source)
-        self.llm.check_fits(layout, max_new_tokens)
-        prefix = tuple(getattr(kv_source or self.llm, "shared_prefix_ids", ()))
-        seq = Sequence(layout, mode, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), prefix,
-                       store=getattr(kv_source, "store", None), keep_first_logits=output_first_logits)
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed if seed is not None else torch.seed())
-        handle = RequestHandle(seq, TextAssembler(self.llm.tokenizer, stop), gen, time.perf_counter())
-        self.handles[seq.id] = handle
-        self.scheduler.add(seq)
+               top_p: float = 1.0, stop: Seq[str] | str | None = None, seed: int | None = None,
+               source: ChunkSource | None = None, boundary_recompute: int = 0,
+               output_first_logits: bool = False) -> RequestHandle:
+        """Queue one request. ``source``: where its chunks were encoded and stored (an index's
+        ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
+        ``boundary_recompute``: recompute the first N tokens of every chunk (EPIC)."""
+        params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
+        source = source or self.host.default_source
+        t0 = time.perf_counter()
+        with self.lock:  # the tokenizer is not safe to share between threads
+            layout = self.host.prepare(segments, source, boundary_recompute)
+            self.host.check_request(layout, mode, max_new_tokens)
+            seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits)
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(seed if seed is not None else torch.seed())
+            handle = RequestHandle(seq, TextAssembler(self.host.tokenizer, list(params.stop)), gen, t0)
+            self.handles[seq.id] = handle
+            self.scheduler.add(seq)
         return handle
 
     def step(self) -> bool:
         """Run one batch; False when there was nothing runnable (idle, or waiting on transfers)."""
-        t0 = time.perf_counter()
-        step = self.scheduler.schedule()   # admission: chunk lookups, tier fetches, encodes
-        t1 = time.perf_counter()
-        self.timers["schedule_s"] += t1 - t0
-        if not step:
-            return False
-        seqs = step.prefill + step.decode
-        for seq in step.prefill:
-            self.planner.materialize(seq)
-        out = self.runner.run(seqs)
-        # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
-        # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
-        # timers below are exact.
-        if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output) for s in seqs):
-            rows, toks = [None] * len(seqs), out.argmax(-1).tolist()
-        else:
-            rows, toks = out.cpu(), [None] * len(seqs)
-        self.timers["prefill_steps_s" if step.prefill else "decode_steps_s"] += time.perf_counter() - t1
-        for seq in step.prefill:
-            seq.needs_prefill = False
-            self.planner.publish(seq)
-        for row, tok, seq in zip(rows, toks, seqs):
-            seq.kv_len = seq.num_tokens
-            self._accept(seq, row, tok)
-        self.num_steps += 1
-        return True
+        with self.lock:
+            t0 = time.perf_counter()
+            step = self.scheduler.schedule()   # admission: chunk lookups, tier fetches, encodes
+            t1 = time.perf_counter()
+            self.timers["schedule_s"] += t1 - t0
+            if not step:
+                return False
+            seqs = step.prefill + step.decode
+            for seq in step.prefill:
+                self.planner.materialize(seq)
+            out = self.runner.run(seqs)
+            # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
+            # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
+            # timers below are exact.
+            if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output) for s in seqs):
+                rows, toks = [None] * len(seqs), out.argmax(-1).tolist()
+            else:
+                rows, toks = out.cpu(), [None] * len(seqs)
+            self.timers["prefill_steps_s" if step.prefill else "decode_steps_s"] += time.perf_counter() - t1
+            for seq in step.prefill:
+                seq.needs_prefill = False
+                self.planner.publish(seq)
+            for row, tok, seq in zip(rows, toks, seqs):
+                seq.kv_len = seq.num_tokens
+                self._accept(seq, row, tok)
+            self.num_steps += 1
+            return True
 
     def abort(self, handle: RequestHandle) -> None:
         """Drop an unfinished request (a consumer stopped reading its stream); frees its KV."""
-        if handle.done or handle.seq.id not in self.handles:
-            return
-        seq = handle.seq
-        if seq in self.scheduler.running:
-            self.scheduler.finish(seq, "abort")
-        else:
-            self.scheduler.waiting.remove(seq)
-            seq.status = Status.FINISHED
-        self.handles.pop(seq.id)
+        with self.lock:
+            if handle.done or handle.seq.id not in self.handles:
+                return
+            seq = handle.seq
+            if seq in self.scheduler.running:
+                self.scheduler.finish(seq, "abort")
+            else:
+                self.scheduler.waiting.remove(seq)
+                seq.status = Status.FINISHED
+            self.handles.pop(seq.id)
 
     def run_until_done(self) -> None:
         while self.scheduler.has_work:
@@ -151,30 +152,105 @@ class Engine:
         self.run_until_done()
         return [h.result for h in handles]
 
-    async def stream(self, handle: RequestHandle):
-        """Text pieces of one request as they are generated (drives the engine meanwhile)."""
+    def pieces(self, handle: RequestHandle) -> Iterator[str]:
+        """Text pieces of one request as they are generated, driving the engine meanwhile (any
+        caller's step advances every request in flight). Closing the iterator early aborts the
+        request and frees its KV."""
         sent = 0
-        while True:
-            while sent < len(handle.pieces):
-                yield handle.pieces[sent]
-                sent += 1
-            if handle.done:
-                return
-            self.step()
-            await asyncio.sleep(0)
+        try:
+            while True:
+                while sent < len(handle.pieces):
+                    yield handle.pieces[sent]
+                    sent += 1
+                if handle.done:
+                    return
+                with self.lock:
+                    stepped = handle.done or self.step()
+                if not stepped:
+                    time.sleep(0)  # chunk transfers in flight
+        finally:
+            if not handle.done:  # the consumer stopped early
+                self.abort(handle)
 
+    async def stream(self, handle: RequestHandle):
+        """The same as ``pieces``, for an event loop (yields to it between steps)."""
+        it = self.pieces(handle)
+        try:
+            for piece in it:
+                yield piece
+                await asyncio.sleep(0)
+        finally:
+            it.close()
+
+    # -- chunk encoding (index builds) ----------------------------------------------------------
+    def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = ()) -> list[ChunkKV]:
+        """Each chunk's position-free KV on the host (keys unrotated), encoded after
+        ``shared_prefix``, many chunks per forward. Encoded chunks stay cached in the pool."""
+        prefix = tuple(int(t) for t in shared_prefix)
+        for ids in chunks:
+            self.host.check_chunk(ids, prefix)
+        out: list[ChunkKV | None] = [None] * len(chunks)
+        with self.lock, torch.inference_mode():
+            pre = self.planner.place_chunk(prefix, None, (), None)[0] if prefix else None
+            try:
+                budget = self.config.max_batched_tokens
+                batch: list[int] = []
+                for i, ids in enumerate(chunks):
+                    if batch and sum(len(chunks[j]) for j in batch) + len(ids) > budget:
+                        self._encode_batch(chunks, batch, prefix, pre, out)
+                        batch = []
+                    batch.append(i)
+                if batch:
+                    self._encode_batch(chunks, batch, prefix, pre, out)
+            finally:
+                if pre is not None:
+                    self.pm.release(pre)
+        return out
+
+    def _encode_batch(self, chunks, batch, prefix, pre, out) -> None:
+        p = len(prefix)
+        cached = [Run(0, p, tuple(pre.pages), 0)] if pre is not None else []
+        jobs, owned = [], []
+        try:
+            for i in batch:
+                ids = [int(t) for t in chunks[i]]
+                pages = self.pm.allocate(self.pool.pages_for(len(ids)))
+                owned.append(pages)
+                jobs.append(EncodeJob(list(prefix) + ids, list(cached), [Run(p, len(ids), tuple(pages), p)]))
+            kvs = self.runner.encode(jobs)
+        except BaseException:
+            for pages in owned:
+                self.pm.free(pages)
+            raise
+        for i, pages, kv in zip(batch, owned, kvs):
+            key = chunk_key(chunks[i], prefix)
+            if self.pm.lookup(key) is None:  # keep it: the next query over this chunk is a pool hit
+                self.pm.release(self.pm.adopt(key, pages, len(chunks[i])))
+            else:
+                self.pm.free(pages)
+            out[i] = self.tiers.keep(key, kv, chunks[i], None, None)
+
+    def clear_cache(self) -> None:
+        """Forget every cached chunk and prefix page not in use, and the host tier: the next
+        requests read their chunks from disk or encode them (cold-start measurements, tests)."""
+        with self.lock:
+            self.pm.evict_unreferenced()
+            self.tiers.host.clear()
+
+    # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict:
         graphs = self.runner.graphs
-        return {**self.bm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
+        return {**self.pm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
                 "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+                "requests_waiting": len(self.scheduler.waiting), "requests_running": len(self.scheduler.running),
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 **{k: round(v, 4) for k, v in self.timers.items()},
                 "page_size": self.pool.page_size, "bytes_per_page": self.pool.bytes_per_page}
 
-    # -- sampling and stopping (the same rule as LazyLLM.generate) -------------------------------
+    # -- sampling and stopping ------------------------------------------------------------------
     def _accept(self, seq: Sequence, logits: torch.Tensor | None, tok: int | None = None) -> None:
         """Take the next token: ``tok`` when already chosen (greedy on the device), else sampled
-        from ``logits`` (fp32, host) by the same rule as ``LazyLLM.generate``."""
+        from ``logits`` (fp32, host)."""
         h = self.handles[seq.id]
         p = seq.params
         if not seq.output and not h.ttft_ms and seq.keep_first_logits:
@@ -184,7 +260,7 @@ class Engine:
         if not seq.output and not h.ttft_ms:
             h.first_token_time = time.perf_counter()
             h.ttft_ms = (h.first_token_time - h.t0) * 1e3
-        if tok in self.llm.eos_ids:
+        if tok in self.host.eos_ids:
             return self._finish(seq, "stop")
         seq.output.append(tok)
         piece = h.text.push(seq.output)
@@ -192,7 +268,7 @@ class Engine:
             h.pieces.append(piece)
         if h.text.stopped:
             return self._finish(seq, "stop")
-        if len(seq.output) >= p.max_tokens:
+        if len(seq.output) >= p.max_new_tokens:
             return self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -210,16 +286,15 @@ class Engine:
         else:
             cached = 0
         now = time.perf_counter()
-        sources = {}
+        sources: dict[str, int] = {}
         for src in seq.chunk_sources_seen:
             tier = "pool" if src == "hits" else src.removeprefix("from_")  # pool: resident already
             if tier != "misses":
                 sources[tier] = sources.get(tier, 0) + 1
         stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,
                                 ttft_ms=h.ttft_ms, total_ms=(now - h.t0) * 1e3, new_tokens=len(seq.output),
-                                chunk_sources=sources, backend="engine")
+                                chunk_sources=sources)
         if len(seq.output) > 1 and h.first_token_time:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
                                     finish_reason=reason, first_logits=h.first_logits)
-        h.seq = seq

@@ -1,21 +1,25 @@
-"""``ModelRunner``: one batched forward per engine step, tensors in, next-token logits out.
+"""``ModelRunner``: the engine's one forward, tensors in, tensors out.
 
-All sequences of a step (prefills and decodes) are packed into one token batch; each layer is
-the checkpoint's own modules (as ``lazy_rag.decoder``) with attention replaced by the paged
-kernels: the new tokens' keys are rotated at their logical positions and written to their
-private pages, then ``lazy_prefill`` attends over each sequence's page table with
-``rope="rotate_q"`` (query rotated per page by position - rot_shift). On CPU tensors the
-kernels dispatch to their torch references, so the same code runs the CPU tests.
+Every engine step (prefills, appends and decodes of many sequences packed into one token
+batch), every chunk encode and every captured decode graph runs ``forward``: the checkpoint's
+own modules layer by layer (``architecture.ModelParts``), with attention replaced by attention
+over the paged pool. In each layer the new tokens' keys are rotated (at their logical position
+minus their run's rot_shift) and written with their values to their pages, then attention reads
+each sequence's pages through the path that computes it exactly and fastest (``StepAttention``):
 
-Fast paths, exact rewrites of the same attention:
-- a *fresh* sequence (nothing cached: full mode, a prefix-mode miss) attends only to its own
-  new tokens, causally: torch SDPA (flash on CUDA) over contiguous q/k/v, which is what a user
-  of plain transformers gets, so ``full`` is measured at its best;
-- a long tail after reused prefix blocks (prefix mode) gathers the sequence's pages once per
-  layer and runs SDPA with a lower-right causal mask, as vLLM runs flash attention over its
-  paged prefix;
-- a step of decodes only (one token per sequence) is replayed from a CUDA graph
-  (``cuda_graphs.DecodeGraphs``), so Python launch overhead does not dominate small batches.
+- a *fresh* sequence (nothing cached: full mode, a prefix-mode miss, a chunk encoded alone)
+  attends only to its own new tokens, causally: torch SDPA (flash on CUDA) over contiguous
+  q/k/v, which is what a user of plain transformers gets, so ``full`` is measured at its best;
+- on CUDA, a long tail after reused prefix pages gathers the sequence's pages once per layer and
+  runs SDPA with a lower-right causal mask (as vLLM runs flash attention over its paged prefix),
+  and every other sequence goes through the Triton lazy-RoPE kernels (``rope_mode="rotate_q"``:
+  the query rotated once per chunk by its position minus the chunk's start);
+- on the CPU (and on CUDA for a head_dim the kernels do not take, not a multiple of 32), every
+  other sequence gathers its visible keys, rotates them from their stored rotation to their
+  logical positions (a pure rotation by rot_shift) and runs one SDPA call with the visibility
+  mask: the same function as the kernels' torch reference, vectorised.
+
+Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as.
 """
 from __future__ import annotations
 
@@ -23,202 +27,218 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..architecture import ModelHandles
-from ..kernels import PageTable, lazy_decode, lazy_prefill, paged_attention_ref, plan_prefill
-from ..rope import apply_cos_sin
+from ..architecture import ModelParts
+from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, rope_cos_sin, rotate
+from ..kernels.rope import apply_cos_sin
+from ..store import ChunkKV
+from .cuda_graphs import DecodeGraphs
 from .page_pool import PagePool
-from .sequence import Sequence
-
-
-def page_table_rows(seq: Sequence, page_size: int):
-    """(page_ids, page_pos, page_len, rot_shift) of every page the sequence attends to."""
-    ids, pos, lens, shift = [], [], [], []
-    for run in seq.cached_runs + seq.private_runs:
-        for i, page in enumerate(run.pages):
-            n = min(page_size, run.length - i * page_size)
-            if n <= 0:
-                break
-            ids.append(page)
-            pos.append(run.pos + i * page_size)
-            lens.append(n)
-            shift.append(run.rot_shift)
-    return ids, pos, lens, shift
-
-
-def write_slots(seq: Sequence, positions: list[int], page_size: int) -> list[tuple[int, int]]:
-    """(page, slot) where the KV of each new token goes (its private run)."""
-    out = []
-    runs = seq.private_runs
-    r = 0
-    for p in positions:
-        while not (runs[r].pos <= p < runs[r].pos + runs[r].length):
-            r += 1
-        i = p - runs[r].pos
-        out.append((runs[r].pages[i // page_size], i % page_size))
-    return out
-
-
-def is_fresh(seq: Sequence) -> bool:
-    """Nothing cached and every token computed now: plain causal attention over the new tokens."""
-    return not seq.cached_runs and len(seq.compute_pos) == seq.num_tokens
-
-
-def contiguous_pages(seq: Sequence, page_size: int) -> list[int] | None:
-    """Pages holding the sequence's whole KV in position order when it is one stretch from
-    position 0 with keys at logical positions (prefix mode: reused blocks + its own run), and
-    its new tokens are that stretch's tail; else None."""
-    runs = seq.cached_runs + seq.private_runs
-    pages, pos = [], 0
-    for r in runs:
-        if r.pos != pos or r.rot_shift != 0 or (pos % page_size):
-            return None
-        pages.extend(r.pages[:-(-r.length // page_size)])
-        pos += r.length
-    n = len(seq.compute_pos)
-    if pos != seq.num_tokens or seq.compute_pos != list(range(pos - n, pos)):
-        return None
-    return pages
-
-
-def is_decode_step(seqs: list[Sequence]) -> bool:
-    return all(len(s.compute_pos) == 1 and s.kv_len == s.num_tokens - 1 for s in seqs)
+from .page_table import build_table, contiguous_pages, is_decode_step, is_fresh, page_rows, write_targets
 
 
 class ModelRunner:
-    def __init__(self, handles: ModelHandles, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256):
-        self.h, self.pool = handles, pool
-        self.inv_freq = handles.rope.inv_freq.to(pool.device)
+    def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256):
+        self.parts, self.pool = parts, pool
+        self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
+        # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
+        self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
         self.graphs = None
-        if cuda_graphs and pool.device.type == "cuda":
-            from .cuda_graphs import DecodeGraphs
-
+        if cuda_graphs and self.use_kernels:
             self.graphs = DecodeGraphs(self, max_graph_batch)
 
-    # -- one layer stack, shared by the eager paths and the captured decode ----------------------
-    def forward_decode(self, ids, pos, slot_page, slot_off, table: PageTable) -> torch.Tensor:
-        """One new token per sequence: ids/pos/slot_page/slot_off [B] on the device; no host
-        syncs and no allocation that depends on values, so it can be captured."""
-        h, shp = self.h, self.h.shape
-        B = ids.shape[0]
-        q_pos = pos.to(torch.int32)
-        cuda = ids.is_cuda
-        qo = None if cuda else torch.arange(B + 1, dtype=torch.int32, device=ids.device)
-        cos, sin = h.rope.cos_sin(pos, h.dtype)
-        x = h.embed(ids)
-        for i, layer in enumerate(h.layers):
-            q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
-            self.pool.k[i][slot_page, :, slot_off] = apply_cos_sin(k, cos, sin).to(self.pool.dtype)
-            self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
-            if cuda:
-                o = lazy_decode(q, self.pool.k[i], self.pool.v[i], table, q_pos, self.inv_freq, rope="rotate_q",
-                                attention_scaling=h.rope.attention_scaling, sm_scale=h.scaling)
-            else:  # the CPU runtime is plain torch, as in _run_eager
-                o = paged_attention_ref(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
-                                        "rotate_q", h.rope.attention_scaling, h.scaling)
-            x = x + layer.self_attn.o_proj(o.reshape(B, shp.num_heads * shp.head_dim))
+    # -- the one layer loop -----------------------------------------------------------------------
+    def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
+                capture: bool = False):
+        """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through every
+        layer. Their KV goes to (``write_page``, ``write_slot``), keys rotated at ``key_pos``
+        (default ``pos``). ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q and k
+        unrotated-q / stored-k. Returns (fp32 logits of ``logits_rows`` or None, captured
+        unrotated K and V [layers, n, Hkv, D] or None). No host syncs and no allocation that
+        depends on values: a decode step through it can be captured in a CUDA graph."""
+        p, shp = self.parts, self.parts.shape
+        n = ids.shape[0]
+        cos, sin = p.rope_table.cos_sin(pos, p.dtype)
+        kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
+        caught = None
+        if capture:
+            caught = (torch.empty(shp.num_layers, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
+                      torch.empty(shp.num_layers, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
+        x = p.embed(ids)
+        for i, layer in enumerate(p.layers):
+            q, k, v = p.project_qkv(layer, layer.input_layernorm(x))
+            if capture:
+                caught[0][i], caught[1][i] = k, v
+            k_stored = apply_cos_sin(k, kcos, ksin)
+            self.pool.k[i][write_page, :, write_slot] = k_stored.to(self.pool.dtype)
+            self.pool.v[i][write_page, :, write_slot] = v.to(self.pool.dtype)
+            o = attention(i, q, k_stored, v)
+            x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return h.lm_head(h.final_norm(x)).float()
+        logits = None if logits_rows is None else p.lm_head(p.final_norm(x[logits_rows])).float()
+        return logits, caught
 
+    # -- steps and encodes ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+    def run(self, seqs) -> torch.Tensor:
         """Compute every sequence's ``compute_pos`` tokens; returns fp32 logits [len(seqs), vocab]
         of each sequence's last new token."""
         if self.graphs is not None and is_decode_step(seqs):
             out = self.graphs.run(seqs)
             if out is not None:
                 return out
-        return self._run_eager(seqs)
+        batch = self._pack(seqs)
+        last = torch.tensor([b - 1 for _, b in batch.spans], device=self.pool.device)
+        logits, _ = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                                 StepAttention(self, seqs, batch), key_pos=batch.key_pos, logits_rows=last)
+        return logits
 
-    def _run_eager(self, seqs: list[Sequence]) -> torch.Tensor:
-        h, shp, ps, dev = self.h, self.h.shape, self.pool.page_size, self.pool.device
-        cuda = dev.type == "cuda"
-        ids, pos, slots, spans = [], [], [], []
-        paged, fresh, tails = [], [], []  # through the paged kernel / SDPA / SDPA over gathered pages
+    @torch.inference_mode()
+    def encode(self, jobs) -> list[ChunkKV]:
+        """Encode chunks (``sequence.EncodeJob``) into their pool pages in one forward; returns each
+        chunk's captured unrotated KV."""
+        batch = self._pack(jobs)
+        _, (k, v) = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                                 StepAttention(self, jobs, batch), key_pos=batch.key_pos, capture=True)
+        return [ChunkKV(k[:, a:b].clone(), v[:, a:b].clone()) for a, b in batch.spans]
+
+    def _pack(self, seqs) -> "PackedBatch":
+        dev, ps = self.pool.device, self.pool.page_size
+        ids, pos, pages, slots, key_pos, spans = [], [], [], [], [], []
+        shifted = False
         for seq in seqs:
             a = len(ids)
             toks = seq.tokens  # a new list per access: take it once (10k-token prompts)
             ids += [toks[p] for p in seq.compute_pos]
             pos += seq.compute_pos
-            slots += write_slots(seq, seq.compute_pos, ps)
+            for p, (page, slot, shift) in zip(seq.compute_pos, write_targets(seq, seq.compute_pos, ps)):
+                pages.append(page)
+                slots.append(slot)
+                key_pos.append(p - shift)
+                shifted |= shift != 0
             spans.append((a, len(ids)))
-            j = len(spans) - 1
+        t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
+        return PackedBatch(t(ids), t(pos), t(pages), t(slots), t(key_pos) if shifted else None, spans)
+
+
+class PackedBatch:
+    """The new tokens of a step, packed: ids, positions, KV write targets, rows per sequence."""
+
+    def __init__(self, ids, pos, write_page, write_slot, key_pos, spans):
+        self.ids, self.pos, self.write_page, self.write_slot, self.key_pos = ids, pos, write_page, write_slot, key_pos
+        self.spans = spans
+
+
+class StepAttention:
+    """Attention of one step's packed new tokens, each sequence through its exact fastest path
+    (see the module docstring). Everything that does not depend on the layer (page tables,
+    masks, gather indices, query rotations) is prepared once here, then ``__call__`` runs per layer."""
+
+    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch):
+        self.runner = runner
+        p, pool = runner.parts, runner.pool
+        self.scaling, self.shape = p.scaling, p.shape
+        dev, ps = pool.device, pool.page_size
+        kernels = runner.use_kernels
+        self.cos, self.sin = p.rope_table.cos_sin(batch.pos, p.dtype)  # for the paths that take rotated q
+        self.fresh, self.tails, self.torch_paths, paged = [], [], [], []
+        for j, seq in enumerate(seqs):
+            a, b = batch.spans[j]
             if is_fresh(seq):
-                fresh.append(j)
+                self.fresh.append((a, b))
                 continue
-            # a long tail after reused prefix blocks: gather the pages once per layer and run
-            # SDPA (a vLLM-style prefix hit followed by thousands of new tokens)
-            history = contiguous_pages(seq, ps) if len(seq.compute_pos) >= 128 else None
+            history = contiguous_pages(seq, ps) if kernels and b - a >= 128 else None
             if history is not None:
-                tails.append((j, torch.tensor(history, device=dev)))
-            else:
+                self.tails.append((a, b, torch.tensor(history, device=dev), seq.num_tokens))
+            elif kernels:
                 paged.append(j)
-        n = len(ids)
-        ids_t = torch.tensor(ids, device=dev)
-        pos_t = torch.tensor(pos, device=dev)
-        slot_page = torch.tensor([s[0] for s in slots], device=dev)
-        slot_off = torch.tensor([s[1] for s in slots], device=dev)
-        cos, sin = h.rope.cos_sin(pos_t, h.dtype)
+            else:
+                self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq)))
+        self.paged = None
         if paged:
-            rows = ([], [], [], [])
             qo = [0]
             for j in paged:
-                qo.append(qo[-1] + spans[j][1] - spans[j][0])
-                for acc, part in zip(rows, page_table_rows(seqs[j], ps)):
-                    acc.append(part)
-            table = PageTable.from_lists(*rows, device=dev)
-            qo_t = torch.tensor(qo, dtype=torch.int32, device=dev)
-            rows_idx = None
+                a, b = batch.spans[j]
+                qo.append(qo[-1] + b - a)
+            rows = None
             if len(paged) < len(seqs):
-                rows_idx = torch.tensor([r for j in paged for r in range(*spans[j])], device=dev)
-            q_pos = (pos_t if rows_idx is None else pos_t[rows_idx]).to(torch.int32)
-            plan = plan_prefill(qo, shp.num_heads, shp.num_kv_heads, dev) if cuda else None
-        x = h.embed(ids_t)
-        for i, layer in enumerate(h.layers):
-            q, k, v = h.project_qkv(layer, layer.input_layernorm(x))
-            k_rot = apply_cos_sin(k, cos, sin)
-            # private pages hold keys rotated at their logical positions (rot_shift 0)
-            self.pool.k[i][slot_page, :, slot_off] = k_rot.to(self.pool.dtype)
-            self.pool.v[i][slot_page, :, slot_off] = v.to(self.pool.dtype)
-            o = torch.empty_like(q) if fresh or tails else None
-            if paged:
-                qp = q if rows_idx is None else q[rows_idx]
-                if cuda:
-                    op = lazy_prefill(qp, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq,
-                                      rope="rotate_q", attention_scaling=h.rope.attention_scaling,
-                                      sm_scale=h.scaling, plan=plan)
-                else:  # the CPU runtime is plain torch (the Triton interpreter is for kernel tests only)
-                    op = paged_attention_ref(qp, qo_t, q_pos, self.pool.k[i], self.pool.v[i], table,
-                                             self.inv_freq, "rotate_q", h.rope.attention_scaling, h.scaling)
-                if o is None:
-                    o = op
-                else:
-                    o[rows_idx] = op
-            for j in fresh:
-                a, b = spans[j]
-                o[a:b] = self._causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_rot[a:b], v[a:b])
-            for j, pages_t in tails:
-                a, b = spans[j]
-                T = seqs[j].num_tokens
-                kk = self.pool.k[i][pages_t].transpose(1, 2).reshape(-1, shp.num_kv_heads, shp.head_dim)[:T]
-                vv = self.pool.v[i][pages_t].transpose(1, 2).reshape(-1, shp.num_kv_heads, shp.head_dim)[:T]
-                o[a:b] = self._causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype), vv.to(q.dtype))
-            x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = torch.tensor([b - 1 for _, b in spans], device=dev)
-        return h.lm_head(h.final_norm(x[last])).float()
+                rows = torch.tensor([r for j in paged for r in range(*batch.spans[j])], device=dev)
+            q_pos = (batch.pos if rows is None else batch.pos[rows]).to(torch.int32)
+            self.paged = (rows, torch.tensor(qo, dtype=torch.int32, device=dev), q_pos,
+                          build_table([seqs[j] for j in paged], ps, dev),
+                          plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev))
 
-    def _causal_sdpa(self, q, k, v):
-        """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of the m positions)
-        -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies."""
-        g = q.shape[1] // k.shape[1]
-        if g > 1:
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        n, m = q.shape[0], k.shape[0]
-        # lower-right causal when the queries are a tail (torch's is_causal is upper-left)
-        mask = None if n == m else causal_lower_right(n, m)
-        # 4-D [1, H, n, D]: the flash backend takes only batched 4-D inputs (3-D ones fall back
-        # to the math backend, which materialises the n x n scores)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                           scale=self.h.scaling)
+    def __call__(self, i: int, q, k_stored, v):
+        pool, p = self.runner.pool, self.runner.parts
+        if self.paged is not None and self.paged[0] is None:  # every sequence takes the kernels
+            return self._paged(i, q)
+        o = torch.empty_like(q)
+        if self.paged is not None:
+            o[self.paged[0]] = self._paged(i, q[self.paged[0]])
+        for a, b in self.fresh:
+            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), k_stored[a:b], v[a:b],
+                                 self.scaling)
+        for a, b, pages, T in self.tails:
+            hk, d = self.shape.num_kv_heads, self.shape.head_dim
+            kk = pool.k[i][pages].transpose(1, 2).reshape(-1, hk, d)[:T]
+            vv = pool.v[i][pages].transpose(1, 2).reshape(-1, hk, d)[:T]
+            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), kk.to(q.dtype),
+                                 vv.to(q.dtype), self.scaling)
+        for a, b, keys in self.torch_paths:
+            o[a:b] = keys.attend(pool.k[i], pool.v[i], apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]),
+                                 self.scaling)
+        return o
+
+    def _paged(self, i, q):
+        pool, rope = self.runner.pool, self.runner.parts.rope_table
+        _, qo, q_pos, table, plan = self.paged
+        return lazy_prefill(q, qo, q_pos, pool.k[i], pool.v[i], table, self.runner.inv_freq, rope_mode="rotate_q",
+                            attention_scaling=rope.attention_scaling, sm_scale=self.scaling, plan=plan)
+
+
+class TorchSequenceKeys:
+    """One sequence's keys for torch attention: which pool slots it reads, the pure rotation that
+    takes each stored key (rotated at position - rot_shift) to its logical position, and which
+    key each query may see. Hidden slots are simply not gathered."""
+
+    def __init__(self, seq, page_size: int, q_pos: torch.Tensor, inv_freq: torch.Tensor):
+        ids, ppos, plen, shift, slots = page_rows(seq, page_size)
+        dev = q_pos.device
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        plen_t = t(plen)
+        entry = torch.repeat_interleave(torch.arange(len(ids), device=dev), plen_t)   # key -> page entry
+        off = torch.arange(entry.numel(), device=dev) - (torch.cumsum(plen_t, 0) - plen_t)[entry]
+        kpos = t(ppos)[entry] + off
+        if slots is not None:
+            explicit = [e if e is not None else [ppos[k] + j for j in range(page_size)] for k, e in enumerate(slots)]
+            kpos = t(explicit)[entry, off]
+            keep = kpos != HIDDEN_POS
+            entry, off, kpos = entry[keep], off[keep], kpos[keep]
+        self.page, self.off = t(ids)[entry], off
+        self.cos, self.sin = rope_cos_sin(t(shift)[entry], inv_freq, 1.0)
+        self.cos, self.sin = self.cos[:, None], self.sin[:, None]  # over heads
+        self.visible = kpos[None, :] <= q_pos[:, None]
+
+    def attend(self, k_pool, v_pool, q_rot, scaling: float):
+        """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
+        k = rotate(k_pool[self.page, :, self.off], self.cos, self.sin).to(q_rot.dtype)   # [m, Hkv, D]
+        v = v_pool[self.page, :, self.off].to(q_rot.dtype)
+        o = F.scaled_dot_product_attention(q_rot.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=self.visible, scale=scaling,
+                                           enable_gqa=q_rot.shape[1] != k.shape[1])
         return o[0].transpose(0, 1)
+
+
+def causal_sdpa(q, k, v, scaling: float):
+    """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of the m positions)
+    -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    n, m = q.shape[0], k.shape[0]
+    # lower-right causal when the queries are a tail (torch's is_causal is upper-left)
+    mask = None if n == m else causal_lower_right(n, m)
+    # 4-D [1, H, n, D]: the flash backend takes only batched 4-D inputs (3-D ones fall back to
+    # the math backend, which materialises the n x n scores)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=mask is None, scale=scaling)
+    return o[0].transpose(0, 1)

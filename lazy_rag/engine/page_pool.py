@@ -9,7 +9,7 @@ so ``pool.k[layer]`` is exactly the ``k_pages`` argument of ``kernels.lazy_decod
 position-free), a prefix-cache block, or one request's private tokens. The pool only knows free
 and used pages; who owns a page and for how long is the block manager's business.
 
-Key convention (``kernels.DEFAULT_ROPE == "rotate_q"``): every page's keys are stored rotated at
+Key convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): every page's keys are stored rotated at
 (logical position - rot_shift). Chunk pages are rotated at chunk-local positions 0..L-1 (the
 table gives rot_shift = the chunk's start in a request); private pages at their logical positions
 (rot_shift 0). Values are never rotated.
@@ -37,8 +37,12 @@ class PagePool:
         # at it, so a padded batch never writes into a page somebody owns
         self.scratch_page = num_pages
         shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # CPU: memory is committed page by page as pages are written (every slot the CPU paths
+        # read was written first), so a generous default budget costs nothing until used.
+        # CUDA: zeros, because padded rows of captured decode steps read the scratch page.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.k = alloc(shape, dtype=dtype, device=self.device)
+        self.v = alloc(shape, dtype=dtype, device=self.device)
         self._free: deque[int] = deque(range(num_pages))
         self._used = bytearray(num_pages)  # 1 while allocated: catches double frees at once
 

@@ -1,15 +1,17 @@
-"""``Sequence``: one request inside the engine, its tokens, sampling rule and KV footprint.
+"""``Sequence``: one request inside the engine, its tokens, sampling rule and KV footprint;
+``EncodeJob``: one chunk being encoded; ``Run``: where a stretch of either's KV lives.
 
-The KV fields (``held``, ``private``, ``table`` ...) are filled by ``KVPlanner.admit`` and
-cleared by ``KVPlanner.release``; after a preemption the sequence keeps its generated tokens and
-is recomputed (prompt + output so far) when it is admitted again.
+The KV fields (``held``, ``private``, runs ...) are filled by ``KVPlanner.admit`` and cleared by
+``KVPlanner.release``; after a preemption the sequence keeps its generated tokens and is
+recomputed (prompt + output so far) when it is admitted again.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from ..requests import ChunkSource, SamplingParams
 from ..segments import PromptLayout
 
 
@@ -19,23 +21,20 @@ class Status(Enum):
     FINISHED = auto()
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: list[str] | None = None
-    seed: int | None = None
-
-
 @dataclass(frozen=True)
 class Run:
-    """A run of tokens at contiguous logical positions whose KV lives in one list of pages."""
+    """Tokens at contiguous logical positions whose KV lives in one list of pages.
+
+    Keys are stored rotated at (logical position - rot_shift): 0 for a request's own tokens, the
+    chunk's start for a chunk's pages (rotated at chunk-local positions). ``hidden``: offsets
+    within the run this sequence must not see (the cached copies of a chunk's tokens that it
+    recomputes privately); the pages themselves are shared and never written."""
 
     pos: int          # logical position of the first token
     length: int       # tokens in the run
     pages: tuple      # physical pages holding them, in order (slot i -> pages[i // page_size])
-    rot_shift: int    # rotation origin of the stored keys (chunk start; 0 for private runs)
+    rot_shift: int    # rotation origin of the stored keys
+    hidden: frozenset = frozenset()
 
 
 _ids = itertools.count()
@@ -43,14 +42,13 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, layout: PromptLayout, mode: str = "lazy", params: SamplingParams | None = None,
-                 shared_prefix: tuple = (), store=None, keep_first_logits: bool = False):
+                 source: ChunkSource | None = None, keep_first_logits: bool = False):
         self.id = next(_ids)
-        self.store = store                # the request's chunk store (its index's), if any
-        self.keep_first_logits = keep_first_logits
         self.layout = layout
         self.mode = mode
         self.params = params or SamplingParams()
-        self.shared_prefix = tuple(shared_prefix)
+        self.source = source or ChunkSource()
+        self.keep_first_logits = keep_first_logits
         self.output: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -61,12 +59,12 @@ class Sequence:
         self.clear_kv()
 
     def clear_kv(self) -> None:
-        self.held: list = []             # CachedEntry references (chunks, prefix blocks)
-        self.private: list[int] = []     # private pages
-        self.cached_runs: list[Run] = []  # shared KV this sequence reads (chunks, prefix blocks)
+        self.held: list = []              # CachedEntry references (chunks, prefix pages)
+        self.private: list[int] = []      # private pages
+        self.cached_runs: list[Run] = []  # shared KV this sequence reads (chunks, prefix pages)
         self.private_runs: list[Run] = []  # its own tokens, the last one grows while decoding
         self.compute_pos: list[int] = []  # positions the pending prefill computes
-        self.transfers: list = []
+        self.block_copies: list = []      # block mode: (chunk entry, start) to copy before prefill
         self.needs_prefill = False
         self.kv_len = 0                   # tokens whose KV is in the pool
 
@@ -93,3 +91,24 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.id}, mode={self.mode}, status={self.status.name}, out={len(self.output)})"
+
+
+@dataclass
+class EncodeJob:
+    """A chunk being encoded: its tokens computed at positions p.. after the shared prefix's run
+    (p = the prefix's length, 0 without one), attending to the prefix and causally to
+    themselves; their keys written into the chunk's own pages rotated at chunk-local positions
+    (the private run's rot_shift is p), i.e. exactly the pool's convention for chunk pages."""
+
+    tokens: list[int]                      # prefix + chunk token ids
+    cached_runs: list[Run] = field(default_factory=list)
+    private_runs: list[Run] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def compute_pos(self) -> list[int]:
+        run = self.private_runs[0]
+        return list(range(run.pos, run.pos + run.length))

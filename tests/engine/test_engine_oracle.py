@@ -1,7 +1,7 @@
 """The engine against the independent reference (an HF forward with a 4-D mask and position ids):
-every mode, many requests in flight sharing chunks at different offsets, through ``LazyLLM``'s
-engine backend. On the CPU the engine's attention is the kernels' torch reference; on CUDA it is
-the Triton kernels, SDPA for fresh prefills and CUDA-graph decode (tests/gpu_parity.sh).
+every mode, many requests in flight sharing chunks at different offsets, through ``LazyLLM``.
+On the CPU the engine's attention is its vectorised torch path; on CUDA it is the Triton
+kernels, SDPA for fresh prefills and CUDA-graph decode (tests/gpu_parity.sh).
 
 A generated token is *oracle-consistent* when, teacher-forcing the engine's own tokens through
 the oracle, each one is the oracle's argmax or within ``tol`` of it (a near-tie that fp32
@@ -35,7 +35,6 @@ def requests(rng, n, num_chunks, chunk_len, vocab, max_new):
 
 def assert_oracle_consistent(llm, reqs, results, mode, logit_tol, tol):
     for (segs, m), res in zip(reqs, results):
-        assert res.stats.backend == "engine"
         assert len(res.token_ids) == m and res.finish_reason == "length"
         first = teacher_forced_logits(llm, segs, mode, res.token_ids[:1])[0].cpu()
         assert rel_err(res.first_logits, first) < logit_tol, mode
@@ -46,7 +45,7 @@ def run_concurrently(llm, reqs, mode):
     eng = llm.engine
     handles = [eng.submit(s, mode=mode, max_new_tokens=m, output_first_logits=True) for s, m in reqs]
     eng.run_until_done()
-    eng.bm.check()
+    eng.pm.check()
     return [h.result for h in handles]
 
 
@@ -54,9 +53,7 @@ def run_concurrently(llm, reqs, mode):
 def tiny_llm(tokenizer, device):
     # head_dim 32 (the Triton kernels need a multiple of 32), no EOS among random draws
     model = tiny_model("llama", "llama3", seed=5, hidden_size=128).to(device)
-    llm = LazyLLM(model, tokenizer, backend="engine",
-                  engine_options={"num_pages": 160, "page_size": 8, "max_num_seqs": 16,
-                                  "max_batched_tokens": 256})
+    llm = LazyLLM(model, tokenizer, num_pages=160, page_size=8, max_num_seqs=16, max_batched_tokens=256)
     llm.eos_ids = set()  # a random model may pick an EOS id; these tests count tokens
     return llm
 
@@ -77,7 +74,7 @@ def test_lazyllm_generate_and_stream_go_through_the_engine(tiny_llm):
     rng = random.Random(3)
     (segs, _), = requests(rng, 1, num_chunks=3, chunk_len=(10, 20), vocab=40000, max_new=1)
     res = tiny_llm.generate(segs, max_new_tokens=5, mode="lazy", output_first_logits=True)
-    assert res.stats.backend == "engine" and res.stats.cached_tokens > 0
+    assert res.stats.cached_tokens > 0
     assert sum(res.stats.chunk_sources.values()) == 3
     first = teacher_forced_logits(tiny_llm, segs, "lazy", res.token_ids[:1])[0].cpu()
     assert rel_err(res.first_logits, first) < 1e-4
@@ -89,9 +86,34 @@ def test_lazyllm_generate_and_stream_go_through_the_engine(tiny_llm):
     next(partial)
     partial.close()
     assert not tiny_llm.engine.scheduler.has_work and tiny_llm.engine.stats()["pages_private"] == 0
-    # boundary recompute is served by the torch path, still exact against block
-    epic = tiny_llm.generate(segs, max_new_tokens=3, mode="lazy", boundary_recompute=2)
-    assert epic.stats.backend == "torch"
+
+
+def test_boundary_recompute_in_the_engine(tiny_llm):
+    """EPIC: each chunk's first tokens recomputed privately while the shared pages hide their
+    cached copies for this request only. lazy equals block (which copies, then overwrites);
+    recomputing nothing is plain lazy; recomputing everything is a plain causal forward; and
+    the shared pages are left as they were (a later plain request still matches the oracle)."""
+    rng = random.Random(12)
+    reqs = requests(rng, 6, num_chunks=4, chunk_len=(5, 30), vocab=40000, max_new=4)
+    eng = tiny_llm.engine
+    for skip in (0, 3, 11, 64):
+        lazy = eng.generate([dict(segments=s, mode="lazy", max_new_tokens=m, boundary_recompute=skip,
+                                  output_first_logits=True) for s, m in reqs])
+        block = eng.generate([dict(segments=s, mode="block", max_new_tokens=m, boundary_recompute=skip,
+                                   output_first_logits=True) for s, m in reqs])
+        for (segs, _), a, b in zip(reqs, lazy, block):
+            assert rel_err(a.first_logits, b.first_logits) < 1e-4, skip
+            assert a.token_ids == b.token_ids
+            layout = tiny_llm.prepare(segs, boundary_recompute=skip)
+            assert a.stats.cached_tokens == layout.cached_tokens
+            if skip == 0:
+                ref = teacher_forced_logits(tiny_llm, segs, "lazy", a.token_ids[:1])[0].cpu()
+                assert rel_err(a.first_logits, ref) < 1e-4
+            if skip == 64:  # longer than every chunk: everything computed, a causal forward
+                ref = teacher_forced_logits(tiny_llm, segs, "full", a.token_ids[:1])[0].cpu()
+                assert rel_err(a.first_logits, ref) < 1e-4 and a.stats.cached_tokens == 0
+    eng.pm.check()
+    assert_oracle_consistent(tiny_llm, reqs, run_concurrently(tiny_llm, reqs, "lazy"), "lazy", 1e-4, 1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real-shape model on CUDA (tests/gpu_parity.sh)")
@@ -119,8 +141,7 @@ def real_shape_llm():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).eval()
-    return LazyLLM(model, IdTokenizer(), backend="engine",
-                   engine_options={"kv_bytes": 4 << 30, "page_size": 64, "max_num_seqs": 64})
+    return LazyLLM(model, IdTokenizer(), kv_bytes=4 << 30, page_size=64, max_num_seqs=64)
 
 
 def test_prefix_hit_followed_by_a_long_tail_matches_the_oracle(tiny_llm):

@@ -4,10 +4,11 @@ import zlib
 
 import pytest
 
-from lazy_rag.engine.block_manager import BlockManager
+from lazy_rag.engine.page_manager import PageManager
 from lazy_rag.engine.page_pool import OutOfPages, PagePool
 from lazy_rag.engine.scheduler import RequestTooLarge, Scheduler
-from lazy_rag.engine.sequence import SamplingParams, Sequence, Status
+from lazy_rag.engine.sequence import Sequence, Status
+from lazy_rag.requests import SamplingParams
 from lazy_rag.segments import PromptLayout
 
 
@@ -15,11 +16,11 @@ class FakePlanner:
     """Private pages only: ceil(kv tokens / page_size) pages per sequence."""
 
     def __init__(self, num_pages, page_size=4):
-        self.bm = BlockManager(PagePool(1, num_pages, 1, page_size, 2))
+        self.pm = PageManager(PagePool(1, num_pages, 1, page_size, 2))
 
     def admit(self, seq):
         try:
-            seq.private = self.bm.allocate(self.bm.pool.pages_for(seq.num_tokens))
+            seq.private = self.pm.allocate(self.pm.pool.pages_for(seq.num_tokens))
         except OutOfPages:
             return False
         seq.compute_pos = list(range(seq.num_tokens))
@@ -30,16 +31,16 @@ class FakePlanner:
         return True
 
     def append_slot(self, seq):
-        if len(seq.private) * self.bm.page_size >= seq.kv_len + 1:
+        if len(seq.private) * self.pm.page_size >= seq.kv_len + 1:
             return True
         try:
-            seq.private += self.bm.allocate(1)
+            seq.private += self.pm.allocate(1)
             return True
         except OutOfPages:
             return False
 
     def release(self, seq):
-        self.bm.free(seq.private)
+        self.pm.free(seq.private)
         seq.clear_kv()
 
 
@@ -70,18 +71,18 @@ def run_all(seqs, num_pages, max_num_seqs=8, budget=64, arrivals=None):
         for seq in step.prefill + step.decode:
             assert seq.kv_len == seq.num_tokens
             seq.output.append(fake_token(seq.tokens))
-            if len(seq.output) >= seq.params.max_tokens:
+            if len(seq.output) >= seq.params.max_new_tokens:
                 sched.finish(seq, "length")
-        planner.bm.check()
+        planner.pm.check()
         steps += 1
-    assert planner.bm.private_pages == 0 and planner.bm.pool.num_used == 0
+    assert planner.pm.private_pages == 0 and planner.pm.pool.num_used == 0
     return sched, steps
 
 
 def make_seqs(n, seed=0):
     rng = random.Random(seed)
     return [Sequence(PromptLayout(token_ids=[rng.randrange(100) for _ in range(rng.randint(1, 20))]),
-                     params=SamplingParams(max_tokens=rng.randint(1, 12))) for _ in range(n)]
+                     params=SamplingParams(max_new_tokens=rng.randint(1, 12))) for _ in range(n)]
 
 
 def test_preemption_and_resumption_give_the_same_tokens():
@@ -89,7 +90,7 @@ def test_preemption_and_resumption_give_the_same_tokens():
     tight, _ = run_all(tight_seqs := make_seqs(40), num_pages=12, arrivals=3)
     assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
     assert [s.output for s in seqs] == [s.output for s in tight_seqs]
-    assert all(s.status is Status.FINISHED and len(s.output) == s.params.max_tokens for s in tight_seqs)
+    assert all(s.status is Status.FINISHED and len(s.output) == s.params.max_new_tokens for s in tight_seqs)
 
 
 def test_budget_and_max_num_seqs_bound_each_step():

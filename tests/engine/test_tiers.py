@@ -1,43 +1,64 @@
-"""Host tier over the disk store and encode-on-miss; placement in the pool's key convention."""
+"""The chunk chain below the pool: host tier, then the request's disk store, then encoding by the
+engine (straight into pool pages, kept in the host tier and written back); placement of fetched
+KV in the pool's key convention; one key scheme."""
 import torch
 
-from lazy_rag import LazyLLM
+from lazy_rag import ChunkSource, LazyLLM
+from lazy_rag.engine.chunk_tiers import ChunkTiers, chunk_key
 from lazy_rag.engine.page_pool import PagePool
-from lazy_rag.engine.tiers import ChunkTiers, chunk_key
 from lazy_rag.store import ChunkStore
 from tests.tiny_models import tiny_model
 
 
-def test_fetch_walks_host_disk_encode_and_places_chunk_local_keys(tmp_path, tokenizer):
-    llm = LazyLLM(tiny_model("llama", "llama3"), tokenizer)
-    store = ChunkStore(tmp_path, llm, "fp-test", precomputed=False)
+def test_pool_host_disk_encode_chain_and_write_back(tmp_path, tokenizer):
+    llm = LazyLLM(tiny_model("llama", "llama3"), tokenizer, page_size=4)
+    store = ChunkStore(tmp_path, "fp-test", precomputed=False)
     ids = list(range(300, 313))
-    key = chunk_key(ids, "c0")
-    tiers = ChunkTiers(llm, host_bytes=1 << 20, store=store, pin=False)
-    kv, tier = tiers.fetch(key, ids, "c0")
-    assert tier == "encoded" and store.path("c0").exists()
-    assert tiers.fetch(key, ids, "c0")[1] == "host"
-    fresh = ChunkTiers(llm, host_bytes=1 << 20, store=store, pin=False)
-    kv2, tier2 = fresh.fetch(key, ids, "c0")
-    assert tier2 == "disk" and torch.equal(kv2.k, kv.k)
-    assert fresh.counters["disk_hits"] == 1 and tiers.counters["encoded"] == 1
+    planner, tiers = llm.engine.planner, llm.engine.tiers
+    e, tier = planner.place_chunk(ids, "c0", (), store)
+    assert tier == "encoded" and store.path("c0").exists()  # encoded, then written back
+    llm.engine.pm.release(e)
+    assert planner.place_chunk(ids, "c0", (), store)[1] == "pool"
+    llm.engine.pm.release(e)
+    llm.engine.clear_cache()
+    e2, tier2 = planner.place_chunk(ids, "c0", (), store)
+    assert tier2 == "disk" and tiers.counters["disk_hits"] == 1
+    llm.engine.pm.release(e2)
+    llm.engine.pm.evict_unreferenced()
+    assert planner.place_chunk(ids, "c0", (), store)[1] == "host"
+    assert tiers.counters["encoded"] == 1
 
+
+def test_placed_keys_are_chunk_local_rotations_of_the_stored_keys(tokenizer):
+    llm = LazyLLM(tiny_model("llama", "llama3"), tokenizer)
+    ids = list(range(40, 53))
+    kv = llm.encode_chunk(ids)
     shp = llm.shape
     pool = PagePool(shp.num_layers, 8, shp.num_kv_heads, 4, shp.head_dim)
     pages = pool.alloc(4)
-    assert fresh.place(pool, pages, kv2, llm.rope, "rotate_q").ready()
+    tiers = ChunkTiers(host_bytes=1 << 20, pin=False)
+    assert tiers.place(pool, pages, kv, llm.host.rope_table).ready()
     k, v = pool.read_run(pages, len(ids))
-    assert torch.allclose(k, llm.rope.rotate(kv.k, torch.arange(len(ids))))
+    assert torch.allclose(k, llm.host.rope_table.rotate(kv.k, torch.arange(len(ids))))
     assert torch.equal(v, kv.v)
-    fresh.place(pool, pages, kv2, llm.rope, "rotate_k")
-    assert torch.equal(pool.read_run(pages, len(ids))[0], kv.k)
-    assert fresh.counters["bytes_to_pool"] == 2 * kv.nbytes
+    assert tiers.counters["bytes_to_pool"] == kv.nbytes
 
 
-def test_no_store_encodes_once_then_serves_from_host(tokenizer):
-    llm = LazyLLM(tiny_model("llama"), tokenizer)
-    tiers = ChunkTiers(llm, host_bytes=1 << 20, pin=False)
-    ids = [5, 6, 7]
-    key = chunk_key(ids, None)
-    assert [tiers.fetch(key, ids)[1] for _ in range(3)] == ["encoded", "host", "host"]
-    assert key != chunk_key(ids, None, shared_prefix=[1, 2])
+def test_one_key_scheme_content_and_prefix_not_chunk_ids():
+    assert chunk_key([5, 6, 7]) == chunk_key((5, 6, 7))
+    assert chunk_key([5, 6, 7]) != chunk_key([5, 6, 8])
+    assert chunk_key([5, 6, 7]) != chunk_key([5, 6, 7], shared_prefix=[1, 2])
+
+
+def test_a_chunk_encoded_for_one_source_is_a_pool_hit_for_another(tmp_path, tokenizer):
+    """The same tokens after the same prefix have the same KV whichever index holds them."""
+    llm = LazyLLM(tiny_model("llama"), tokenizer, page_size=4)
+    a = ChunkSource((), ChunkStore(tmp_path / "a", "fp", precomputed=False))
+    b = ChunkSource((), ChunkStore(tmp_path / "b", "fp", precomputed=False))
+    from lazy_rag import Chunk
+
+    segs = [[11, 12], Chunk([20, 21, 22, 23, 24], chunk_id="x"), [30, 31]]
+    first = llm.generate(segs, max_new_tokens=1, source=a)
+    second = llm.generate(segs, max_new_tokens=1, source=b)
+    assert first.stats.chunk_sources == {"encoded": 1} and second.stats.chunk_sources == {"pool": 1}
+    assert (tmp_path / "a" / "kv" / "x.safetensors").exists()

@@ -45,9 +45,9 @@ def test_chat_chain_second_question_computes_only_its_own_tokens(smollm2, index,
     assert stats["cached_tokens"] == chunk_tokens(index, index.by_id)
     assert msg.usage_metadata["input_token_details"]["cache_read"] == stats["cached_tokens"]
     assert stats["computed_tokens"] == stats["prompt_tokens"] - stats["cached_tokens"]
-    assert stats["chunk_sources"] == {"memory": 3}
+    assert stats["chunk_sources"] == {"pool": 3}
     segs = segments_by_hand(prompts[-1], [(r.text, r.token_ids, r.id) for r in index.records])
-    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", kv_source=index)
+    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", source=index.chunk_source)
     assert chat.runtime.last_result.token_ids == ref.token_ids and msg.content == ref.text
     # streaming the same chain: the pieces add up to the same answer, stats on the last chunk
     chunks = list(chain.stream(QUESTIONS[1]))
@@ -63,7 +63,7 @@ def test_llm_kwargs_pass_through_batch_stream_async(smollm2, index, segments_by_
     text = llm.invoke(prompt, chunk_ids=["observatory"])
     assert llm.last_stats["chunk_ids"] == ["observatory"] and llm.last_stats["cached_tokens"] == len(rec.token_ids)
     ref = smollm2.generate(segments_by_hand(prompt, [(rec.text, rec.token_ids, rec.id)]), max_new_tokens=4,
-                           mode="block", kv_source=index)
+                           mode="block", source=index.chunk_source)
     assert text == ref.text
     llm.invoke(prompt, chunk_ids=["bakery"])  # restricted to a chunk that is not in the prompt
     assert llm.last_stats["cached_tokens"] == 0
@@ -100,11 +100,11 @@ def test_rag_chain_exact_streaming_and_composition(smollm2, index):
     for p in pieces[1:]:
         out = out + p
     ids = [d.id for d in out["sources"]]
-    ref = smollm2.generate(index.segments(QUESTIONS[1], ids), max_new_tokens=NEW, mode="block", kv_source=index)
+    ref = smollm2.generate(index.segments(QUESTIONS[1], ids), max_new_tokens=NEW, mode="block", source=index.chunk_source)
     assert out["answer"] == ref.text and rag.runtime.last_result.token_ids == ref.token_ids
     stats = out["stats"]
     assert stats["reuse"] == "chunk_ids" and stats["cached_tokens"] == chunk_tokens(index, ids)
-    assert stats["computed_tokens"] == ref.stats.computed_tokens and stats["chunk_sources"] == {"memory": 3}
+    assert stats["computed_tokens"] == ref.stats.computed_tokens and stats["chunk_sources"] == {"pool": 3}
     # .assign and RunnableParallel over the runnable; a question string retrieves by itself
     assigned = LazyRAGChain(index=index, top_k=2, max_new_tokens=2).assign(n=lambda x: len(x["sources"]))
     both = RunnableParallel(rag=assigned, echo=RunnablePassthrough()).invoke(QUESTIONS[0])

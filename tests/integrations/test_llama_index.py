@@ -62,12 +62,12 @@ def test_query_engine_second_question_computes_only_its_own_tokens(smollm2, corp
     assert set(stats["chunk_ids"]) == set(ids) and stats["reuse"] == "span_match"
     assert stats["cached_tokens"] == chunk_tokens(lidx, ids)  # every chunk token came from cache
     assert stats["computed_tokens"] == stats["prompt_tokens"] - stats["cached_tokens"]
-    assert stats["chunk_sources"] == {"memory": len(ids)}  # the first question loaded them
+    assert stats["chunk_sources"] == {"pool": len(ids)}  # the first question loaded them
     # the same request through LazyLLM.generate in block mode, rebuilt by hand from the prompt
     prompt = prompts[-1]
     assert "file_path" not in prompt and "topic: " in prompt  # the engine's metadata headers are there
     segs = segments_by_hand(prompt, [(lidx.by_id[i].text, lidx.by_id[i].token_ids, i) for i in ids])
-    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", kv_source=lidx)
+    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", source=lidx.chunk_source)
     assert llm.runtime.last_result.token_ids == ref.token_ids
     assert str(response) == ref.text.strip() or str(response) == ref.text
     assert ref.stats.computed_tokens == stats["computed_tokens"]
@@ -97,7 +97,7 @@ def test_altered_chunk_text_is_computed(smollm2, corpus, capture_prompts, segmen
     assert set(stats["chunk_ids"]) == set(intact)
     assert stats["cached_tokens"] == chunk_tokens(lidx, intact)
     segs = segments_by_hand(prompts[-1], [(lidx.by_id[i].text, lidx.by_id[i].token_ids, i) for i in intact])
-    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", kv_source=lidx)
+    ref = smollm2.generate(segs, max_new_tokens=NEW, mode="block", source=lidx.chunk_source)
     assert llm.runtime.last_result.token_ids == ref.token_ids
     # a prompt none of whose chunk text survives is computed entirely
     text = lidx.records[0].text.replace(" ", "  ", 1)
@@ -119,8 +119,8 @@ def test_exact_synthesizer_passes_node_ids(smollm2, corpus):
     stats = response.metadata["lazy_rag"]
     assert stats["reuse"] == "chunk_ids" and stats["chunk_ids"] == ids
     assert stats["cached_tokens"] == chunk_tokens(lidx, ids)
-    assert stats["chunk_sources"] == {"memory": len(ids)}
-    ref = smollm2.generate(lidx.segments(QUESTIONS[1], ids), max_new_tokens=NEW, mode="block", kv_source=lidx)
+    assert stats["chunk_sources"] == {"pool": len(ids)}
+    ref = smollm2.generate(lidx.segments(QUESTIONS[1], ids), max_new_tokens=NEW, mode="block", source=lidx.chunk_source)
     assert llm.runtime.last_result.token_ids == ref.token_ids and str(response) == ref.text
     assert stats["computed_tokens"] == ref.stats.computed_tokens
 
@@ -129,7 +129,7 @@ def test_exact_synthesizer_passes_node_ids(smollm2, corpus):
     sresp = streaming.query(QUESTIONS[0])
     text = "".join(sresp.response_gen)
     sids = [n.node.node_id for n in sresp.source_nodes]
-    ref = smollm2.generate(lidx.segments(QUESTIONS[0], sids), max_new_tokens=NEW, mode="block", kv_source=lidx)
+    ref = smollm2.generate(lidx.segments(QUESTIONS[0], sids), max_new_tokens=NEW, mode="block", source=lidx.chunk_source)
     assert text == ref.text
     assert streaming._response_synthesizer._llm.last_stats["cached_tokens"] == chunk_tokens(lidx, sids)
 
@@ -172,7 +172,7 @@ def test_retriever_over_lazy_index_and_registered_chunks(smollm2, corpus):
     assert len(hits) == 2 and all(h.node.node_id in lidx.by_id for h in hits)
     assert hits[0].node.text == lidx.by_id[hits[0].node.node_id].text and "Bakery" in hits[0].node.text
 
-    # no index: chunks registered with the LLM, KV from its in-memory chunk cache
+    # no index: chunks registered with the LLM, KV encoded on first use and kept in its pool
     llm = LazyRAGLLM(llm=smollm2, max_new_tokens=2)
     note = "The ferry to Gull Island leaves the harbour every two hours from seven in the morning."
     [cid] = llm.register([note], ids=["ferry"])
@@ -180,4 +180,4 @@ def test_retriever_over_lazy_index_and_registered_chunks(smollm2, corpus):
     second = llm.complete(f"Read this: {note}\nHow often?").additional_kwargs["lazy_rag"]
     n = len(smollm2.tokenizer(note, add_special_tokens=False).input_ids)
     assert cid == "ferry" and first["chunk_ids"] == second["chunk_ids"] == ["ferry"]
-    assert second["cached_tokens"] == n and second["chunk_sources"] == {"memory": 1}
+    assert second["cached_tokens"] == n and second["chunk_sources"] == {"pool": 1}

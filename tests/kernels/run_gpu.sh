@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# The kernel tests on a CUDA machine: same tests, bf16 and fp16 (tolerances 1e-2 / 1e-3).
-#   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k decode
+# The kernel tests on a CUDA machine: every test of tests/kernels, in bf16 and fp16 (tolerances
+# 1e-2 / 1e-3): test_attention.py (decode, prefill, RoPE scalings, the block copy),
+# test_slot_positions.py (explicit per-slot positions: hidden slots in shared pages, compact
+# private runs, all-hidden sequences) and test_page_copy.py.
+#   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
+# The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python3 -c "import lazy_rag.kernels" 2>/dev/null \

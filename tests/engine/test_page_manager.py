@@ -1,10 +1,10 @@
-"""Page pool and block manager: plain Python over a small CPU pool."""
+"""Page pool and page manager: plain Python over a small CPU pool."""
 import random
 
 import pytest
 import torch
 
-from lazy_rag.engine.block_manager import BlockManager
+from lazy_rag.engine.page_manager import PageManager
 from lazy_rag.engine.page_pool import OutOfPages, PagePool
 
 
@@ -34,7 +34,7 @@ def test_double_free_and_over_allocation_raise():
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
 def test_referenced_entries_are_never_evicted(policy):
-    bm = BlockManager(small_pool(num_pages=6), policy)
+    bm = PageManager(small_pool(num_pages=6), policy)
     a = bm.insert(("chunk", "a"), 8)          # 2 pages, held
     b = bm.insert(("chunk", "b"), 8)          # 2 pages
     bm.release(b)                              # b unreferenced: evictable
@@ -52,7 +52,7 @@ def test_referenced_entries_are_never_evicted(policy):
 
 def test_lru_evicts_least_recent_and_gdsf_keeps_popular():
     for policy, survivor in (("lru", "new"), ("gdsf", "hot")):
-        bm = BlockManager(small_pool(num_pages=4), policy)
+        bm = PageManager(small_pool(num_pages=4), policy)
         hot = bm.insert(("chunk", "hot"), 4)
         bm.release(hot)
         for _ in range(5):
@@ -64,28 +64,41 @@ def test_lru_evicts_least_recent_and_gdsf_keeps_popular():
         bm.check()
 
 
-def test_prefix_blocks_match_only_the_same_prefix():
-    bm = BlockManager(small_pool(num_pages=16, page_size=4))
-    ids = list(range(100, 111))                # 2 full blocks + 3 tokens
+def test_prefix_pages_match_only_the_same_prefix():
+    bm = PageManager(small_pool(num_pages=16, page_size=4))
+    ids = list(range(100, 111))                # 2 full pages + 3 tokens
     pages = bm.allocate(3)
     held = [bm.adopt(key, [p], 4) for key, p in zip(bm.prefix_keys(ids), pages)]
     assert len(held) == 2
     bm.release_all(held)
     assert len(bm.match_prefix(ids, len(ids) - 1)) == 2
-    assert len(bm.match_prefix(ids[:4] + [1] + ids[5:], 11)) == 1   # differs in block 2
-    assert len(bm.match_prefix([7] + ids[1:], 11)) == 0             # differs in block 1
+    assert len(bm.match_prefix(ids[:4] + [1] + ids[5:], 11)) == 1   # differs in page 2
+    assert len(bm.match_prefix([7] + ids[1:], 11)) == 0             # differs in page 1
     assert len(bm.match_prefix(ids, 7)) == 1                        # capped by max_tokens
     bm.free(pages[2:])
     with pytest.raises(KeyError):
         bm.free(pages[2:])
 
 
+def test_a_prefix_chain_loses_its_tail_pages_before_its_head():
+    """An evicted head would make the rest of its chain unreachable (as vLLM, tails go first)."""
+    bm = PageManager(small_pool(num_pages=6, page_size=4), "lru")
+    ids = list(range(100, 124))                # 6 full pages
+    held = [bm.adopt(key, [p], 4) for key, p in zip(bm.prefix_keys(ids), bm.allocate(6))]
+    bm.release_all(held)
+    assert len(bm.match_prefix(ids, len(ids))) == 6
+    bm.release_all([bm.lookup(k) for k in bm.prefix_keys(ids)])
+    bm.allocate(2)                             # room for a newcomer: two pages evicted
+    found = bm.match_prefix(ids, len(ids))
+    assert len(found) == 4 and [e.key for e in found] == bm.prefix_keys(ids)[:4]
+
+
 def test_random_requests_never_free_a_referenced_page_and_never_leak():
-    """Thousands of random requests (chunks shared at random, private pages, prefix blocks)."""
+    """Thousands of random requests (chunks shared at random, private pages, prefix pages)."""
     rng = random.Random(0)
     for policy in ("lru", "lfu", "gdsf"):
         pool = small_pool(num_pages=48, page_size=4)
-        bm = BlockManager(pool, policy)
+        bm = PageManager(pool, policy)
         live = []  # (entries held, private pages)
         for step in range(1500):
             if live and (rng.random() < 0.45 or len(live) > 6):
@@ -108,10 +121,10 @@ def test_random_requests_never_free_a_referenced_page_and_never_leak():
                         held.append(e)
                     if rng.random() < 0.3:
                         ids = [rng.randrange(3) for _ in range(9)]
-                        blocks = bm.match_prefix(ids, 8)
-                        held.extend(blocks)
+                        found = bm.match_prefix(ids, 8)
+                        held.extend(found)
                         keys = bm.prefix_keys(ids)
-                        for key in keys[len(blocks):]:
+                        for key in keys[len(found):]:
                             if bm.lookup(key) is None:
                                 e = bm.adopt(key, bm.allocate(1), 4)
                                 pool.k[:, e.pages] = hash(key) % 1000

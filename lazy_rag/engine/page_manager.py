@@ -1,15 +1,15 @@
-"""``BlockManager``: who owns each page of the ``PagePool``, reference counts, and eviction.
+"""``PageManager``: who owns each page of the ``PagePool``, reference counts, and eviction.
 
 Two kinds of owners:
 
 - **cached entries** (``CachedEntry``), shared and found by key: a chunk's pages (key
   ``("chunk", id)``, position-free, placed once, read by every request that retrieved the chunk
-  at any offset) or a prefix-cache block (key ``("prefix", hash chain)``, one page, valid only
+  at any offset) or a prefix-cache page (key ``("prefix", hash chain)``, one page, valid only
   behind exactly the same token prefix, like vLLM's APC). An entry with ``refs > 0`` is in use
   and never evicted; at ``refs == 0`` it stays cached until its pages are needed.
 - **private pages**: a request's own tokens (template, question, generated tokens, Block-
   Attention's materialised copies). Allocated with ``allocate``, returned with ``free``; a full
-  prompt block of a prefix-mode request is handed over to the cache with ``adopt``.
+  prompt page of a prefix-mode request is handed over to the cache with ``adopt``.
 
 ``allocate`` evicts unreferenced entries, lowest policy priority first, until enough pages are
 free; if even that is not enough it raises ``OutOfPages`` (the scheduler then preempts). Policies:
@@ -19,12 +19,27 @@ cheap entries go first and popular ones stay).
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from ..prefix_cache import _block_hashes
+import numpy as np
+
 from .page_pool import OutOfPages, PagePool
+
+
+def prefix_hashes(ids: list[int], page_size: int) -> list[bytes]:
+    """One hash per full page of ``ids``, chained over every page before it (vLLM's automatic
+    prefix caching): a page is found again only behind exactly the same token prefix."""
+    hashes, prev = [], b""
+    arr = np.asarray(ids, dtype="<i8")
+    for b in range(len(ids) // page_size):
+        h = hashlib.sha256(prev)
+        h.update(arr[b * page_size:(b + 1) * page_size].tobytes())
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes
 
 
 @dataclass(eq=False)
@@ -80,8 +95,8 @@ class GDSFPolicy:
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "gdsf": GDSFPolicy}
 
 
-class BlockManager:
-    def __init__(self, pool: PagePool, policy: str = "lru"):
+class PageManager:
+    def __init__(self, pool: PagePool, policy: str = "gdsf"):
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.pool = pool
@@ -145,6 +160,10 @@ class BlockManager:
             victim = min(self._evictable.values(), key=lambda e: e.priority)
             self._evict(victim)
 
+    def evict_unreferenced(self) -> None:
+        for e in list(self._evictable.values()):
+            self._evict(e)
+
     def _evict(self, e: CachedEntry) -> None:
         assert e.refs == 0
         del self._evictable[e.key]
@@ -196,6 +215,12 @@ class BlockManager:
         self.counters[f"{e.kind}_inserted_pages"] += n
         return self.acquire(e)
 
+    def discard(self, e: CachedEntry) -> None:
+        """Drop an entry its only holder never filled (an encode or a copy that failed)."""
+        assert e.refs == 1 and self.entries.get(e.key) is e, e.key
+        del self.entries[e.key]
+        self.pool.free(e.pages)
+
     def adopt(self, key: Hashable, pages: list[int], num_tokens: int, cost: float | None = None) -> CachedEntry:
         """Turn private pages (already filled) into a cached entry, acquired once by the caller."""
         if key in self.entries:
@@ -208,11 +233,11 @@ class BlockManager:
 
     # -- prefix caching (vLLM APC) --------------------------------------------------------------
     def prefix_keys(self, token_ids: list[int]) -> list[tuple]:
-        """Keys of every full page-sized block of token_ids: a hash chain over all blocks so far."""
-        return [("prefix", h) for h in _block_hashes(list(token_ids), self.page_size)]
+        """Keys of every full page of token_ids: a hash chain over all pages so far."""
+        return [("prefix", h) for h in prefix_hashes(list(token_ids), self.page_size)]
 
     def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[CachedEntry]:
-        """Acquire the cached blocks of the longest block-aligned prefix (at most max_tokens)."""
+        """Acquire the cached pages of the longest page-aligned prefix (at most max_tokens)."""
         found = []
         for key in self.prefix_keys(token_ids[:max_tokens]):
             e = self.entries.get(key)

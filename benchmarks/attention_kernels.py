@@ -1,0 +1,521 @@
+"""Benchmark the lazy-RoPE attention kernels on the GPU (Llama-3.1-8B attention shape).
+
+    python benchmarks/attention_kernels.py [--out DIR] [--quick] [--sweep]
+
+Needs a CUDA device and the package installed (`pip install -e .`, as tests/kernels/run_gpu.sh
+does). Shape: Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, llama3 RoPE),
+bf16, page size 64 (one KV head of a page is a 16 KiB contiguous run). Modes per case:
+  lazy            lazy_decode / lazy_prefill, field `rope_mode` = rotate_q (chunk-local store,
+                  query rotated once per chunk; the default) or rotate_k (unrotated store, keys
+                  rotated in the kernel)
+  no_rope         the same kernel with rope_mode="none" on the same pages (keys taken as rotated)
+  sdpa_contiguous torch SDPA decode over the same KV laid out contiguously, keys rotated
+  block           Block-Attention: fused gather + re-rotate copy, then SDPA
+Cases: decode (each sequence on its own permuted pages), decode_shared and prefill (Zipf-shared
+2048-token chunks), decode_slot_pos / prefill_slot_pos (rotate_q on the shared case, field
+`slot_pos`: "absent" = no explicit positions, "rows_-1" = explicit rows all -1, the kernel
+variant that reads them with nothing changed, "hide20+compact" = 20% of every chunk page's
+slots hidden and recomputed into a compact private run with explicit positions).
+Every case also records the copy bandwidth and bf16 matmul rate measured in the same run;
+`pct_of_copy_bw` = achieved bytes/s over that copy bandwidth, `pct_of_roofline` = the larger of
+bytes/copy_bw and flops/matmul_rate over the measured time. Lazy records carry the compiled
+kernel's registers, spills and shared memory. Small cases cycle over several disjoint input sets
+inside one timed call so that the KV does not sit in L2. Times are medians of CUDA-graph replays
+(triton.testing.do_bench_cudagraph). --sweep also times tuning variants (block_n, num_warps,
+num_stages, split_target; block_m for prefill).
+Writes benchmarks/results/kernels_<device>.json (or DIR/...): a JSON list of flat records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"
+PAGE, CHUNK = 64, 2048
+DTYPE_NAME = "bfloat16"
+L2_FLUSH_BYTES = 256 << 20
+HIDE_FRACTION = 0.2      # slot_pos cases: share of each chunk page's slots hidden (recomputed)
+TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "slot_pos", "time_us", "gbps",
+                 "pct_of_copy_bw", "tflops", "pct_of_roofline"]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--quick", action="store_true", help="fewer batches and contexts")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time tuning variants (records with benchmark *_sweep) before the cases")
+    return ap.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Shape, inputs, timing
+# --------------------------------------------------------------------------------------------
+
+class Shape:
+    """Llama-3.1-8B's attention shape and RoPE, from the package's named random architecture."""
+
+    def __init__(self):
+        import torch
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        from lazy_rag.bench.random_models import random_config
+
+        cfg = random_config("llama-3.1-8b")
+        self.H = cfg.num_attention_heads
+        self.HKV = cfg.num_key_value_heads
+        self.D = cfg.hidden_size // cfg.num_attention_heads
+        self.dtype = getattr(torch, DTYPE_NAME)
+        self.elem_bytes = torch.finfo(self.dtype).bits // 8
+        self.token_kv_bytes = 2 * self.HKV * self.D * self.elem_bytes  # K and V, one layer
+        inv, self.attention_scaling = ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](
+            cfg, DEVICE)
+        self.inv_freq = inv.float().to(DEVICE)
+
+
+def bench(fn, reps_inner=1):
+    """Median microseconds per inner repetition: CUDA-graph replays, else plain events."""
+    import torch
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        t = do_bench_cudagraph(fn, rep=60, return_mode="median")
+        timer = "cudagraph"
+    except Exception:  # noqa: BLE001  (capture failed: plain events)
+        t = do_bench(fn, warmup=10, rep=60, return_mode="median")
+        timer = "events"
+    return t * 1e3 / reps_inner, timer
+
+
+def measure_copy_gbps():
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    t = do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    return 2 * x.numel() / (t * 1e-3) / 1e9  # reads + writes
+
+
+def measure_matmul_tflops(shape):
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=shape.dtype)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=shape.dtype)
+    t = do_bench(lambda: a @ b, warmup=20, rep=200, return_mode="median")
+    return 2 * 8192 ** 3 / (t * 1e-3) / 1e12
+
+
+def new_pool(shape, num_pages):
+    import torch
+
+    k = torch.randn(num_pages, shape.HKV, PAGE, shape.D, device=DEVICE, dtype=shape.dtype)
+    v = torch.randn(num_pages, shape.HKV, PAGE, shape.D, device=DEVICE, dtype=shape.dtype)
+    return k, v
+
+
+def seq_table(seqs, slot_pos=None):
+    """seqs: per sequence a list of (page_id, page_pos, page_len, rot_shift); slot_pos: per
+    sequence, per entry, None or the entry's explicit slot positions."""
+    from lazy_rag.kernels import PageTable
+
+    field = lambda i: [[e[i] for e in s] for s in seqs]  # noqa: E731
+    return PageTable.from_lists(field(0), field(1), field(2), field(3), device=DEVICE,
+                                slot_pos=slot_pos)
+
+
+def each(calls):
+    """One callable running every call of `calls` (input sets cycled inside one timing)."""
+    calls = list(calls)
+    return lambda: [c() for c in calls]
+
+
+def kernel_report():
+    """Registers, spills and shared memory of the last attention kernel launched."""
+    from lazy_rag.kernels import paged_attention
+
+    k = paged_attention.LAST_KERNEL
+    if k is None:
+        return {}
+    return dict(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                smem=getattr(k.metadata, "shared", None))
+
+
+class Recorder:
+    """Flat records with bandwidth / roofline figures against this run's measured limits."""
+
+    def __init__(self, env):
+        self.env = env
+        self.records = []
+
+    def add(self, base, t_us, timer, nbytes, flops, **extra):
+        env = self.env
+        gbps = nbytes / (t_us * 1e-6) / 1e9
+        roof = max(nbytes / (env["copy_gbps"] * 1e9), flops / (env["matmul_tflops"] * 1e12))
+        r = dict(base, time_us=round(t_us, 2), bytes=int(nbytes), flops=int(flops),
+                 gbps=round(gbps, 1), pct_of_copy_bw=round(100 * gbps / env["copy_gbps"], 1),
+                 tflops=round(flops / (t_us * 1e-6) / 1e12, 2),
+                 pct_of_roofline=round(100 * roof / (t_us * 1e-6), 1), timer=timer, **extra)
+        r.update(env)
+        self.records.append(r)
+        print(f"  {r['benchmark']:<16} {r['mode']:<16} {r.get('rope_mode', ''):<9} "
+              f"{r.get('slot_pos', ''):<14} {str(r.get('case', '')):<20} {t_us:9.1f} us "
+              f"{gbps:8.0f} GB/s {r['pct_of_copy_bw']:6.1f}% copy "
+              f"{r['pct_of_roofline']:6.1f}% roof", flush=True)
+
+
+def lazy_mode(rope_mode):
+    return "no_rope" if rope_mode == "none" else "lazy"
+
+
+# --------------------------------------------------------------------------------------------
+# Decode on private permuted pages: the strategies against contiguous SDPA and the block copy
+# --------------------------------------------------------------------------------------------
+
+def decode_inputs(shape, B, T):
+    """B sequences of T tokens on permuted pages, in enough independent sets (pages, tables,
+    queries) that cycling through them defeats the L2 cache; rot_shift groups of CHUNK tokens."""
+    import torch
+
+    kv_bytes = B * T * shape.token_kv_bytes
+    n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // kv_bytes)))
+    ppseq = T // PAGE
+    total = B * ppseq * n_sets
+    k_pages, v_pages = new_pool(shape, total)
+    perm = torch.randperm(total).tolist()
+    tables, qs = [], []
+    for s in range(n_sets):
+        seqs = []
+        for b in range(B):
+            base = (s * B + b) * ppseq
+            seqs.append([(perm[base + j], j * PAGE, PAGE, (j * PAGE // CHUNK) * CHUNK)
+                         for j in range(ppseq)])
+        tables.append(seq_table(seqs))
+        qs.append(torch.randn(B, shape.H, shape.D, device=DEVICE, dtype=shape.dtype))
+    q_pos = torch.full((B,), T - 1, dtype=torch.int32, device=DEVICE)
+    return kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos
+
+
+def decode_cases(shape, rec, batches, ctxs, tuning_sets=None,
+                 rope_modes=("rotate_q", "rotate_k", "none")):
+    import torch
+    import torch.nn.functional as F
+
+    from lazy_rag.kernels import block_attention_decode, lazy_decode
+
+    H, HKV, D = shape.H, shape.HKV, shape.D
+    for B in batches:
+        for T in ctxs:
+            kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(shape, B, T)
+            nbytes = kv_bytes + 2 * B * H * D * shape.elem_bytes
+            flops = 4 * B * H * T * D
+            base = dict(benchmark="decode", batch=B, context=T, page_size=PAGE, n_sets=n_sets,
+                        case=f"B{B} x {T // 1024}k")
+            outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype)
+                    for _ in range(n_sets)]
+            for rope_mode in rope_modes:
+                for tun in (tuning_sets or [{}]):
+                    t, timer = bench(each(partial(
+                        lazy_decode, qs[i], k_pages, v_pages, tables[i], q_pos, shape.inv_freq,
+                        rope_mode=rope_mode, out=outs[i], **tun) for i in range(n_sets)), n_sets)
+                    rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode,
+                                 tuning=json.dumps(tun)), t, timer, nbytes, flops,
+                            **kernel_report())
+            if tuning_sets:
+                del k_pages, v_pages
+                continue
+            # Contiguous KV, keys rotated, torch SDPA (the bar).
+            kc = [torch.randn(B, HKV, T, D, device=DEVICE, dtype=shape.dtype)
+                  for _ in range(n_sets)]
+            vc = [torch.randn(B, HKV, T, D, device=DEVICE, dtype=shape.dtype)
+                  for _ in range(n_sets)]
+            q4 = [q[:, :, None, :] for q in qs]
+            t, timer = bench(each(partial(F.scaled_dot_product_attention, q4[i], kc[i], vc[i],
+                                          enable_gqa=True) for i in range(n_sets)), n_sets)
+            rec.add(dict(base, mode="sdpa_contiguous", rope_mode=""), t, timer, nbytes, flops)
+            del kc, vc
+            # Block-Attention: gather + re-rotate into a per-request copy, then SDPA.
+            t, timer = bench(each(partial(
+                block_attention_decode, qs[i], k_pages, v_pages, tables[i], q_pos,
+                shape.inv_freq, rope_mode="rotate_k", max_len=T, equal_lengths=True)
+                for i in range(n_sets)), n_sets)
+            rec.add(dict(base, mode="block", rope_mode="rotate_k"), t, timer, 3 * kv_bytes,
+                    flops, note="bytes = KV read + copy written + copy read by SDPA")
+            del k_pages, v_pages
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared chunks: decode_shared, prefill, and the explicit slot position cases
+# --------------------------------------------------------------------------------------------
+
+def zipf_chunks(rng, n_chunks, k, a=2.1):
+    import numpy as np
+
+    w = 1.0 / np.arange(1, n_chunks + 1) ** a
+    return rng.choice(n_chunks, size=k, replace=False, p=w / w.sum()).tolist()
+
+
+class SharedCase:
+    """A pool of n_chunks chunks of CHUNK tokens; each sequence = per_seq Zipf(2.1) chunks then
+    q_tokens + n_new private tokens (the last n_new are the new tokens). recompute_room: spare
+    pages for hidden_and_compact's runs (at most every chunk token of every sequence)."""
+
+    def __init__(self, shape, B, n_new, rng, n_chunks=100, per_seq=5, q_tokens=32,
+                 recompute_room=False):
+        import torch
+
+        cp = CHUNK // PAGE
+        self.n_priv = q_tokens + n_new
+        self.n_chunk_entries = per_seq * cp
+        priv_pages = -(-self.n_priv // PAGE)
+        spare = B * per_seq * cp if recompute_room else 0
+        total = n_chunks * cp + B * priv_pages + spare
+        self.k_pages, self.v_pages = new_pool(shape, total)
+        perm = torch.randperm(total).tolist()
+        self.free = iter(perm[n_chunks * cp + B * priv_pages:])
+        self.seqs, self.picks = [], []
+        for b in range(B):
+            chunks = zipf_chunks(rng, n_chunks, per_seq)
+            self.picks.append(chunks)
+            ent, p = [], 0
+            for c in chunks:
+                ent += [(perm[c * cp + j], p + j * PAGE, PAGE, p) for j in range(cp)]
+                p += CHUNK
+            base = n_chunks * cp + b * priv_pages
+            for j in range(priv_pages):
+                ent.append((perm[base + j], p + j * PAGE, min(PAGE, self.n_priv - j * PAGE), 0))
+            self.seqs.append(ent)
+        self.T = per_seq * CHUNK + self.n_priv
+        self.table = seq_table(self.seqs)
+
+    def rows_of_minus_one(self):
+        """The same table with explicit rows all -1 (the HAS_SLOT_POS kernel, no position
+        changed)."""
+        return seq_table(self.seqs, [[None] * len(s) for s in self.seqs])
+
+    def hidden_and_compact(self, rng, fraction=HIDE_FRACTION):
+        """Every chunk entry hides `fraction` of its slots (random), and each sequence's hidden
+        tokens sit in a compact private run (rot_shift 0) with their positions. Returns the
+        table and the number of recomputed tokens. Once per case: the runs take the spare
+        pages of recompute_room."""
+        from lazy_rag.kernels import HIDDEN_POS
+
+        seqs, rows, n_recomputed = [], [], 0
+        for ent in self.seqs:
+            s_ent, hidden = list(ent), []
+            s_rows = [None] * len(ent)                  # private pages: as they are
+            for e, (_, pos, _, _) in enumerate(ent[:self.n_chunk_entries]):
+                hide = rng.random(PAGE) < fraction
+                s_rows[e] = [HIDDEN_POS if hide[j] else pos + j for j in range(PAGE)]
+                hidden += [pos + j for j in range(PAGE) if hide[j]]
+            rng.shuffle(hidden)
+            for i in range(0, len(hidden), PAGE):
+                run = hidden[i:i + PAGE]
+                s_ent.append((next(self.free), 0, len(run), 0))
+                s_rows.append(run + [HIDDEN_POS] * (PAGE - len(run)))
+            n_recomputed += len(hidden)
+            seqs.append(s_ent)
+            rows.append(s_rows)
+        return seq_table(seqs, rows), n_recomputed
+
+
+def shared_decode_cases(shape, rec, batches, rng):
+    import torch
+
+    from lazy_rag.kernels import block_attention_decode, lazy_decode
+
+    for B in batches:
+        case = SharedCase(shape, B, 1, rng)
+        T = case.T
+        q = torch.randn(B, shape.H, shape.D, device=DEVICE, dtype=shape.dtype)
+        q_pos = torch.full((B,), T - 1, dtype=torch.int32, device=DEVICE)
+        uniq = len({c for p in case.picks for c in p})
+        nbytes = B * T * shape.token_kv_bytes
+        flops = 4 * B * shape.H * T * shape.D
+        base = dict(benchmark="decode_shared", batch=B, context=T, page_size=PAGE,
+                    unique_chunks=uniq, unique_bytes=uniq * CHUNK * shape.token_kv_bytes,
+                    case=f"B{B} 5/100 zipf2.1")
+        o = torch.empty_like(q)
+        for rope_mode in ("rotate_q", "rotate_k", "none"):
+            t, timer = bench(partial(lazy_decode, q, case.k_pages, case.v_pages, case.table,
+                                     q_pos, shape.inv_freq, rope_mode=rope_mode, out=o))
+            rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode), t, timer,
+                    nbytes, flops, **kernel_report())
+        t, timer = bench(partial(block_attention_decode, q, case.k_pages, case.v_pages,
+                                 case.table, q_pos, shape.inv_freq, rope_mode="rotate_k",
+                                 max_len=T, equal_lengths=True))
+        rec.add(dict(base, mode="block", rope_mode="rotate_k"), t, timer, 3 * nbytes, flops,
+                note="bytes = KV read + copy written + copy read by SDPA")
+        del case
+        torch.cuda.empty_cache()
+
+
+def prefill_inputs(shape, B, n_new, cached):
+    import torch
+
+    q = torch.randn(B * n_new, shape.H, shape.D, device=DEVICE, dtype=shape.dtype)
+    qo = torch.arange(0, B * n_new + 1, n_new, dtype=torch.int32, device=DEVICE)
+    q_pos = (cached + torch.arange(n_new, dtype=torch.int32, device=DEVICE)).repeat(B)
+    # causal over the new tokens: query i sees cached + i + 1 keys
+    flops = 4 * shape.H * shape.D * B * (n_new * cached + n_new * (n_new + 1) // 2)
+    return q, qo, q_pos, flops
+
+
+def prefill_cases(shape, rec, batches, news, rng, tuning_sets=None,
+                  rope_modes=("rotate_q", "rotate_k", "none")):
+    import torch
+
+    from lazy_rag.kernels import lazy_prefill, plan_prefill
+
+    for B in batches:
+        for n_new in news:
+            case = SharedCase(shape, B, n_new, rng, q_tokens=0)
+            cached = case.T - n_new
+            q, qo, q_pos, flops = prefill_inputs(shape, B, n_new, cached)
+            nbytes = B * case.T * shape.token_kv_bytes + 2 * q.numel() * shape.elem_bytes
+            base = dict(benchmark="prefill", batch=B, new_tokens=n_new, cached_tokens=cached,
+                        page_size=PAGE, case=f"B{B} +{n_new} / 10k")
+            o = torch.empty_like(q)
+            for rope_mode in rope_modes:
+                for tun in (tuning_sets or [{}]):
+                    tun = dict(tun)
+                    plan = plan_prefill(qo.cpu(), shape.H, shape.HKV, DEVICE,
+                                        block_m=tun.pop("block_m", None))
+                    try:
+                        t, timer = bench(partial(
+                            lazy_prefill, q, qo, q_pos, case.k_pages, case.v_pages, case.table,
+                            shape.inv_freq, rope_mode=rope_mode, plan=plan, out=o, **tun))
+                    except Exception as exc:  # noqa: BLE001  (e.g. OutOfResources of a variant)
+                        print(f"  prefill {rope_mode} {tun}: {type(exc).__name__}", flush=True)
+                        continue
+                    rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode,
+                                 tuning=json.dumps(dict(tun, block_m=plan.block_m))),
+                            t, timer, nbytes, flops, **kernel_report())
+            del case
+            torch.cuda.empty_cache()
+
+
+def slot_pos_cases(shape, rec, batches, news, rng):
+    """Overhead of explicit slot positions (rotate_q): the shared case as is, with rows all -1,
+    and with HIDE_FRACTION of every chunk page's slots hidden plus the compact recomputed run.
+    n_new 1 is decode (lazy_decode), more is prefill."""
+    import torch
+
+    from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill
+
+    for B in batches:
+        for n_new in news:
+            case = SharedCase(shape, B, n_new, rng, q_tokens=32 if n_new == 1 else 0,
+                              recompute_room=True)
+            cached = case.T - n_new
+            q, qo, q_pos, flops = prefill_inputs(shape, B, n_new, cached)
+            hidden_table, n_recomputed = case.hidden_and_compact(rng)
+            tables = {"absent": (case.table, 0), "rows_-1": (case.rows_of_minus_one(), 0),
+                      f"hide{int(HIDE_FRACTION * 100)}+compact": (hidden_table, n_recomputed)}
+            decode = n_new == 1
+            plan = None if decode else plan_prefill(qo.cpu(), shape.H, shape.HKV, DEVICE)
+            o = torch.empty_like(q)
+            base = dict(benchmark="decode_slot_pos" if decode else "prefill_slot_pos", batch=B,
+                        new_tokens=n_new, cached_tokens=cached, page_size=PAGE,
+                        case=f"B{B} +{n_new} / 10k", mode="lazy", rope_mode="rotate_q")
+            for name, (table, extra_tokens) in tables.items():
+                if decode:
+                    fn = partial(lazy_decode, q, case.k_pages, case.v_pages, table, q_pos,
+                                 shape.inv_freq, out=o)
+                else:
+                    fn = partial(lazy_prefill, q, qo, q_pos, case.k_pages, case.v_pages, table,
+                                 shape.inv_freq, plan=plan, out=o)
+                t, timer = bench(fn)
+                nbytes = (B * case.T + extra_tokens) * shape.token_kv_bytes
+                rec.add(dict(base, slot_pos=name, recomputed_tokens=extra_tokens), t, timer,
+                        nbytes, flops, **kernel_report())
+            del case, tables, hidden_table
+            torch.cuda.empty_cache()
+
+
+def check_once(shape):
+    """bf16 decode + prefill vs the fp64 reference on benchmark-shaped inputs, with and without
+    explicit slot positions: rel err per case."""
+    import numpy as np
+    import torch
+
+    from lazy_rag.kernels import lazy_prefill, paged_attention_ref
+
+    rng = np.random.default_rng(1)
+    case = SharedCase(shape, 2, 40, rng, n_chunks=6, per_seq=2, q_tokens=0,
+                      recompute_room=True)
+    q, qo, q_pos, _ = prefill_inputs(shape, 2, 40, case.T - 40)
+    errs = {}
+    for name, table in (("plain", case.table), ("slot_pos", case.hidden_and_compact(rng)[0])):
+        for rope_mode in ("rotate_q", "rotate_k"):
+            o = lazy_prefill(q, qo, q_pos, case.k_pages, case.v_pages, table, shape.inv_freq,
+                             rope_mode=rope_mode)
+            r = paged_attention_ref(q, qo, q_pos, case.k_pages, case.v_pages, table,
+                                    shape.inv_freq, rope_mode, compute_dtype=torch.float64)
+            err = ((o.double() - r).abs().max() / r.abs().max()).item()
+            errs[f"{name}/{rope_mode}"] = float(f"{err:.3g}")
+    return errs
+
+
+# --------------------------------------------------------------------------------------------
+
+def sweep(shape, rec, rng):
+    """Tuning variants: decode (block_n, stages, split_target) and prefill (block_m, block_n,
+    warps, stages)."""
+    sets = [dict(block_n=bn, num_warps=4, num_stages=st, split_target=sp)
+            for bn in (128, 256) for st in (2, 3, 4) for sp in (2, 4, 8)]
+    decode_cases(shape, rec, [32], [8192], tuning_sets=sets, rope_modes=("rotate_q", "none"))
+    psets = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+             for bm in (32, 64) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+    prefill_cases(shape, rec, [16], [512], rng, tuning_sets=psets, rope_modes=("rotate_q",))
+    for r in rec.records:
+        r["benchmark"] += "_sweep"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import numpy as np
+    import torch
+    import triton
+
+    from lazy_rag.bench.records import environment, format_table, write_records
+
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_kernels.py needs a CUDA device")
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    shape = Shape()
+    env = dict(environment(), triton=triton.__version__)
+    env["copy_gbps"] = round(measure_copy_gbps(), 1)
+    env["matmul_tflops"] = round(measure_matmul_tflops(shape), 1)
+    print(f"# {env['device']}: copy {env['copy_gbps']} GB/s, {DTYPE_NAME} matmul "
+          f"{env['matmul_tflops']} TFLOP/s", flush=True)
+    print("# bf16 check, rel err vs fp64 reference:", check_once(shape), flush=True)
+    rec = Recorder(env)
+    t0 = time.time()
+    if args.sweep:
+        sweep(shape, rec, rng)
+    quick = args.quick
+    decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+                 [8192] if quick else [2048, 8192, 32768])
+    shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
+    prefill_cases(shape, rec, [1, 16], [32, 512], rng)
+    slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
+    slot_pos_cases(shape, rec, [16], [512], rng)
+    tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
+    path = write_records(args.out / f"kernels_{tag}.json", rec.records)
+    print(f"# {len(rec.records)} records in {time.time() - t0:.0f} s -> {path}")
+    print(format_table([r for r in rec.records if not r["benchmark"].endswith("_sweep")],
+                       TABLE_COLUMNS))
+
+
+if __name__ == "__main__":
+    main()

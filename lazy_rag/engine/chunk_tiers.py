@@ -1,0 +1,124 @@
+"""Chunk KV below the pool: a host-memory tier, then the request's disk store (an index's KV
+files). One key scheme everywhere (``chunk_key``): the KV of a chunk depends only on its token
+ids and the prefix it was encoded after (and the model, which is the engine's own).
+
+The planner asks ``fetch`` when a chunk is not resident in the pool; when no tier has it either,
+the engine encodes it straight into its pool pages and hands the captured KV to ``keep`` (host
+tier, and written back to the store). ``place`` copies fetched KV into pool pages in the pool's
+key convention; on CUDA the copy runs on its own stream from pinned memory and returns an event,
+so the scheduler can run other requests while it is in flight.
+
+Pool convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): a chunk's keys rotated at
+chunk-local positions 0..L-1, so that a table entry with rot_shift = the chunk's start gives the
+kernels the exact logical rotation. Stored KV (host tier, disk) is unrotated.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from ..lru import ByteLRU
+from ..kernels.rope import RopeTable
+from ..segments import token_ids_key
+from ..store import ChunkKV, ChunkStore
+from .page_pool import PagePool
+
+log = logging.getLogger(__name__)
+
+
+def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = ()) -> tuple:
+    """Cache key of a chunk's KV in every tier: the prefix it was encoded after and its tokens."""
+    pre = token_ids_key(tuple(shared_prefix)) if shared_prefix else ""
+    return ("chunk", pre, token_ids_key(tuple(token_ids)))
+
+
+class Transfer:
+    """A chunk copy into the pool; ``ready()`` once its CUDA event has completed."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+class ChunkTiers:
+    def __init__(self, host_bytes: int = 4 << 30, pin: bool | None = None):
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.host: ByteLRU[ChunkKV] = ByteLRU(host_bytes, lambda c: c.nbytes)
+        self.counters: Counter = Counter()
+        self._stream = None
+
+    def _to_host(self, kv: ChunkKV) -> ChunkKV:
+        k, v = kv.k.detach().to("cpu"), kv.v.detach().to("cpu")
+        if self.pin:
+            k, v = k.pin_memory(), v.pin_memory()
+        return ChunkKV(k, v)
+
+    def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None,
+              store: ChunkStore | None) -> tuple[ChunkKV | None, str | None]:
+        """(KV on the host, "host" or "disk"), or (None, None) when the chunk must be encoded.
+        A stored file that is damaged, foreign or (in a precomputed index) missing is reported
+        and will be repaired by ``keep`` after the encode."""
+        kv = self.host.get(key)
+        if kv is not None:
+            self.counters["host_hits"] += 1
+            return kv, "host"
+        self.counters["host_misses"] += 1
+        if store is None or chunk_id is None:
+            return None, None
+        kv, why = store.read(chunk_id, tuple(token_ids))
+        if kv is None:
+            self.counters["disk_misses"] += 1
+            if why != "missing" or store.precomputed:
+                log.warning("Chunk %s KV %s: recomputing it and repairing the store.", chunk_id,
+                            "file is missing" if why == "missing" else why)
+                self.counters["repaired"] += 1
+            return None, None
+        self.counters["disk_hits"] += 1
+        self.counters["bytes_from_disk"] += kv.nbytes
+        kv = self._to_host(kv)
+        self.host.put(key, kv)
+        return kv, "disk"
+
+    def keep(self, key, kv: ChunkKV, token_ids: Sequence[int], chunk_id: str | None,
+             store: ChunkStore | None) -> ChunkKV:
+        """Freshly encoded KV: into the host tier, and written back to the request's store."""
+        self.counters["encoded"] += 1
+        self.counters["encoded_tokens"] += kv.num_tokens
+        kv = self._to_host(kv)
+        self.host.put(key, kv)
+        if store is not None and chunk_id is not None:
+            self.counters["bytes_to_disk"] += store.write(chunk_id, tuple(token_ids), kv)
+        return kv
+
+    def place(self, pool: PagePool, pages: list[int], kv: ChunkKV, rope_table: RopeTable) -> Transfer:
+        """Copy kv into ``pages``, keys rotated at chunk-local positions. On CUDA the copy and
+        rotation run on a side stream; the returned Transfer's event marks completion."""
+        self.counters["bytes_to_pool"] += kv.nbytes
+        cuda = pool.device.type == "cuda"
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(device=pool.device)
+        ctx = torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext()
+        if cuda:  # pages may have just been freed by work still queued on the compute stream
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with ctx:
+            k = kv.k.to(pool.device, non_blocking=True).to(pool.dtype)
+            v = kv.v.to(pool.device, non_blocking=True)
+            pool.write_run(pages, rope_table.rotate(k, torch.arange(k.shape[1], device=k.device)), v)
+            if not cuda:
+                return Transfer()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            # the source tensors must outlive the copy: keep them alive on the caching allocator
+            k.record_stream(self._stream)
+            v.record_stream(self._stream)
+        return Transfer(event)

@@ -1,0 +1,84 @@
+"""From a sequence's runs to the kernels' page table (``lazy_rag.kernels.PageTable``): which
+pages it attends to, at which logical positions, with which key rotation, and where each new
+token's KV is written. Shared by the eager forward and the captured decode graphs."""
+from __future__ import annotations
+
+from ..kernels import HIDDEN_POS, PageTable
+
+
+def page_rows(seq, page_size: int):
+    """(page_ids, page_pos, page_len, rot_shift, slot_pos) of every page the sequence attends to.
+
+    ``slot_pos`` is None when every page's slot j holds position page_pos + j (the common case),
+    else one entry per page: None, or the explicit positions of its slots where some are hidden
+    from this sequence (``HIDDEN_POS``). A page whose every valid slot is hidden is left out."""
+    ids, pos, lens, shift, slots = [], [], [], [], []
+    any_explicit = False
+    for run in seq.cached_runs + seq.private_runs:
+        for i, page in enumerate(run.pages):
+            first = i * page_size
+            n = min(page_size, run.length - first)
+            if n <= 0:
+                break
+            explicit = None
+            if run.hidden and any(first + j in run.hidden for j in range(n)):
+                if all(first + j in run.hidden for j in range(n)):
+                    continue
+                explicit = [HIDDEN_POS if first + j in run.hidden or j >= n else run.pos + first + j
+                            for j in range(page_size)]
+                any_explicit = True
+            ids.append(page)
+            pos.append(run.pos + first)
+            lens.append(n)
+            shift.append(run.rot_shift)
+            slots.append(explicit)
+    return ids, pos, lens, shift, slots if any_explicit else None
+
+
+def build_table(seqs, page_size: int, device) -> PageTable:
+    """The page table of a batch of sequences (one CSR row each)."""
+    rows = [page_rows(s, page_size) for s in seqs]
+    ids, pos, lens, shift, slots = (list(col) for col in zip(*rows)) if rows else ([], [], [], [], [])
+    if all(s is None for s in slots):
+        return PageTable.from_lists(ids, pos, lens, shift, device=device)
+    slots = [s if s is not None else [None] * len(i) for s, i in zip(slots, ids)]
+    return PageTable.from_lists(ids, pos, lens, shift, device=device, slot_pos=slots)
+
+
+def write_targets(seq, positions: list[int], page_size: int) -> list[tuple[int, int, int]]:
+    """(page, slot, rot_shift) for each new token (positions sorted): where its KV goes in its
+    private runs, and the rotation origin its stored key takes (its run's rot_shift)."""
+    out = []
+    runs = seq.private_runs
+    r = 0
+    for p in positions:
+        while not (runs[r].pos <= p < runs[r].pos + runs[r].length):
+            r += 1
+        i = p - runs[r].pos
+        out.append((runs[r].pages[i // page_size], i % page_size, runs[r].rot_shift))
+    return out
+
+
+def is_fresh(seq) -> bool:
+    """Nothing cached and every token computed now: plain causal attention over the new tokens."""
+    return not seq.cached_runs and len(seq.compute_pos) == seq.num_tokens
+
+
+def contiguous_pages(seq, page_size: int) -> list[int] | None:
+    """Pages holding the sequence's whole KV in position order when it is one stretch from
+    position 0 with keys at logical positions (prefix mode: reused pages + its own run), and
+    its new tokens are that stretch's tail; else None."""
+    pages, pos = [], 0
+    for r in seq.cached_runs + seq.private_runs:
+        if r.pos != pos or r.rot_shift != 0 or r.hidden or (pos % page_size):
+            return None
+        pages.extend(r.pages[:-(-r.length // page_size)])
+        pos += r.length
+    n = len(seq.compute_pos)
+    if pos != seq.num_tokens or seq.compute_pos != list(range(pos - n, pos)):
+        return None
+    return pages
+
+
+def is_decode_step(seqs) -> bool:
+    return all(len(s.compute_pos) == 1 and s.kv_len == s.num_tokens - 1 for s in seqs)
