@@ -17,7 +17,7 @@ from lazy_rag.span_match import ChunkMatcher
 
 _DONE = object()
 
-GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute")
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute", "recovery")
 _ALIASES = {"max_tokens": "max_new_tokens"}
 
 
@@ -167,6 +167,8 @@ class LazyRuntime:
             k = _ALIASES.get(k, k)
             if k in GENERATION_KEYS and v is not None:
                 gen[k] = v
+        if self.index is not None and "recovery" not in gen:  # the index's default recovery
+            gen["recovery"] = self.index.query_recovery(gen["mode"], None, gen.pop("boundary_recompute", None))
         return gen
 
     def stream(self, plan: Plan, **kwargs) -> RunStream:

@@ -33,7 +33,7 @@ from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from .llm import LazyLLM
-from .requests import ChunkSource
+from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import ChunkStore, _DTYPES
 
@@ -131,8 +131,11 @@ class LazyIndex:
                                 precomputed=manifest.get("kv_precomputed", True))
 
     @property
-    def boundary_recompute(self) -> int:
-        return int(self.manifest.get("query_defaults", {}).get("boundary_recompute", 0))
+    def recovery(self) -> Recovery:
+        """The index's default quality recovery for queries (an index built before recovery
+        options existed may record only ``boundary_recompute``)."""
+        defaults = self.manifest.get("query_defaults", {})
+        return resolve_recovery(defaults.get("recovery"), int(defaults.get("boundary_recompute", 0)))
 
     @property
     def shared_prefix_ids(self) -> tuple[int, ...]:
@@ -150,12 +153,14 @@ class LazyIndex:
               embedder: Embedder | None = None, *, model: str = "smollm2", chunk_size: int = 256,
               chunk_overlap: int = 32, shared_prefix: bool = False, system_prompt: str | None = None,
               kv_dtype: str = "auto", progress: bool = True, device: str = "auto", precompute_kv: bool = True,
-              boundary_recompute: int = 0, instruction: str = DEFAULT_INSTRUCTION) -> tuple["LazyIndex", BuildReport]:
+              boundary_recompute: int = 0, recovery: Recovery | str | None = None,
+              instruction: str = DEFAULT_INSTRUCTION) -> tuple["LazyIndex", BuildReport]:
         """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
 
         Mitigations for checkpoints not fine-tuned for independent chunks (stored in the manifest):
         ``shared_prefix`` encodes every chunk after the prompt's fixed head (an attention sink);
-        ``boundary_recompute`` recomputes each chunk's first N tokens at query time (EPIC).
+        ``recovery`` (e.g. "prophet20", "epic16"; ``Recovery``) is the queries' default quality recovery
+        at query time (``boundary_recompute=N`` is short for "epicN").
         ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
         ``system_prompt`` and ``instruction`` shape the RAG prompt of every query (chat.py)."""
         files, skipped = discover_files(sources)
@@ -173,7 +178,7 @@ class LazyIndex:
         return cls._build_docs(docs, out, llm, embedder, model=model, chunk_size=chunk_size,
                                chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
                                kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
-                               precompute_kv=precompute_kv, boundary_recompute=boundary_recompute,
+                               precompute_kv=precompute_kv, boundary_recompute=boundary_recompute, recovery=recovery,
                                instruction=instruction)
 
     @classmethod
@@ -199,7 +204,7 @@ class LazyIndex:
     def _build_docs(cls, docs, out, llm, embedder, *, model="smollm2", chunk_size=256, chunk_overlap=32,
                     shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True, device="auto",
                     report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
-                    boundary_recompute=0, instruction=DEFAULT_INSTRUCTION):
+                    boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION):
         t0 = time.perf_counter()
         report = report or BuildReport()
         out = Path(out).expanduser()
@@ -225,7 +230,7 @@ class LazyIndex:
             "embedder": {"name": embedder.name, "dim": embedder.dim},
             "chunking": settings, "shared_prefix": prefix, "files": {}, "generation": 0,
             "kv_precomputed": bool(precompute_kv),
-            "query_defaults": {"boundary_recompute": int(boundary_recompute)},
+            "query_defaults": {"recovery": resolve_recovery(recovery, boundary_recompute).name()},
             "prompt": {"system_prompt": system_prompt, "instruction": instruction},
         }
         old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
@@ -435,23 +440,30 @@ class LazyIndex:
 
     def query(self, question: str, top_k: int = 4, mode: str = "lazy", max_new_tokens: int = 128,
               temperature: float = 0.0, top_p: float = 1.0, stop=None, stream: bool = False,
-              system_prompt: str | None = None, seed: int | None = None, boundary_recompute: int | None = None):
+              system_prompt: str | None = None, seed: int | None = None, boundary_recompute: int | None = None,
+              recovery: Recovery | str | None = None):
         """Retrieve, assemble, generate. Returns a ``QueryResult``; with ``stream=True`` a
         ``(sources, GenerationStream)`` pair whose stream yields text pieces.
-        ``boundary_recompute`` overrides the index's configured value for this query."""
+        ``recovery`` / ``boundary_recompute`` override the index's default recovery for this query."""
         t0 = time.perf_counter()
         sources = self.retrieve(question, top_k)
         segs = self.segments(question, sources, system_prompt)
         retrieve_ms = (time.perf_counter() - t0) * 1e3
         gen = self.llm.generate(segs, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                                 top_p=top_p, stop=stop, stream=stream, seed=seed, source=self.chunk_source,
-                                boundary_recompute=self.boundary_recompute if boundary_recompute is None
-                                else boundary_recompute)
+                                recovery=self.query_recovery(mode, recovery, boundary_recompute))
         if stream:
             return sources, gen
         stats = gen.stats.as_dict()
         stats["retrieve_ms"] = retrieve_ms
         return QueryResult(gen.text, sources, stats)
+
+    def query_recovery(self, mode: str, recovery=None, boundary_recompute: int | None = None) -> Recovery:
+        """The recovery of one query: the one it names, else the index's default where the mode
+        reuses chunks (full and prefix recompute everything anyway)."""
+        if recovery is None and boundary_recompute is None:
+            return self.recovery if mode in CHUNK_MODES else Recovery()
+        return resolve_recovery(recovery, boundary_recompute)
 
     def describe(self) -> dict:
         return describe_index(self.path)

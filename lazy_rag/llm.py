@@ -11,7 +11,7 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .model_host import ModelHost
-from .requests import ChunkSource, GenerationResult, GenerationStream
+from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery
 from .segments import PromptLayout, Segment
 from .store import ChunkKV
 
@@ -93,15 +93,17 @@ class LazyLLM:
     def generate(self, segments, max_new_tokens: int = 128, mode: str = "lazy", temperature: float = 0.0,
                  top_p: float = 1.0, stop: list[str] | str | None = None, stream: bool = False,
                  seed: int | None = None, source: ChunkSource | None = None, boundary_recompute: int = 0,
-                 output_first_logits: bool = False):
+                 recovery: Recovery | str | None = None, output_first_logits: bool = False):
         """Generate from a prompt of segments. Returns a ``GenerationResult``, or with
         ``stream=True`` a ``GenerationStream`` of text pieces (its ``.result`` set at the end).
         ``source``: where the chunks' KV is stored (``LazyIndex.chunk_source``).
-        ``boundary_recompute``: recompute the first N tokens of each chunk (lazy/block modes)."""
+        ``recovery``: quality recovery for the reused chunks, e.g. "prophet20" (``Recovery``);
+        ``boundary_recompute=N`` is short for recovery "epicN" (lazy/block modes)."""
         engine = self.engine
         handle = engine.submit(segments, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, stop=stop, seed=seed, source=source,
-                               boundary_recompute=boundary_recompute, output_first_logits=output_first_logits)
+                               boundary_recompute=boundary_recompute, recovery=recovery,
+                               output_first_logits=output_first_logits)
         out = GenerationStream(engine.pieces(handle), lambda: handle.result)
         if stream:
             return out
@@ -110,9 +112,9 @@ class LazyLLM:
         return handle.result
 
     def next_token_logits(self, segments, mode: str = "lazy", source: ChunkSource | None = None,
-                          boundary_recompute: int = 0) -> torch.Tensor:
+                          boundary_recompute: int = 0, recovery: Recovery | str | None = None) -> torch.Tensor:
         """Logits [vocab] (fp32, on the host) for the token after the assembled prompt."""
-        return self.generate(segments, max_new_tokens=1, mode=mode, source=source,
+        return self.generate(segments, max_new_tokens=1, mode=mode, source=source, recovery=recovery,
                              boundary_recompute=boundary_recompute, output_first_logits=True).first_logits
 
     def encode_chunk(self, token_ids: Sequence[int], shared_prefix: Sequence[int] | None = None) -> ChunkKV:

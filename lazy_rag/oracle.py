@@ -42,6 +42,52 @@ def block_diagonal_logits(model, layout: PromptLayout) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def ape_logits(model, layout: PromptLayout, temperature: float, scale: float) -> torch.Tensor:
+    """Logits [T, vocab] of an HF forward in which every token computed at query time (not a
+    cached chunk token) attends APE-style: the chunks' tokens as one group with softmax(s / T)
+    inside and log-sum-exp T * logsumexp(s / T) + ln S, the other visible keys as a plain group,
+    merged by log-sum-exp; chunk tokens attend as they were encoded (the visibility mask). The
+    attention runs through transformers' own AttentionInterface, so it is independent of ours."""
+    from transformers import AttentionInterface
+
+    dev = model.device
+    T = len(layout.token_ids)
+    allow = visibility_mask(layout).to(dev)
+    in_chunk = torch.zeros(T, dtype=torch.bool, device=dev)
+    for start, end in layout.chunk_spans:
+        in_chunk[start:end] = True
+    log_scale = torch.log(torch.tensor(scale, dtype=torch.float64))
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        g = query.shape[1] // key.shape[1]
+        k = key.repeat_interleave(g, dim=1).double()
+        v = value.repeat_interleave(g, dim=1).double()
+        s = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling          # [1, H, T, T]
+        plain = torch.softmax(s.masked_fill(~allow, float("-inf")), dim=-1) @ v
+        groups = []
+        for cols, t, ls in ((in_chunk, temperature, log_scale), (~in_chunk, 1.0, 0.0)):
+            sg = (s / t).masked_fill(~(allow & cols[None, :]), float("-inf"))
+            lse = torch.logsumexp(sg, dim=-1, keepdim=True)
+            groups.append((t * lse + ls, torch.exp(sg - lse).nan_to_num(0.0) @ v))
+        (la, oa), (lb, ob) = groups
+        top = torch.maximum(la, lb).nan_to_num(0.0, neginf=0.0)
+        wa, wb = torch.exp(la - top), torch.exp(lb - top)
+        ape = (wa * oa + wb * ob) / (wa + wb)
+        out = torch.where(in_chunk[None, None, :, None], plain, ape)                # chunk rows: as encoded
+        return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+    name = "lazy_rag_ape_oracle"
+    AttentionInterface.register(name, attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        ids = torch.tensor([layout.token_ids], device=dev)
+        return model(input_ids=ids, position_ids=torch.arange(T, device=dev)[None]).logits[0].float()
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
 def causal_logits(model, token_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor([token_ids], device=model.device)
     return model(input_ids=ids).logits[0].float()

@@ -62,7 +62,7 @@ class DecodeGraphs:
         """Logits [len(seqs), vocab] of one decode step, or None when the batch is too large or a
         sequence hides slots of a shared page (boundary recompute: the eager step serves it)."""
         B = len(seqs)
-        if B > self.max_batch:
+        if B > self.max_batch or any(s.recovery.ape for s in seqs):  # APE: two groups, merged eagerly
             return None
         packed = self.pack(seqs)
         if packed is None:

@@ -20,7 +20,9 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from ..model_host import ModelHost
-from ..requests import ChunkSource, GenerationResult, GenerationStats, SamplingParams
+from ..errors import LazyRagError
+from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
+                        resolve_recovery)
 from ..sampling import TextAssembler, sample_next
 from ..store import ChunkKV
 from .chunk_tiers import ChunkTiers, chunk_key
@@ -76,17 +78,22 @@ class Engine:
     def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
                top_p: float = 1.0, stop: Seq[str] | str | None = None, seed: int | None = None,
                source: ChunkSource | None = None, boundary_recompute: int = 0,
-               output_first_logits: bool = False) -> RequestHandle:
+               recovery: Recovery | str | None = None, output_first_logits: bool = False) -> RequestHandle:
         """Queue one request. ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
-        ``boundary_recompute``: recompute the first N tokens of every chunk (EPIC)."""
+        ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
+        short name, e.g. "prophet20"); ``boundary_recompute=N`` is short for ``recovery="epicN"``."""
         params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
         source = source or self.host.default_source
+        recovery = resolve_recovery(recovery, boundary_recompute)
+        if recovery.any and mode not in CHUNK_MODES:
+            raise LazyRagError(f"Recovery ({recovery.name()}) applies to reused chunks: use mode lazy or block, "
+                               f"not {mode!r}.")
         t0 = time.perf_counter()
         with self.lock:  # the tokenizer is not safe to share between threads
-            layout = self.host.prepare(segments, source, boundary_recompute)
+            layout = self.host.prepare(segments, source, recovery.boundary)
             self.host.check_request(layout, mode, max_new_tokens)
-            seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits)
+            seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery)
             gen = None
             if temperature > 0:
                 gen = torch.Generator(device="cpu")
@@ -108,6 +115,8 @@ class Engine:
             seqs = step.prefill + step.decode
             for seq in step.prefill:
                 self.planner.materialize(seq)
+                if seq.needs_selection:
+                    self._select(seq)
             out = self.runner.run(seqs)
             # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
@@ -125,6 +134,18 @@ class Engine:
                 self._accept(seq, row, tok)
             self.num_steps += 1
             return True
+
+    def _select(self, seq: Sequence) -> None:
+        """Pick the chunk tokens this request recomputes (Recovery.select), before its prefill."""
+        t = time.perf_counter()
+        rec, candidates = seq.recovery, self.planner.recompute_candidates(seq)
+        if rec.select == "question_attention":
+            scores = self.runner.question_attention(seq, candidates)
+        else:
+            scores = self.runner.kv_deviation(seq, candidates, rec.select_layer)
+        top = torch.topk(scores, seq.recompute_budget).indices.tolist()
+        self.planner.recompute(seq, [candidates[j] for j in top])
+        self.timers["select_s"] += time.perf_counter() - t
 
     def abort(self, handle: RequestHandle) -> None:
         """Drop an unfinished request (a consumer stopped reading its stream); frees its KV."""
@@ -279,8 +300,8 @@ class Engine:
         self.scheduler.finish(seq, reason)
         lay = seq.layout
         T = len(lay.token_ids)
-        if seq.mode in ("lazy", "block"):
-            cached = lay.cached_tokens
+        if seq.mode in CHUNK_MODES:
+            cached = lay.cached_tokens - seq.selected  # the layout already counts boundary heads as computed
         elif seq.mode == "prefix":
             cached = seq.prefix_hit_tokens
         else:
@@ -293,7 +314,7 @@ class Engine:
                 sources[tier] = sources.get(tier, 0) + 1
         stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,
                                 ttft_ms=h.ttft_ms, total_ms=(now - h.t0) * 1e3, new_tokens=len(seq.output),
-                                chunk_sources=sources)
+                                chunk_sources=sources, recovery=seq.recovery.name(), recomputed_tokens=seq.recomputed)
         if len(seq.output) > 1 and h.first_token_time:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,

@@ -19,11 +19,17 @@ page boundary, so each contiguous stretch of a request's own tokens gets its own
               cache (``publish``).
 - ``full``:   one private run over everything.
 
+Selective recompute (``Recovery.select``): admission reserves pages for the tokens a selector
+will pick; once picked (``recompute``), lazy hides them in the shared chunk runs and computes
+them into one compact private run with explicit positions; block overwrites their copied slots.
+
 A chunk's KV comes from the first of: the pool, the host tier, the request's disk store, and
 encoding by the model (straight into the chunk's pool pages, then kept in the host tier and
 written back to the store). One key scheme throughout (``chunk_tiers.chunk_key``).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -179,6 +185,7 @@ class KVPlanner:
         seq.compute_pos = self._new_positions(seq)
         for pos, n in contiguous_runs(seq.compute_pos):
             self._private_run(seq, pos, n)
+        self._reserve_recompute(seq)
 
     def _admit_block(self, seq: Sequence) -> None:
         self._private_run(seq, 0, seq.num_tokens)
@@ -186,6 +193,48 @@ class KVPlanner:
             # a recomputed head is copied too, then overwritten by the prefill's own KV
             seq.block_copies.append((self._acquire_chunk(seq, ids, cid, prefix), start))
         seq.compute_pos = self._new_positions(seq)
+        self._reserve_recompute(seq)
+
+    # -- recovery: recomputing chunk tokens -----------------------------------------------------
+    def _reserve_recompute(self, seq: Sequence) -> None:
+        """For a selector, fix how many tokens it recomputes and (lazy) reserve their compact
+        run's pages now, so that the selection can never run out of pages."""
+        rec = seq.recovery
+        if not rec.selects:
+            return
+        candidates = sum(span.cached_tokens for span in seq.layout.spans)
+        seq.recompute_budget = min(candidates, round(rec.ratio * candidates))
+        if seq.recompute_budget and seq.mode == "lazy":
+            seq.recompute_pages = self.pm.allocate(self.pool.pages_for(seq.recompute_budget))
+            seq.private += seq.recompute_pages
+        seq.needs_selection = seq.recompute_budget > 0
+
+    def recompute_candidates(self, seq: Sequence) -> list[int]:
+        """Positions of the chunk tokens still read from cache (shared prefix excluded)."""
+        return [p for span in seq.layout.spans for p in range(span.start + span.skip, span.end)]
+
+    def recompute(self, seq: Sequence, positions: list[int]) -> None:
+        """Recompute these chunk tokens in this request's prefill, with attention to everything
+        before them: hidden from this request in the shared chunk runs (lazy) and written to one
+        compact private run at their own positions, or overwriting their copies (block)."""
+        positions = sorted(positions)
+        seq.needs_selection = False
+        seq.selected = len(positions)
+        seq.compute_pos = sorted(set(seq.compute_pos).union(positions))
+        if seq.mode != "lazy":
+            return
+        runs = []
+        for run in seq.cached_runs:  # the shared prefix's run holds no candidate: it stays as it is
+            mine = {p - run.pos for p in positions if run.pos <= p < run.pos + run.length}
+            runs.append(replace(run, hidden=run.hidden | mine) if mine else run)
+        seq.cached_runs = runs
+        used = self.pool.pages_for(len(positions))
+        pages, spare = seq.recompute_pages[:used], seq.recompute_pages[used:]
+        self.pm.free(spare)
+        seq.private = [p for p in seq.private if p not in spare]
+        seq.recompute_pages = pages
+        if positions:  # first: the last private run stays the one decoding appends to
+            seq.private_runs.insert(0, Run(positions[0], len(positions), tuple(pages), 0, positions=tuple(positions)))
 
     def materialize(self, seq: Sequence) -> None:
         """Block mode, before prefill: copy each chunk into the request's run with keys re-rotated

@@ -23,6 +23,8 @@ Encodes capture the new tokens' keys before rotation: the position-free KV a chu
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -33,7 +35,8 @@ from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import DecodeGraphs
 from .page_pool import PagePool
-from .page_table import build_table, contiguous_pages, is_decode_step, is_fresh, page_rows, write_targets
+from .page_table import (build_table, contiguous_pages, is_decode_step, is_fresh, page_rows, slot_map,
+                         write_targets)
 
 
 class ModelRunner:
@@ -48,29 +51,32 @@ class ModelRunner:
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
-                capture: bool = False):
-        """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through every
-        layer. Their KV goes to (``write_page``, ``write_slot``), keys rotated at ``key_pos``
-        (default ``pos``). ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q and k
-        unrotated-q / stored-k. Returns (fp32 logits of ``logits_rows`` or None, captured
-        unrotated K and V [layers, n, Hkv, D] or None). No host syncs and no allocation that
-        depends on values: a decode step through it can be captured in a CUDA graph."""
+                capture: bool = False, num_layers: int | None = None):
+        """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
+        layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
+        leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
+        ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q unrotated and k as stored.
+        ``num_layers``: stop after that many layers. Returns (fp32 logits of ``logits_rows`` or
+        None, captured unrotated K and V [layers, n, Hkv, D] or None). No host syncs and no
+        allocation that depends on values: a decode step through it can be captured in a graph."""
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
+        layers = p.layers if num_layers is None else p.layers[:num_layers]
         cos, sin = p.rope_table.cos_sin(pos, p.dtype)
         kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
         caught = None
         if capture:
-            caught = (torch.empty(shp.num_layers, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
-                      torch.empty(shp.num_layers, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
+            caught = (torch.empty(len(layers), n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
+                      torch.empty(len(layers), n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
         x = p.embed(ids)
-        for i, layer in enumerate(p.layers):
+        for i, layer in enumerate(layers):
             q, k, v = p.project_qkv(layer, layer.input_layernorm(x))
             if capture:
                 caught[0][i], caught[1][i] = k, v
             k_stored = apply_cos_sin(k, kcos, ksin)
-            self.pool.k[i][write_page, :, write_slot] = k_stored.to(self.pool.dtype)
-            self.pool.v[i][write_page, :, write_slot] = v.to(self.pool.dtype)
+            if write_page is not None:
+                self.pool.k[i][write_page, :, write_slot] = k_stored.to(self.pool.dtype)
+                self.pool.v[i][write_page, :, write_slot] = v.to(self.pool.dtype)
             o = attention(i, q, k_stored, v)
             x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -100,6 +106,46 @@ class ModelRunner:
         _, (k, v) = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                  StepAttention(self, jobs, batch), key_pos=batch.key_pos, capture=True)
         return [ChunkKV(k[:, a:b].clone(), v[:, a:b].clone()) for a, b in batch.spans]
+
+    # -- choosing the chunk tokens to recompute (Recovery.select) -----------------------------------
+    @torch.inference_mode()
+    def question_attention(self, seq, candidates: list[int]) -> torch.Tensor:
+        """ProphetKV's score of each candidate position: the softmax attention the question (the
+        new tokens after the last chunk) pays it over the reused KV, averaged over every layer,
+        head and question token. Runs the sequence's pending prefill once as it is (its KV is
+        written again by the real prefill)."""
+        batch = self._pack([seq])
+        last_chunk_end = max((span.end for span in seq.layout.spans), default=0)
+        rows = [r for r, p in enumerate(seq.compute_pos) if p >= last_chunk_end]
+        probe = QuestionProbe(self, seq, rows, batch, candidates)
+        self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                     StepAttention(self, [seq], batch, probe=probe), key_pos=batch.key_pos)
+        return probe.scores()
+
+    @torch.inference_mode()
+    def kv_deviation(self, seq, candidates: list[int], layer: int) -> torch.Tensor:
+        """CacheBlend's score of each candidate position: how far the K and V it reads from
+        cache at ``layer`` are from those of a full causal pass over the whole prompt (run through
+        ``layer + 1`` layers only, writing nothing)."""
+        dev, dt = self.pool.device, self.parts.dtype
+        layer = min(layer, self.parts.shape.num_layers - 1)
+        prompt = seq.prompt
+        pos = torch.arange(len(prompt), device=dev)
+        full = FreshCausal(self, pos)
+        _, (k, v) = self.forward(torch.tensor(prompt, device=dev), pos, None, None, full, capture=True,
+                                 num_layers=layer + 1)
+        where = slot_map(seq, self.pool.page_size, candidates)
+        page = torch.tensor([where[p][0] for p in candidates], device=dev)
+        slot = torch.tensor([where[p][1] for p in candidates], device=dev)
+        shift = torch.tensor([where[p][2] for p in candidates], device=dev)
+        cand = torch.tensor(candidates, device=dev)
+        cos, sin = self.parts.rope_table.cos_sin(cand - shift, dt)   # the cached key's rotation
+        fresh_k = apply_cos_sin(k[layer, cand], cos, sin).float()
+        cached_k = self.pool.k[layer][page, :, slot].float()
+        cached_v = self.pool.v[layer][page, :, slot].float()
+        dk = (fresh_k - cached_k).pow(2).sum((-1, -2)) / cached_k.pow(2).sum((-1, -2)).clamp_min(1e-12)
+        dv = (v[layer, cand].float() - cached_v).pow(2).sum((-1, -2)) / cached_v.pow(2).sum((-1, -2)).clamp_min(1e-12)
+        return (dk + dv).cpu()
 
     def _pack(self, seqs) -> "PackedBatch":
         dev, ps = self.pool.device, self.pool.page_size
@@ -133,8 +179,8 @@ class StepAttention:
     (see the module docstring). Everything that does not depend on the layer (page tables,
     masks, gather indices, query rotations) is prepared once here, then ``__call__`` runs per layer."""
 
-    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None):
+        self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
         self.scaling, self.shape = p.scaling, p.shape
         dev, ps = pool.device, pool.page_size
@@ -147,9 +193,10 @@ class StepAttention:
                 self.fresh.append((a, b))
                 continue
             history = contiguous_pages(seq, ps) if kernels and b - a >= 128 else None
+            ape = getattr(seq, "recovery", None) is not None and seq.recovery.ape
             if history is not None:
                 self.tails.append((a, b, torch.tensor(history, device=dev), seq.num_tokens))
-            elif kernels:
+            elif kernels and not ape:
                 paged.append(j)
             else:
                 self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq)))
@@ -169,6 +216,8 @@ class StepAttention:
 
     def __call__(self, i: int, q, k_stored, v):
         pool, p = self.runner.pool, self.runner.parts
+        if self.probe is not None:
+            self.probe.record(i, q, self.cos, self.sin)
         if self.paged is not None and self.paged[0] is None:  # every sequence takes the kernels
             return self._paged(i, q)
         o = torch.empty_like(q)
@@ -195,6 +244,47 @@ class StepAttention:
                             attention_scaling=rope.attention_scaling, sm_scale=self.scaling, plan=plan)
 
 
+class FreshCausal:
+    """Plain causal attention over the given new tokens only (a pass that ignores the pool)."""
+
+    def __init__(self, runner: ModelRunner, pos):
+        self.cos, self.sin = runner.parts.rope_table.cos_sin(pos, runner.parts.dtype)
+        self.scaling = runner.parts.scaling
+
+    def __call__(self, i: int, q, k_stored, v):
+        return causal_sdpa(apply_cos_sin(q, self.cos, self.sin), k_stored, v, self.scaling)
+
+
+class QuestionProbe:
+    """Per layer, the softmax attention of the question rows to the candidate keys (torch, on the
+    sequence's own pool pages), accumulated; called by ``StepAttention`` before attention runs
+    (the new tokens' keys are already written)."""
+
+    def __init__(self, runner: ModelRunner, seq, rows: list[int], batch: PackedBatch, candidates: list[int]):
+        dev = runner.pool.device
+        self.runner = runner
+        self.rows = torch.tensor(rows, device=dev)
+        self.keys = TorchSequenceKeys(seq, runner.pool.page_size, batch.pos[self.rows], runner.inv_freq)
+        index = {int(p): j for j, p in enumerate(self.keys.kpos.tolist())}
+        self.columns = torch.tensor([index[p] for p in candidates], device=dev)
+        self.total = torch.zeros(len(candidates), dtype=torch.float64, device=dev)
+        self.layers = 0
+
+    def record(self, i: int, q, cos, sin):
+        pool = self.runner.pool
+        qr = apply_cos_sin(q[self.rows], cos[self.rows], sin[self.rows]).float()          # [n, H, D]
+        k = self.keys.logical_keys(pool.k[i]).float()                                        # [m, Hkv, D]
+        k = k.repeat_interleave(qr.shape[1] // k.shape[1], dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", qr, k) * self.runner.parts.scaling
+        scores = scores.masked_fill(~self.keys.visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        self.total += probs[:, :, self.columns].mean((0, 1)).double()
+        self.layers += 1
+
+    def scores(self) -> torch.Tensor:
+        return (self.total / max(self.layers, 1)).cpu()
+
+
 class TorchSequenceKeys:
     """One sequence's keys for torch attention: which pool slots it reads, the pure rotation that
     takes each stored key (rotated at position - rot_shift) to its logical position, and which
@@ -213,19 +303,50 @@ class TorchSequenceKeys:
             kpos = t(explicit)[entry, off]
             keep = kpos != HIDDEN_POS
             entry, off, kpos = entry[keep], off[keep], kpos[keep]
-        self.page, self.off = t(ids)[entry], off
+        self.page, self.off, self.kpos = t(ids)[entry], off, kpos
         self.cos, self.sin = rope_cos_sin(t(shift)[entry], inv_freq, 1.0)
         self.cos, self.sin = self.cos[:, None], self.sin[:, None]  # over heads
         self.visible = kpos[None, :] <= q_pos[:, None]
+        rec = getattr(seq, "recovery", None)
+        self.ape = (rec.ape_temperature, rec.ape_scale) if rec is not None and rec.ape else None
+        if self.ape:
+            self.in_chunk = torch.zeros_like(kpos, dtype=torch.bool)
+            for span in seq.layout.spans:
+                self.in_chunk |= (kpos >= span.start) & (kpos < span.end)
+
+    def logical_keys(self, k_pool):
+        """The gathered keys rotated at their logical positions, fp32 [m, Hkv, D]."""
+        return rotate(k_pool[self.page, :, self.off], self.cos, self.sin)
 
     def attend(self, k_pool, v_pool, q_rot, scaling: float):
         """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
-        k = rotate(k_pool[self.page, :, self.off], self.cos, self.sin).to(q_rot.dtype)   # [m, Hkv, D]
+        k = self.logical_keys(k_pool).to(q_rot.dtype)   # [m, Hkv, D]
         v = v_pool[self.page, :, self.off].to(q_rot.dtype)
+        if self.ape:
+            return ape_attention(q_rot, k, v, self.visible, self.in_chunk, scaling, *self.ape)
         o = F.scaled_dot_product_attention(q_rot.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=self.visible, scale=scaling,
                                            enable_gqa=q_rot.shape[1] != k.shape[1])
         return o[0].transpose(0, 1)
+
+
+def ape_attention(q, k, v, visible, in_chunk, scaling: float, temperature: float, scale: float):
+    """APE over one sequence's keys: the chunk tokens' group gets softmax(s / T) inside and the
+    log-sum-exp T * logsumexp(s / T) + ln S; the other keys' group is plain; the two are merged
+    by log-sum-exp. q [n, H, D] and k [m, Hkv, D] rotated, visible [n, m], in_chunk [m]."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
+    s = torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling
+    parts = []
+    for group, t, log_s in ((in_chunk, temperature, math.log(scale)), (~in_chunk, 1.0, 0.0)):
+        sg = (s / t).masked_fill(~(visible & group[None, :])[None], float("-inf"))
+        lse = torch.logsumexp(sg, dim=-1)                                  # [H, n]
+        p = torch.exp(sg - lse[..., None]).nan_to_num(0.0)                # rows without keys -> 0
+        parts.append((t * lse + log_s, torch.einsum("hnm,mhd->nhd", p, vv)))
+    (la, oa), (lb, ob) = parts
+    top = torch.maximum(la, lb).masked_fill(torch.isinf(torch.maximum(la, lb)), 0.0)
+    wa, wb = torch.exp(la - top).T[..., None], torch.exp(lb - top).T[..., None]   # [n, H, 1]
+    return ((wa * oa + wb * ob) / (wa + wb)).to(q.dtype)
 
 
 def causal_sdpa(q, k, v, scaling: float):

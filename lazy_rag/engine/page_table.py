@@ -21,7 +21,10 @@ def page_rows(seq, page_size: int):
             if n <= 0:
                 break
             explicit = None
-            if run.hidden and any(first + j in run.hidden for j in range(n)):
+            if run.positions is not None:
+                explicit = [run.positions[first + j] if j < n else HIDDEN_POS for j in range(page_size)]
+                any_explicit = True
+            elif run.hidden and any(first + j in run.hidden for j in range(n)):
                 if all(first + j in run.hidden for j in range(n)):
                     continue
                 explicit = [HIDDEN_POS if first + j in run.hidden or j >= n else run.pos + first + j
@@ -48,14 +51,33 @@ def build_table(seqs, page_size: int, device) -> PageTable:
 def write_targets(seq, positions: list[int], page_size: int) -> list[tuple[int, int, int]]:
     """(page, slot, rot_shift) for each new token (positions sorted): where its KV goes in its
     private runs, and the rotation origin its stored key takes (its run's rot_shift)."""
+    scattered = {}  # compact runs of explicit positions (recomputed chunk tokens)
+    for run in seq.private_runs:
+        if run.positions is not None:
+            scattered.update((p, (run, i)) for i, p in enumerate(run.positions))
+    runs = [run for run in seq.private_runs if run.positions is None]
     out = []
-    runs = seq.private_runs
     r = 0
     for p in positions:
-        while not (runs[r].pos <= p < runs[r].pos + runs[r].length):
-            r += 1
-        i = p - runs[r].pos
-        out.append((runs[r].pages[i // page_size], i % page_size, runs[r].rot_shift))
+        if p in scattered:
+            run, i = scattered[p]
+        else:
+            while not (runs[r].pos <= p < runs[r].pos + runs[r].length):
+                r += 1
+            run, i = runs[r], p - runs[r].pos
+        out.append((run.pages[i // page_size], i % page_size, run.rot_shift))
+    return out
+
+
+def slot_map(seq, page_size: int, positions) -> dict[int, tuple[int, int, int]]:
+    """position -> (page, slot, rot_shift) of the KV this sequence reads for each of ``positions``
+    (hidden slots are not read, so they are not found)."""
+    wanted, out = set(positions), {}
+    for run in seq.cached_runs + seq.private_runs:
+        for i in range(run.length):
+            p = run.position(i)
+            if p in wanted and i not in run.hidden:
+                out[p] = (run.pages[i // page_size], i % page_size, run.rot_shift)
     return out
 
 
@@ -70,7 +92,7 @@ def contiguous_pages(seq, page_size: int) -> list[int] | None:
     its new tokens are that stretch's tail; else None."""
     pages, pos = [], 0
     for r in seq.cached_runs + seq.private_runs:
-        if r.pos != pos or r.rot_shift != 0 or r.hidden or (pos % page_size):
+        if r.pos != pos or r.rot_shift != 0 or r.hidden or r.positions is not None or (pos % page_size):
             return None
         pages.extend(r.pages[:-(-r.length // page_size)])
         pos += r.length

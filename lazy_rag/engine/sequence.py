@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from ..requests import ChunkSource, SamplingParams
+from ..requests import ChunkSource, Recovery, SamplingParams
 from ..segments import PromptLayout
 
 
@@ -28,13 +28,19 @@ class Run:
     Keys are stored rotated at (logical position - rot_shift): 0 for a request's own tokens, the
     chunk's start for a chunk's pages (rotated at chunk-local positions). ``hidden``: offsets
     within the run this sequence must not see (the cached copies of a chunk's tokens that it
-    recomputes privately); the pages themselves are shared and never written."""
+    recomputes privately); the pages themselves are shared and never written. ``positions``:
+    a compact private run of scattered tokens (recomputed chunk tokens): slot i holds the token
+    at ``positions[i]`` (sorted) instead of pos + i."""
 
     pos: int          # logical position of the first token
     length: int       # tokens in the run
     pages: tuple      # physical pages holding them, in order (slot i -> pages[i // page_size])
     rot_shift: int    # rotation origin of the stored keys
     hidden: frozenset = frozenset()
+    positions: tuple | None = None
+
+    def position(self, i: int) -> int:
+        return self.positions[i] if self.positions is not None else self.pos + i
 
 
 _ids = itertools.count()
@@ -42,12 +48,14 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, layout: PromptLayout, mode: str = "lazy", params: SamplingParams | None = None,
-                 source: ChunkSource | None = None, keep_first_logits: bool = False):
+                 source: ChunkSource | None = None, keep_first_logits: bool = False,
+                 recovery: Recovery | None = None):
         self.id = next(_ids)
         self.layout = layout
         self.mode = mode
         self.params = params or SamplingParams()
         self.source = source or ChunkSource()
+        self.recovery = recovery or Recovery()
         self.keep_first_logits = keep_first_logits
         self.output: list[int] = []
         self.status = Status.WAITING
@@ -56,6 +64,7 @@ class Sequence:
         self.chunk_sources_seen: list[str] = []  # where its chunks came from at its last admission
         self.prefix_hit_tokens = 0               # prefix mode: prompt tokens reused at admission
         self.placed_by_refused: dict = {}        # chunk key -> its sources, placed by a refused admission
+        self.selected = 0                        # chunk tokens the selector chose (at the last admission)
         self.clear_kv()
 
     def clear_kv(self) -> None:
@@ -65,6 +74,9 @@ class Sequence:
         self.private_runs: list[Run] = []  # its own tokens, the last one grows while decoding
         self.compute_pos: list[int] = []  # positions the pending prefill computes
         self.block_copies: list = []      # block mode: (chunk entry, start) to copy before prefill
+        self.recompute_pages: list[int] = []  # reserved for the selected tokens' compact private run
+        self.recompute_budget = 0         # how many chunk tokens the selector recomputes
+        self.needs_selection = False      # selection of the tokens to recompute is pending
         self.needs_prefill = False
         self.kv_len = 0                   # tokens whose KV is in the pool
 
@@ -84,6 +96,11 @@ class Sequence:
     @property
     def num_prefill_tokens(self) -> int:
         return len(self.compute_pos)
+
+    @property
+    def recomputed(self) -> int:
+        """Chunk tokens computed at query time: the boundary heads and the selected tokens."""
+        return sum(min(span.skip, len(span.token_ids)) for span in self.layout.spans) + self.selected
 
     @property
     def is_finished(self) -> bool:
