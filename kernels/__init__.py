@@ -8,17 +8,25 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
     ROPE_MODES, DEFAULT_ROPE_MODE   how the pool stores keys ("none" / "rotate_k" / "rotate_q");
                                     every entry point's `rope_mode` defaults to "rotate_q"
     HIDDEN_POS                      slot_pos value hiding a slot from every query
-    lazy_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=..., ...)
+    lazy_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=..., sm_scale=None,
+                return_lse=False, ...) -> out, or (out, lse) with return_lse=True
                                     (tuning kwargs: block_n, num_warps, num_stages, split_target,
                                     num_splits: see paged_attention.py)
     plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device) -> PrefillPlan
     lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope_mode=...,
-                 plan=...)
+                 plan=..., sm_scale=None, return_lse=False) -> out, or (out, lse)
+                                    lse [Tq, H] fp32: each query row's natural-log log-sum-exp
+                                    of its visible keys' scores sm_scale * q.k, -inf for a row
+                                    that sees no key. Calls over disjoint key groups (one page
+                                    table each, any sm_scale) merge exactly:
+                                    o = sum_g e^(lse_g - m) o_g / sum_g e^(lse_g - m),
+                                    m = max_g lse_g (see decode.py)
     block_gather_rotate(k_pages, v_pages, table, inv_freq, *, rope_mode=...) -> k, v, kv_len
     block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=...)
     copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
                                     Block-Attention's copy inside the engine pool (page_copy.py)
-    paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path)
+    paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path);
+                                    paged_attention_ref(..., return_lse=True) -> (out, lse)
     apply_rope, rope_cos_sin, rotate                RoPE helpers (transformers' rotate_half)
 
 Dispatch: CUDA tensors -> Triton; CPU tensors -> Triton interpreter if TRITON_INTERPRET=1,

@@ -19,7 +19,8 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
                 q_pos: torch.Tensor, inv_freq: torch.Tensor, *,
                 rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                 sm_scale: float | None = None, num_splits: int | None = None,
-                out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+                out: torch.Tensor | None = None, return_lse: bool = False,
+                **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention.
 
     q        [B, H, D]   new token's query (unrotated; rope_mode="none": already rotated),
@@ -33,21 +34,35 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
     rope_mode            how the pool stores keys: "rotate_q" (the default: chunk-local
                          rotation, table.rot_shift), "rotate_k" (unrotated), "none" (q and keys
                          already rotated)
+    sm_scale             softmax scale of q.k (default head_dim ** -0.5)
     num_splits, tuning   split-KV programs per sequence; block_n, num_warps, num_stages,
                          split_target (paged_attention.launch)
-    Returns  [B, H, D] in q.dtype (written into `out` if given).
+    return_lse           also return each row's log-sum-exp (below)
+    Returns  [B, H, D] in q.dtype (written into `out` if given); with return_lse=True,
+             (out, lse): lse [B, H] fp32 = logsumexp over the row's visible keys of
+             sm_scale * q.k (natural log, the logits the softmax used), -inf for a row that
+             sees no key (its out row is zeros). Two calls over disjoint key groups merge
+             exactly: o = sum_g exp(lse_g - m) o_g / sum_g exp(lse_g - m), m = max_g lse_g.
     """
     B = q.shape[0]
     if not use_triton(q):
         qo = torch.arange(B + 1, dtype=torch.int32, device=q.device)
         res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq,
-                                  rope_mode, attention_scaling, sm_scale)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
+                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse)
+        return copy_into(out, res)
     ar = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return paged_attention.launch(
         q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=ar[:B], tile_q0=ar[:B],
-        block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out, **tuning)
+        block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out,
+        return_lse=return_lse, **tuning)
+
+
+def copy_into(out: torch.Tensor | None, res):
+    """The reference path's result, written into `out` when the caller gave one; res is the
+    output or (output, lse)."""
+    o = res[0] if isinstance(res, tuple) else res
+    if out is None:
+        return res
+    out.copy_(o)
+    return (out, res[1]) if isinstance(res, tuple) else out

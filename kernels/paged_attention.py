@@ -37,6 +37,14 @@ slower than the choices above, and were removed.
 
 Online softmax in base 2 (fp32); output either written directly (one split) or as per-split
 fp32 partials + log2-sum-exp merged by _merge_kernel (flash-decoding).
+
+Row log-sum-exp (launch(return_lse=True)): the natural-log log-sum-exp of each query row's
+visible scaled scores (sm_scale * q.k), -inf for a row that sees no key, so that a caller can
+attend to disjoint key groups in separate calls and merge them exactly. Written only when asked,
+behind a constexpr WRITE_LSE (False by default) in each kernel: with one split the attention
+kernel's DIRECT epilogue writes it; with several the attention kernel is the usual one (it
+already writes per-split log2 partials) and _merge_kernel writes the merged lse. The default
+calls compile to the same code as before the flags existed (TTIR to cubin, checked for sm_90).
 """
 from __future__ import annotations
 
@@ -48,6 +56,9 @@ import triton.language as tl
 
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .rope import cos_sin
+
+# ln 2: the kernels keep log-sum-exps in base 2 (exp2 / log2); the returned lse is natural-log.
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -75,6 +86,7 @@ def _paged_attn_kernel(
     HALF: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ROPE_MODE: tl.constexpr, FAST_TRIG: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr, MULTI_SHIFT: tl.constexpr, HAS_SLOT_POS: tl.constexpr,
+    WRITE_LSE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -209,6 +221,10 @@ def _paged_attn_kernel(
     if DIRECT:
         o_off = qi.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dfull[None, :]
         tl.store(O + o_off, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            # the row's natural-log lse into LSE [Tq, H] (the caller merges key groups by it)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")) * LN2
+            tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:
         po_off = qi.to(tl.int64)[:, None] * stride_pot + head[:, None] * stride_poh \
             + split * stride_pos + dfull[None, :]
@@ -219,8 +235,12 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stride_ot, stride_oh,
-                  num_splits, SP: tl.constexpr, D: tl.constexpr):
-    """out[t, h] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all-empty rows -> 0."""
+                  num_splits, SP: tl.constexpr, D: tl.constexpr,
+                  LSE_OUT=None, stride_lot=None, stride_loh=None, WRITE_LSE: tl.constexpr = False):
+    """out[t, h] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all-empty rows -> 0.
+    WRITE_LSE: also lse_out[t, h] = ln 2 * log2(sum_s 2^lse_s) (-inf for all-empty rows). The
+    LSE_OUT arguments default to None, which Triton specializes away: the default launch
+    compiles to the kernel it was before they existed."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -236,6 +256,9 @@ def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stri
     den = tl.sum(w, axis=0)
     o = num / tl.where(den > 0, den, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + d, o.to(O.dtype.element_ty))
+    if WRITE_LSE:
+        lse_row = tl.where(den > 0, mx + tl.log2(tl.where(den > 0, den, 1.0)), float("-inf"))
+        tl.store(LSE_OUT + t * stride_lot + h * stride_loh, lse_row * LN2)
 
 
 LAST_KERNEL = None   # the last compiled attention kernel launched (register / smem report)
@@ -274,11 +297,13 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            attention_scaling: float, sm_scale: float | None, tile_seq, tile_q0, block_m: int,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, split_target: float = 2.0):
+           num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False):
     """Shared launcher. q [Tq, H, D]; tile_seq / tile_q0 [num_q_tiles] int32 (sequence and first
     query row of each query tile); max_tiles_hint: host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
-    num_splits (split-KV programs per sequence; None: about split_target programs per SM)."""
+    num_splits (split-KV programs per sequence; None: about split_target programs per SM).
+    Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
+    log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -305,10 +330,14 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
 
     if out is None:
         out = torch.empty_like(q)
+    row_lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device) if return_lse else None
     if direct:
         po = lse = out  # unused
         po_strides = (0, 0, 0)
         l_strides = (0, 0)
+        if return_lse:       # the DIRECT epilogue writes the rows' lse itself
+            lse = row_lse
+            l_strides = (row_lse.stride(0), row_lse.stride(1))
     else:
         po = torch.empty(Tq, H, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(Tq, H, num_splits, dtype=torch.float32, device=q.device)
@@ -340,10 +369,15 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
-        **meta,
+        WRITE_LSE=return_lse and direct, **meta,
     )
     if not direct:
+        # without return_lse the LSE_OUT arguments stay None (specialized away by Triton)
+        lse_out = {}
+        if return_lse:
+            lse_out = dict(LSE_OUT=row_lse, stride_lot=row_lse.stride(0),
+                           stride_loh=row_lse.stride(1), WRITE_LSE=True)
         _merge_kernel[(Tq, H)](po, po.stride(0), po.stride(1), lse, lse.stride(0), lse.stride(1),
                                out, out.stride(0), out.stride(1), num_splits,
-                               SP=triton.next_power_of_2(num_splits), D=D)
-    return out
+                               SP=triton.next_power_of_2(num_splits), D=D, **lse_out)
+    return (out, row_lse) if return_lse else out

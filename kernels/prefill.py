@@ -17,6 +17,7 @@ import torch
 import triton
 
 from . import paged_attention
+from .decode import copy_into
 from .page_table import DEFAULT_ROPE_MODE, PageTable, use_triton
 from .reference import paged_attention_ref
 
@@ -57,7 +58,8 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  inv_freq: torch.Tensor, *, rope_mode: str = DEFAULT_ROPE_MODE,
                  attention_scaling: float = 1.0, sm_scale: float | None = None,
                  plan: PrefillPlan | None = None, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+                 out: torch.Tensor | None = None, return_lse: bool = False,
+                 **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill / append attention.
 
     q          [Tq, H, D]  new tokens of all sequences, packed (unrotated unless
@@ -65,21 +67,20 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     qo_indptr  [B+1] int32 sequence b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1
     q_pos      [Tq] int32  logical position of every new token
     k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
-    tuning: as lazy_decode
+    tuning, return_lse: as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
-    Returns    [Tq, H, D] in q.dtype.
+    Returns    [Tq, H, D] in q.dtype (written into `out` if given); with return_lse=True,
+               (out, lse): lse [Tq, H] fp32, each row's natural-log log-sum-exp of its visible
+               scores sm_scale * q.k, -inf for a row that sees no key (as lazy_decode).
     """
     if not use_triton(q):
         res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
-                                  rope_mode, attention_scaling, sm_scale)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
+                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse)
+        return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device)
     return paged_attention.launch(
         q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
-        num_splits=num_splits, out=out, **tuning)
+        num_splits=num_splits, out=out, return_lse=return_lse, **tuning)

@@ -60,7 +60,8 @@ def refuse_slot_pos(table: PageTable, what: str) -> None:
 
 def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
                         rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
-                        sm_scale: float | None = None, compute_dtype=torch.float32):
+                        sm_scale: float | None = None, compute_dtype=torch.float32,
+                        return_lse: bool = False):
     """Attention of new tokens over a paged, position-free KV pool.
 
     q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
@@ -71,12 +72,16 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
                           (m - rot_shift);
                "none"     q and keys already rotated.
     Returns [Tq, H, D] in q.dtype. A query with no visible key gets zeros.
+    return_lse: return (out, lse), lse [Tq, H] in compute_dtype (fp32 by default, as the
+    kernels): each row's natural-log logsumexp of its visible scaled scores sm_scale * q.k, -inf
+    for a query with no visible key.
     """
     Tq, H, D = q.shape
     Hkv = k_pages.shape[1]
     G = H // Hkv
     scale = D ** -0.5 if sm_scale is None else sm_scale
     out = torch.zeros(Tq, H, D, dtype=compute_dtype, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=compute_dtype, device=q.device)
     inv_freq = inv_freq.float().to(q.device)
     for b in range(table.batch_size):
         qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
@@ -110,7 +115,10 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
         scores = (scores * scale).masked_fill(~visible[None], float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # rows with no visible key -> 0
         out[qs:qe] = torch.einsum("htn,nhd->thd", p, v)
-    return out.to(q.dtype)
+        if k.shape[0]:                                         # no key at all: stays -inf
+            lse[qs:qe] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq,

@@ -35,8 +35,8 @@ from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import DecodeGraphs
 from .page_pool import PagePool
-from .page_table import (build_table, contiguous_pages, is_decode_step, is_fresh, page_rows, slot_map,
-                         write_targets)
+from .page_table import (build_table, contiguous_pages, group_rows, is_decode_step, is_fresh, page_rows, slot_map,
+                         table_of_rows, write_targets)
 
 
 class ModelRunner:
@@ -186,17 +186,18 @@ class StepAttention:
         dev, ps = pool.device, pool.page_size
         kernels = runner.use_kernels
         self.cos, self.sin = p.rope_table.cos_sin(batch.pos, p.dtype)  # for the paths that take rotated q
-        self.fresh, self.tails, self.torch_paths, paged = [], [], [], []
+        self.fresh, self.tails, self.torch_paths, paged, ape = [], [], [], [], []
         for j, seq in enumerate(seqs):
             a, b = batch.spans[j]
             if is_fresh(seq):
                 self.fresh.append((a, b))
                 continue
             history = contiguous_pages(seq, ps) if kernels and b - a >= 128 else None
-            ape = getattr(seq, "recovery", None) is not None and seq.recovery.ape
             if history is not None:
                 self.tails.append((a, b, torch.tensor(history, device=dev), seq.num_tokens))
-            elif kernels and not ape:
+            elif kernels and getattr(seq, "recovery", None) is not None and seq.recovery.ape:
+                ape.append(j)
+            elif kernels:
                 paged.append(j)
             else:
                 self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq)))
@@ -213,6 +214,7 @@ class StepAttention:
             self.paged = (rows, torch.tensor(qo, dtype=torch.int32, device=dev), q_pos,
                           build_table([seqs[j] for j in paged], ps, dev),
                           plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev))
+        self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
     def __call__(self, i: int, q, k_stored, v):
         pool, p = self.runner.pool, self.runner.parts
@@ -223,6 +225,9 @@ class StepAttention:
         o = torch.empty_like(q)
         if self.paged is not None:
             o[self.paged[0]] = self._paged(i, q[self.paged[0]])
+        for groups in self.ape:
+            a, b = groups.span
+            o[a:b] = groups.attend(i, q[a:b])
         for a, b in self.fresh:
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), k_stored[a:b], v[a:b],
                                  self.scaling)
@@ -242,6 +247,41 @@ class StepAttention:
         _, qo, q_pos, table, plan = self.paged
         return lazy_prefill(q, qo, q_pos, pool.k[i], pool.v[i], table, self.runner.inv_freq, rope_mode="rotate_q",
                             attention_scaling=rope.attention_scaling, sm_scale=self.scaling, plan=plan)
+
+
+class ApeKernelGroups:
+    """APE on the Triton kernels for one sequence: its keys split into the chunks' group and the
+    rest (two page tables over the same pages; a page that mixes both hides the other group's
+    slots through explicit positions), each attended with its log-sum-exp, the chunk group at
+    sm_scale / T with log-sum-exp T * lse + ln S, merged."""
+
+    def __init__(self, runner: ModelRunner, seq, span, pos):
+        dev, ps = runner.pool.device, runner.pool.page_size
+        self.runner, self.span = runner, span
+        a, b = span
+        rows = page_rows(seq, ps)
+        chunk = [False] * seq.num_tokens
+        for s in seq.layout.spans:
+            chunk[s.start:s.end] = [True] * (s.end - s.start)
+        self.tables = [table_of_rows([group_rows(rows, ps, lambda p, want=want: chunk[p] == want)], dev)
+                       for want in (True, False)]
+        self.qo = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
+        self.q_pos = pos[a:b].to(torch.int32)
+        shp = runner.parts.shape
+        self.plan = plan_prefill([0, b - a], shp.num_heads, shp.num_kv_heads, dev)
+        self.temperature, self.log_scale = seq.recovery.ape_temperature, math.log(seq.recovery.ape_scale)
+
+    def attend(self, i: int, q):
+        r, pool = self.runner, self.runner.pool
+        rope, scaling = r.parts.rope_table, r.parts.scaling
+        parts = []
+        for table, t, ls in zip(self.tables, (self.temperature, 1.0), (self.log_scale, 0.0)):
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # merged before rounding
+            o, lse = lazy_prefill(q, self.qo, self.q_pos, pool.k[i], pool.v[i], table, r.inv_freq, rope_mode="rotate_q",
+                                  attention_scaling=rope.attention_scaling, sm_scale=scaling / t, plan=self.plan,
+                                  out=out, return_lse=True)
+            parts.append((t * lse + ls, o))
+        return merge_by_lse(parts).to(q.dtype)
 
 
 class FreshCausal:
@@ -342,11 +382,17 @@ def ape_attention(q, k, v, visible, in_chunk, scaling: float, temperature: float
         sg = (s / t).masked_fill(~(visible & group[None, :])[None], float("-inf"))
         lse = torch.logsumexp(sg, dim=-1)                                  # [H, n]
         p = torch.exp(sg - lse[..., None]).nan_to_num(0.0)                # rows without keys -> 0
-        parts.append((t * lse + log_s, torch.einsum("hnm,mhd->nhd", p, vv)))
-    (la, oa), (lb, ob) = parts
-    top = torch.maximum(la, lb).masked_fill(torch.isinf(torch.maximum(la, lb)), 0.0)
-    wa, wb = torch.exp(la - top).T[..., None], torch.exp(lb - top).T[..., None]   # [n, H, 1]
-    return ((wa * oa + wb * ob) / (wa + wb)).to(q.dtype)
+        parts.append((t * lse.T + log_s, torch.einsum("hnm,mhd->nhd", p, vv)))
+    return merge_by_lse(parts).to(q.dtype)
+
+
+def merge_by_lse(parts):
+    """Attention over disjoint key groups from each group's output o [n, H, D] and log-sum-exp
+    lse [n, H]: sum_g exp(lse_g - m) o_g / sum_g exp(lse_g - m) (a group without keys has
+    lse -inf and weight 0; every query sees at least itself, so some group has keys)."""
+    top = torch.stack([lse for lse, _ in parts]).amax(0).nan_to_num(0.0, neginf=0.0)
+    weights = [torch.exp(lse - top)[..., None] for lse, _ in parts]
+    return sum(w * o for w, (_, o) in zip(weights, parts)) / sum(weights)
 
 
 def causal_sdpa(q, k, v, scaling: float):

@@ -40,8 +40,32 @@ def page_rows(seq, page_size: int):
 
 def build_table(seqs, page_size: int, device) -> PageTable:
     """The page table of a batch of sequences (one CSR row each)."""
-    rows = [page_rows(s, page_size) for s in seqs]
-    ids, pos, lens, shift, slots = (list(col) for col in zip(*rows)) if rows else ([], [], [], [], [])
+    return table_of_rows([page_rows(s, page_size) for s in seqs], device)
+
+
+def group_rows(rows, page_size: int, in_group) -> tuple:
+    """The entries of ``page_rows`` output restricted to the slots whose position satisfies
+    ``in_group`` (a page split between groups keeps only its own slots visible, through explicit
+    positions). Returns rows in the same format."""
+    ids, pos, lens, shift, slots = rows
+    out = ([], [], [], [], [])
+    any_explicit = False
+    for e in range(len(ids)):
+        explicit = slots[e] if slots is not None else None
+        where = [explicit[j] if explicit is not None else pos[e] + j for j in range(lens[e])]
+        mine = [p != HIDDEN_POS and in_group(p) for p in where]
+        if not any(mine):
+            continue
+        if not all(mine) or explicit is not None:
+            explicit = [where[j] if j < lens[e] and mine[j] else HIDDEN_POS for j in range(page_size)]
+            any_explicit = True
+        for col, value in zip(out, (ids[e], pos[e], lens[e], shift[e], explicit)):
+            col.append(value)
+    return (*out[:4], out[4] if any_explicit else None)
+
+
+def table_of_rows(rows_per_seq: list, device) -> PageTable:
+    ids, pos, lens, shift, slots = (list(col) for col in zip(*rows_per_seq)) if rows_per_seq else ([], [], [], [], [])
     if all(s is None for s in slots):
         return PageTable.from_lists(ids, pos, lens, shift, device=device)
     slots = [s if s is not None else [None] * len(i) for s, i in zip(slots, ids)]

@@ -61,6 +61,7 @@ class Case:
       all_hidden  index of a sequence whose every slot is hidden (its queries return zeros).
     `tokens[b]` lists sequence b's visible keys as (page, slot, position, rot_shift): the prompt
     the table means, built independently of the table's encoding.
+    `chunk_page_ids` lists the shared chunk pages (to split a table into chunk and private keys).
     """
 
     def __init__(self, seqs, chunk_lens, *, Hkv, G, D, page, dtype, seed=0, pos_base=0,
@@ -82,6 +83,8 @@ class Case:
             ids = [next(self.alloc) for _ in range(npg(L))]
             chunk_pages.append(ids)
             self._poison(ids[-1], L - (len(ids) - 1) * page)
+        # the shared chunk pages (every other page is private to one sequence)
+        self.chunk_page_ids = sorted(pid for ids in chunk_pages for pid in ids)
         table_rows, qpos, qo, self.tokens = [], [], [0], []
         for si, (chunks, n_priv, n_new) in enumerate(seqs):
             p = pos_base + rnd.randrange(0, 50)
