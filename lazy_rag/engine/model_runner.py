@@ -344,6 +344,7 @@ class TorchSequenceKeys:
             keep = kpos != HIDDEN_POS
             entry, off, kpos = entry[keep], off[keep], kpos[keep]
         self.page, self.off, self.kpos = t(ids)[entry], off, kpos
+        self.rotated = any(shift)  # else every key is stored at its logical rotation (block, prefix)
         self.cos, self.sin = rope_cos_sin(t(shift)[entry], inv_freq, 1.0)
         self.cos, self.sin = self.cos[:, None], self.sin[:, None]  # over heads
         self.visible = kpos[None, :] <= q_pos[:, None]
@@ -356,7 +357,8 @@ class TorchSequenceKeys:
 
     def logical_keys(self, k_pool):
         """The gathered keys rotated at their logical positions, fp32 [m, Hkv, D]."""
-        return rotate(k_pool[self.page, :, self.off], self.cos, self.sin)
+        keys = k_pool[self.page, :, self.off]
+        return rotate(keys, self.cos, self.sin) if self.rotated else keys.float()
 
     def attend(self, k_pool, v_pool, q_rot, scaling: float):
         """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
