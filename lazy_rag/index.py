@@ -186,7 +186,9 @@ class LazyIndex:
                    ids: Sequence[str] | None = None, metadatas: Sequence[dict] | None = None, split: bool = True,
                    **kwargs) -> "LazyIndex":
         """Index in-memory documents. ``ids`` name the documents; with ``split=False`` each text
-        is one chunk and its chunk id is exactly the given id (for frameworks' node ids)."""
+        is one chunk and its chunk id is exactly the given id (for frameworks' node ids).
+        ``vectors=False``: no embeddings and no vector index (nor their packages): chunks are then
+        named by id (``segments(question, chunk_ids)``), e.g. when retrieval happens elsewhere."""
         texts = list(texts)
         ids = list(ids) if ids is not None else [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
         metadatas = list(metadatas) if metadatas is not None else [{} for _ in texts]
@@ -204,7 +206,7 @@ class LazyIndex:
     def _build_docs(cls, docs, out, llm, embedder, *, model="smollm2", chunk_size=256, chunk_overlap=32,
                     shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True, device="auto",
                     report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
-                    boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION):
+                    boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True):
         t0 = time.perf_counter()
         report = report or BuildReport()
         out = Path(out).expanduser()
@@ -214,8 +216,9 @@ class LazyIndex:
             model_name = model
         else:
             model_name = getattr(llm, "model_name", None)
-        embedder = embedder or Embedder(DEFAULT_EMBEDDER)
-        chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap)
+        if vectors:
+            embedder = embedder or Embedder(DEFAULT_EMBEDDER)
+        chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
@@ -227,7 +230,8 @@ class LazyIndex:
             "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
             "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
             "kv_dtype": str(kv_dt).removeprefix("torch."),
-            "embedder": {"name": embedder.name, "dim": embedder.dim},
+            # None: an index without vectors (retrieval happens elsewhere; chunks are named by id)
+            "embedder": {"name": embedder.name, "dim": embedder.dim} if vectors else None,
             "chunking": settings, "shared_prefix": prefix, "files": {}, "generation": 0,
             "kv_precomputed": bool(precompute_kv),
             "query_defaults": {"recovery": resolve_recovery(recovery, boundary_recompute).name()},
@@ -240,7 +244,7 @@ class LazyIndex:
             cls._check_compatible(old, manifest, out)
             manifest["generation"] = old["generation"] + 1
             recs = cls._read_records(out, old)
-            old_vectors = cls._read_vectors(out, old)
+            old_vectors = cls._read_vectors(out, old) if old.get("vectors_file") else None
             old_records = {r.id: (r, i) for i, r in enumerate(recs)}
         # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
         keep_ids, new_records = [], []
@@ -275,14 +279,15 @@ class LazyIndex:
         store = index.store
         # Embed and encode only what is new.
         with _progress(progress) as bar:
-            vecs_new = np.zeros((0, embedder.dim), dtype=np.float32)
-            if new_records:
+            vecs_new = None
+            if new_records and vectors:
                 task = bar.add_task("Embedding chunks", total=len(new_records))
                 parts = []
                 for s in range(0, len(new_records), 64):
                     parts.append(embedder.encode([r.text for r in new_records[s:s + 64]]))
                     bar.advance(task, len(parts[-1]))
                 vecs_new = np.concatenate(parts)
+            if new_records:
                 task = bar.add_task("Encoding chunk KV", total=len(new_records) if precompute_kv else 0)
                 # chunks whose KV an interrupted build already wrote are kept as they are
                 todo = [r for r in (new_records if precompute_kv else []) if store.read(r.id, r.token_ids)[0] is None]
@@ -293,26 +298,26 @@ class LazyIndex:
                     for r, kv in zip(batch, kvs):
                         report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
                     bar.advance(task, len(batch))
-        faiss = _faiss()
-        vindex = faiss.IndexFlatIP(embedder.dim)
-        records = []
-        if keep_ids:
-            rows = np.array([old_records[c][1] for c in keep_ids], dtype=np.int64)
-            kept = np.stack([old_vectors.reconstruct(int(i)) for i in rows]).astype(np.float32)
-            vindex.add(kept)
-            records.extend(old_records[c][0] for c in keep_ids)
-        if new_records:
-            vindex.add(vecs_new)
-            records.extend(new_records)
+        records = [old_records[c][0] for c in keep_ids] + new_records
+        vindex = None
+        if vectors:
+            faiss = _faiss()
+            vindex = faiss.IndexFlatIP(embedder.dim)
+            if keep_ids:
+                rows = np.array([old_records[c][1] for c in keep_ids], dtype=np.int64)
+                vindex.add(np.stack([old_vectors.reconstruct(int(i)) for i in rows]).astype(np.float32))
+            if new_records:
+                vindex.add(vecs_new)
         gen = manifest["generation"]
         manifest["chunks_file"] = f"chunks-{gen}.jsonl"
-        manifest["vectors_file"] = f"vectors-{gen}.faiss"
+        manifest["vectors_file"] = f"vectors-{gen}.faiss" if vectors else None
         manifest["num_chunks"] = len(records)
         manifest["num_tokens"] = sum(len(r.token_ids) for r in records)
         manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         _atomic_write_bytes(out / manifest["chunks_file"],
                             "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode())
-        _atomic_write_bytes(out / manifest["vectors_file"], faiss.serialize_index(vindex).tobytes())
+        if vectors:
+            _atomic_write_bytes(out / manifest["vectors_file"], faiss.serialize_index(vindex).tobytes())
         _atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False).encode())
         cls._collect_garbage(out, manifest, {r.id for r in records})
         index.manifest, index.records, index.vectors = manifest, records, vindex
@@ -327,7 +332,7 @@ class LazyIndex:
     def _collect_garbage(out: Path, manifest: dict, live_ids: set[str]) -> None:
         """Remove older generations' tables and KV files no chunk refers to (after the commit)."""
         for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")):
-            if p.name not in (manifest["chunks_file"], manifest["vectors_file"]):
+            if p.name not in (manifest["chunks_file"], manifest.get("vectors_file")):
                 p.unlink(missing_ok=True)
         kv_dir = out / "kv"
         if kv_dir.exists():
@@ -397,12 +402,15 @@ class LazyIndex:
                 f"{have['tokenizer']}, rope {have['rope']}). Load the index's model "
                 f"({manifest['model'].get('name') or 'the one it was built with'}) or rebuild the index."
             )
-        if embedder is None:
+        if manifest["embedder"] is None:  # an index without vectors needs no embedder
+            embedder = None
+        elif embedder is None:
             embedder = Embedder(manifest["embedder"]["name"])
         elif embedder.name != manifest["embedder"]["name"]:
             raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not {embedder.name}.")
         records = cls._read_records(path, manifest)
-        return cls(path, llm, embedder, manifest, records, cls._read_vectors(path, manifest))
+        vectors = cls._read_vectors(path, manifest) if manifest.get("vectors_file") else None
+        return cls(path, llm, embedder, manifest, records, vectors)
 
     # -- querying -----------------------------------------------------------------------------
     def retrieve(self, question: str, top_k: int = 4) -> list[Source]:
@@ -410,6 +418,10 @@ class LazyIndex:
             raise LazyRagError("The question is empty; ask something.")
         if top_k < 1:
             raise LazyRagError(f"top_k must be at least 1, got {top_k}.")
+        if self.vectors is None:
+            raise LazyRagError(f"The index at {self.path} was built without vectors (vectors=False), so it cannot "
+                               "retrieve; name its chunks instead (index.segments(question, chunk_ids)) or "
+                               "rebuild it with vectors.")
         vec = self.embedder.encode([question])
         scores, rows = self.vectors.search(vec, min(top_k, len(self.records)))
         return [Source(self.records[r].id, self.records[r].source, float(s), self.records[r].text)
@@ -476,7 +488,7 @@ def describe_index(path) -> dict:
     kv_files = list((path / "kv").glob("*.safetensors")) if (path / "kv").exists() else []
     return {
         "path": str(path), "model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"],
-        "kv_dtype": m["kv_dtype"], "embedder": m["embedder"]["name"], "chunking": m["chunking"],
+        "kv_dtype": m["kv_dtype"], "embedder": (m["embedder"] or {}).get("name"), "chunking": m["chunking"],
         "shared_prefix": bool(m.get("shared_prefix")), "files": len(m["files"]), "chunks": m["num_chunks"],
         "tokens": m["num_tokens"], "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
         "updated": m.get("updated"),

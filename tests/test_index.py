@@ -180,3 +180,23 @@ def test_query_reads_the_index_store_into_the_pool(built, smollm2, embedder):
     assert again.stats["chunk_sources"] == {"pool": 2} and again.answer == res.answer
     smollm2.engine.pm.evict_unreferenced()  # the host tier still has them
     assert loaded.query(q, top_k=2, max_new_tokens=8).stats["chunk_sources"] == {"host": 2}
+
+
+def test_an_index_without_vectors_needs_no_embedder_and_names_chunks_by_id(tmp_path, smollm2, monkeypatch):
+    import lazy_rag.index as index_mod
+
+    def no_embedder(*a, **k):
+        raise AssertionError("an index without vectors must not load an embedder")
+
+    monkeypatch.setattr(index_mod, "Embedder", no_embedder)
+    monkeypatch.setattr(index_mod, "_faiss", no_embedder)
+    docs = ["Alpha is the first letter.", "Omega is the last letter."]
+    index = LazyIndex.from_texts(docs, tmp_path / "t", llm=smollm2, ids=["a", "z"], split=False, progress=False,
+                                 vectors=False)
+    assert index.manifest["embedder"] is None and index.manifest["vectors_file"] is None
+    loaded = LazyIndex.load(tmp_path / "t", llm=smollm2)
+    with pytest.raises(LazyRagError, match="without vectors"):
+        loaded.retrieve("Which letter is last?")
+    res = smollm2.generate(loaded.segments("Which letter is last?", ["z", "a"]), max_new_tokens=3,
+                           source=loaded.chunk_source)
+    assert res.stats.cached_tokens == sum(len(r.token_ids) for r in loaded.records)
