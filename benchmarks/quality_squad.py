@@ -1,9 +1,10 @@
-"""Answer quality of lazy reuse vs full re-encoding on open-retrieval SQuAD v1.1 dev.
+"""Answer quality of KV reuse vs full re-encoding on SQuAD-format data, with paired intervals.
 
-Same as `lazy-rag eval squad` (see lazy_rag/quality.py); writes JSON records to
-benchmarks/results/ and the table to QUALITY.md.
+Same as `lazy-rag eval squad` (see lazy_rag/quality/); writes JSON records, per-question
+answers and a plot to benchmarks/results/ and a section to QUALITY.md.
 
-    python benchmarks/quality_squad.py --model qwen2.5-0.5b --n 200 --top-k 4
+    python benchmarks/quality_squad.py --model qwen2.5-0.5b --n 100 --top-k 4
+    python benchmarks/quality_squad.py --task bridge --n 60
 """
 import os
 import sys

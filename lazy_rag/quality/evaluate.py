@@ -1,0 +1,330 @@
+"""One evaluation run: questions, their chunks, every configuration's answers, paired statistics.
+
+A run is a set of *settings* (prompt x k x gold position for open retrieval; prompt x subset for
+the bridge task). Within a setting every configuration answers the same questions over the same
+chunks, and ``full`` (re-encode everything) is the reference each one is paired with. The
+quality pass goes block by block (one engine batch per block where the engine serves the
+requests); the TTFT pass afterwards times the first ``ttft_n`` questions of each setting one
+request at a time, with their chunks already stored, as in deployment.
+"""
+from __future__ import annotations
+
+import random
+import statistics as stats
+import time
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+
+from ..errors import LazyRagError
+from .configs import Config, parse_configs
+from .data import Dataset, cache_dir, load_dataset, passages_hash
+from .progress import Progress
+from .prompts import EXAMPLE_QUESTION_IDS, FROZEN, Prompt, get_prompt
+from .retrieval import load_retrieval, save_retrieval
+from .runner import REUSE_MODES, Request, Runtime
+from .scoring import clean_prediction, kl_divergence, same_answer, score_answer
+from .statistics import PairedBootstrap
+from .tasks import GOLD_POSITIONS, TASKS, TaskItem, build_bridge_task, open_items
+
+BENCHMARK = "quality_squad"
+
+
+@dataclass
+class EvalOptions:
+    model: str = "qwen2.5-0.5b"
+    configs: tuple[str, ...] | str = ("full", "lazy", "lazy+sink", "lazy+epic16")  # or "full,lazy,..."
+    task: str = "open"
+    dataset: str = "squad"
+    data: Path | None = None             # a SQuAD-format file instead of the named dataset's
+    fetch: bool = False
+    split: str = "test"
+    n: int = 100
+    seed: int = 0
+    ks: tuple[int, ...] | None = None                # open task; default (4,)
+    gold_positions: tuple[str, ...] | None = None    # open task; default ("retrieved",)
+    prompts: tuple[str, ...] = (FROZEN,)
+    max_new_tokens: int = 24
+    retrieval_file: Path | None = None   # ranked passages from `lazy-rag eval retrieve`
+    ttft_n: int = 20
+    batch_size: int = 32
+    bootstrap: int = 5000
+    device: str = "auto"
+    dtype: str = "auto"
+    work_dir: Path | None = None          # where the cached indexes live
+    progress: str = "auto"
+
+    def check(self) -> None:
+        if self.task not in TASKS:
+            raise LazyRagError(f"Unknown task {self.task!r}; choose one of {', '.join(TASKS)}.")
+        if self.task == "bridge" and (self.retrieval_file or self.ks or self.gold_positions):
+            raise LazyRagError("The bridge task gives each question its paragraph's sentences in order: --retrieval, "
+                               "--top-k and --gold-position apply to --task open only.")
+        self.ks = tuple(self.ks or (4,))
+        self.gold_positions = tuple(self.gold_positions or ("retrieved",))
+        for p in self.gold_positions:
+            if p not in GOLD_POSITIONS:
+                raise LazyRagError(f"Unknown gold position {p!r}; choose from {', '.join(GOLD_POSITIONS)}.")
+        if self.n < 1 or min(self.ks) < 1 or self.ttft_n < 0 or self.batch_size < 1 or self.bootstrap < 100:
+            raise LazyRagError(f"Need n >= 1, every k >= 1, ttft_n >= 0, batch_size >= 1 and bootstrap >= 100 "
+                               f"(got n={self.n}, k={self.ks}, ttft_n={self.ttft_n}, batch_size={self.batch_size}, "
+                               f"bootstrap={self.bootstrap}).")
+
+
+@dataclass(frozen=True)
+class Setting:
+    prompt: Prompt
+    k: int | None                # open retrieval: chunks per question
+    gold_position: str | None    # open retrieval: retrieved / first / middle / last
+    subset: str | None           # bridge task: bridge / control
+
+    def label(self) -> str:
+        parts = [f"prompt {self.prompt.name}"]
+        if self.k is not None:
+            parts += [f"k={self.k}", f"gold {self.gold_position}"]
+        if self.subset:
+            parts.append(f"{self.subset} questions")
+        return ", ".join(parts)
+
+
+@dataclass
+class EvalRun:
+    options: EvalOptions
+    meta: dict                              # what every record of the run shares
+    records: list[dict]                     # one per setting and configuration
+    answers: list[dict]                     # one per setting, configuration and question
+    settings: list[Setting] = field(default_factory=list)
+
+
+def index_folder(work_dir: Path, task: str, dataset_tag: str, runtime: Runtime, prompt: Prompt, options: dict,
+                 data_hash: str) -> Path:
+    """A cached index's folder, named by everything its contents depend on: the model (fingerprint,
+    dtype), the passages (content hash), the prompt's head (system prompt, instruction) and the index options."""
+    opts = "-".join(f"{k}={v}" for k, v in sorted(options.items())) or "plain"
+    return work_dir / (f"{task}-{dataset_tag}-{runtime.fingerprint_id}-{runtime.dtype}-{opts}-"
+                       f"p{prompt.index_key()}-d{data_hash[:12]}")
+
+
+def _sample(items: list, n: int, seed: int) -> list:
+    return random.Random(seed).sample(items, min(n, len(items)))
+
+
+class _Evaluation:
+    """The state of one run while it executes (see ``run_eval``)."""
+
+    def __init__(self, options: EvalOptions, runtime: Runtime | None):
+        options.check()
+        self.o = options
+        self.configs = parse_configs(options.configs)
+        self.prompts = [get_prompt(p) for p in dict.fromkeys(options.prompts)]
+        self.dataset: Dataset = load_dataset(options.dataset, options.data, options.fetch)
+        self.dataset_tag = options.dataset if options.data is None else Path(options.data).stem
+        pool = [q for q in self.dataset.split(options.split) if q.id not in EXAMPLE_QUESTION_IDS]
+        if options.task == "open":
+            self.passages = self.dataset.passages
+            self.questions = _sample(pool, options.n, options.seed)
+            self.bridge = None
+        else:
+            self.bridge = build_bridge_task(self.dataset, pool)
+            self.passages = self.bridge.passages
+        self.data_hash = passages_hash(self.passages)
+        self.runtime = runtime or Runtime.load(options.model, options.device, options.dtype,
+                                               retrieval=options.task == "open" and options.retrieval_file is None)
+        self.work_dir = Path(options.work_dir or cache_dir() / "eval")
+        self.indexes: dict[Path, object] = {}
+        # until the run's total is known: messages only (which index, which retrieval file)
+        self.progress = Progress(0, "eval", style="none" if options.progress == "none" else "lines")
+
+    # -- indexes and chunks ---------------------------------------------------------------------------
+    def index_for(self, prompt: Prompt, config: Config):
+        """The index a configuration reads its chunks from; prompts with the same instruction share it."""
+        options = config.index_options if config.mode in REUSE_MODES else {}
+        folder = self.runtime.index_folder(index_folder(self.work_dir, self.o.task, self.dataset_tag, self.runtime,
+                                                        prompt, options, self.data_hash))
+        if folder not in self.indexes:
+            existed = (folder / "manifest.json").exists()
+            self.indexes[folder] = self.runtime.open_index(self.passages, folder, prompt.system_prompt,
+                                                           prompt.instruction, options,
+                                                           progress=self.progress.style == "bar")
+            self.progress.say(f"index ({'loaded' if existed else 'built'}): {folder}")
+        return self.indexes[folder]
+
+    def ranked(self) -> dict[str, list[str]]:
+        depth = max(self.o.ks)
+        ids = [q.id for q in self.questions]
+        if self.o.retrieval_file:
+            ranked = load_retrieval(self.o.retrieval_file, data_hash=self.data_hash, question_ids=ids, depth=depth)
+            self.progress.say(f"retrieval: {self.o.retrieval_file} ({len(ids)} questions, top {depth})")
+        else:
+            index = self.index_for(self.prompts[0], self.configs[0])
+            ranked = {q.id: self.runtime.retrieve(index, q.question, depth) for q in self.questions}
+        return {q: [pid for pid, _ in r] for q, r in ranked.items()}
+
+    def settings(self) -> list[tuple[Setting, list[TaskItem]]]:
+        out = []
+        if self.bridge is None:
+            ranked = self.ranked()
+            for prompt, k, pos in product(self.prompts, self.o.ks, self.o.gold_positions):
+                out.append((Setting(prompt, k, pos, None), open_items(self.questions, ranked, k, pos)))
+        else:
+            for prompt, subset in product(self.prompts, ("bridge", "control")):
+                out.append((Setting(prompt, None, None, subset),
+                            _sample(self.bridge.items[subset], self.o.n, self.o.seed)))
+        return out
+
+    def request(self, setting: Setting, config: Config, item: TaskItem, max_new_tokens: int) -> Request:
+        return Request(self.index_for(setting.prompt, config), setting.prompt.question_text(item.question.question),
+                       item.chunk_ids, config.mode, max_new_tokens, config.generate_options)
+
+    # -- the two passes -------------------------------------------------------------------------------
+    def quality_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, list[dict]]:
+        """Per configuration, one row per item (same order): prediction, scores, KL vs full."""
+        rows: dict[str, list[dict]] = {c.name: [] for c in self.configs}
+        block = self.o.batch_size
+        for start in range(0, len(items), block):
+            chunk = items[start:start + block]
+            requests = [self.request(setting, c, it, self.o.max_new_tokens) for c in self.configs for it in chunk]
+            answers = self.runtime.answer(requests)
+            by_config = {c.name: answers[i * len(chunk):(i + 1) * len(chunk)] for i, c in enumerate(self.configs)}
+            full = by_config["full"]
+            for c in self.configs:
+                for it, a, ref in zip(chunk, by_config[c.name], full):
+                    pred, ref_pred = clean_prediction(a.text), clean_prediction(ref.text)
+                    rows[c.name].append({
+                        **score_answer(pred, list(it.question.answers)), "question_id": it.question.id,
+                        "config": c.name, "prediction": pred, "raw": a.text,
+                        "agree_with_full": float(same_answer(pred, ref_pred)),
+                        "kl_vs_full": kl_divergence(ref.first_logits, a.first_logits),
+                        "answer_words": len(pred.split()), "chunk_ids": list(it.chunk_ids),
+                        "gold_index": it.gold_index, "cached_tokens": a.cached_tokens,
+                        "prompt_tokens": a.prompt_tokens, "seconds": a.seconds})
+            done_full = rows["full"]
+            f1 = 100 * sum(r["f1"] for r in done_full) / len(done_full)
+            self.progress.advance(len(requests), note=f"{setting.label()}: full F1 {f1:.1f} over {len(done_full)}")
+        return rows
+
+    def ttft_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, list[float]]:
+        """TTFT of each configuration on the first ``ttft_n`` items, one request at a time,
+        interleaved across configurations (load changes hit them alike), after one untimed warm-up
+        request per configuration (one-time costs: the shared prefix's KV, kernel set-up)."""
+        subset = items[:self.o.ttft_n]
+        times: dict[str, list[float]] = {c.name: [] for c in self.configs}
+        if not subset:
+            return times
+        for c in self.configs:
+            self.runtime.first_token_ms(self.request(setting, c, subset[0], 1))
+        for it in subset:
+            for c in self.configs:
+                times[c.name].append(self.runtime.first_token_ms(self.request(setting, c, it, 1)))
+            self.progress.advance(len(self.configs))
+        return times
+
+    # -- records --------------------------------------------------------------------------------------
+    def summarise(self, setting: Setting, rows: dict[str, list[dict]], ttft: dict[str, list[float]],
+                  seconds: float) -> list[dict]:
+        n = len(rows["full"])
+        boot = PairedBootstrap(n, self.o.bootstrap, self.o.seed)
+        full = rows["full"]
+        lazy = rows.get("lazy")
+        out = []
+        for c in self.configs:
+            r = rows[c.name]
+            col = lambda key, rs=r: [x[key] for x in rs]  # noqa: E731
+            rec = {
+                "benchmark": BENCHMARK, "mode": c.name, "task": self.o.task, "dataset": self.dataset_tag,
+                "split": self.o.split, "prompt": setting.prompt.name, "k": setting.k,
+                "gold_position": setting.gold_position, "subset": setting.subset, "n": n, "seed": self.o.seed,
+                "base_mode": c.mode, "index_options": c.index_options, "generate_options": c.generate_options,
+                "f1": 100 * stats.fmean(col("f1")), "em": 100 * stats.fmean(col("em")),
+                "contains": 100 * stats.fmean(col("contains")),
+            }
+            for metric in ("f1", "em", "contains"):
+                d = boot.mean_difference(col(metric), [x[metric] for x in full]).scaled(100)
+                rec.update({f"{metric}_delta_vs_full": d.estimate, f"{metric}_delta_ci_low": d.low,
+                            f"{metric}_delta_ci_high": d.high})
+            if lazy is not None and c.name not in ("full", "lazy"):
+                g = boot.gap_closed(col("f1"), [x["f1"] for x in lazy], [x["f1"] for x in full]).scaled(100)
+                rec.update({"gap_closed_pct": g.estimate, "gap_closed_ci_low": g.low, "gap_closed_ci_high": g.high})
+            else:
+                rec.update({"gap_closed_pct": None, "gap_closed_ci_low": None, "gap_closed_ci_high": None})
+            hits = [x["gold_index"] is not None for x in r]
+            ttft_ms = ttft.get(c.name, [])
+            rec.update({
+                "agreement_with_full_pct": 100 * stats.fmean(col("agree_with_full")),
+                "kl_vs_full_first_token": stats.fmean(col("kl_vs_full")),
+                "answer_words_mean": stats.fmean(col("answer_words")),
+                "recall_at_k_pct": 100 * stats.fmean(hits) if setting.k is not None else None,
+                "chunks_per_question_mean": stats.fmean(len(x["chunk_ids"]) for x in r),
+                "ttft_ms_mean": stats.fmean(ttft_ms) if ttft_ms else None,
+                "ttft_ms_p50": stats.median(ttft_ms) if ttft_ms else None, "ttft_n": len(ttft_ms),
+                "cached_token_pct": 100 * sum(col("cached_tokens")) / max(sum(col("prompt_tokens")), 1),
+                "seconds_per_question": stats.fmean(col("seconds")),
+                "quality_pass_s": seconds,
+                "bootstrap_resamples": self.o.bootstrap,
+            })
+            out.append(rec)
+        return out
+
+    def run(self) -> EvalRun:
+        try:
+            settings = self.settings()
+            total = sum(len(items) * len(self.configs) + min(self.o.ttft_n, len(items)) * len(self.configs)
+                        for _, items in settings)
+            self.progress.close()
+            self.progress = Progress(total, "eval", style=self.o.progress)
+            for setting, _ in settings:  # open every index first: its messages come before the progress lines
+                for c in self.configs:
+                    self.index_for(setting.prompt, c)
+            records, answers = [], []
+            for setting, items in settings:
+                t0 = time.perf_counter()
+                rows = self.quality_pass(setting, items)
+                seconds = time.perf_counter() - t0
+                ttft = self.ttft_pass(setting, items)
+                records += self.summarise(setting, rows, ttft, seconds)
+                keys = {"task": self.o.task, "dataset": self.dataset_tag, "split": self.o.split,
+                        "prompt": setting.prompt.name, "k": setting.k, "gold_position": setting.gold_position,
+                        "subset": setting.subset}
+                answers += [{**keys, **row} for c in self.configs for row in rows[c.name]]
+        finally:
+            self.progress.close()
+        meta = {"model": self.runtime.model_name, "device": self.runtime.device,
+                "device_name": self.runtime.device_name(), "dtype": self.runtime.dtype,
+                "data_file": str(self.dataset.path), "data_hash": self.data_hash,
+                "retrieval_file": str(self.o.retrieval_file) if self.o.retrieval_file else None,
+                "max_new_tokens": self.o.max_new_tokens, "configs": [c.name for c in self.configs]}
+        for r in records:
+            r.update({k: meta[k] for k in ("model", "device", "device_name", "dtype", "data_hash", "retrieval_file",
+                                            "max_new_tokens")})
+        return EvalRun(self.o, meta, records, answers, [s for s, _ in settings])
+
+
+def run_eval(options: EvalOptions, runtime: Runtime | None = None) -> EvalRun:
+    """Run every setting and configuration of ``options``; see the module docstring."""
+    return _Evaluation(options, runtime).run()
+
+
+def precompute_retrieval(out: Path, *, dataset: str = "squad", data: Path | None = None, fetch: bool = False,
+                         split: str = "test", depth: int = 20, configs="full", prompts=(FROZEN,),
+                         model: str = "qwen2.5-0.5b", device: str = "cpu", dtype: str = "auto",
+                         work_dir: Path | None = None, progress: str = "auto", runtime: Runtime | None = None) -> Path:
+    """Rank the passages of every question of ``split`` once and save them (see retrieval.py).
+
+    Also builds (without chunk KV) every index that ``configs`` x ``prompts`` read from, in
+    ``work_dir``: a machine without llama-index cannot build one, but can load one carried there.
+    The model is loaded because an index tokenizes its passages with it."""
+    options = EvalOptions(model=model, configs=configs, prompts=tuple(prompts), dataset=dataset, data=data,
+                          fetch=fetch, split=split, n=1, ks=(depth,), device=device, dtype=dtype,
+                          work_dir=work_dir, progress=progress)
+    ev = _Evaluation(options, runtime)
+    for prompt, config in product(ev.prompts, ev.configs):
+        ev.index_for(prompt, config)
+    index = ev.index_for(ev.prompts[0], ev.configs[0])
+    ranked = {}
+    questions = ev.dataset.split(split)  # all of them (few-shot questions are dropped at eval time)
+    with Progress(len(questions), "retrieve", style=progress) as bar:
+        for q in questions:
+            ranked[q.id] = ev.runtime.retrieve(index, q.question, depth)
+            bar.advance()
+    return save_retrieval(out, ranked, data_hash=ev.data_hash, dataset=ev.dataset_tag, split=split,
+                          embedder=ev.runtime.embedder.name, depth=depth)

@@ -1,0 +1,147 @@
+"""Every call the evaluation makes into the lazy-rag runtime, in one module.
+
+The runtime is used only through its public entry points (``LazyLLM.from_pretrained``,
+``LazyIndex.from_texts``/``load``, ``retrieve``, ``segments``, ``chunk_source``, ``LazyLLM.generate``
+and the serving engine's ``generate``), so a change of the runtime's API is adapted here and
+nowhere else.
+
+Answers are generated in batches through the serving engine (the one runtime of every request,
+recovery included). Batched requests share their wall time, so their TTFT is not a single
+request's: ``first_token_ms`` times one request alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import MODES  # noqa: F401  (re-exported: the configurations' modes; the package exports it)
+
+REUSE_MODES = ("lazy", "block")  # the modes that read cached chunk KV
+STOP = ("\n",)                   # an answer is one line
+
+
+@dataclass
+class Request:
+    index: object                  # the LazyIndex that holds the chunks (and their KV)
+    question: str                  # as placed in the prompt
+    chunk_ids: tuple[str, ...]     # in prompt order
+    mode: str
+    max_new_tokens: int
+    generate_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Answer:
+    text: str
+    first_logits: torch.Tensor     # fp32 [vocab], on the CPU
+    cached_tokens: int
+    prompt_tokens: int
+    seconds: float                 # the request's share of its batch's wall time
+
+
+class _MemoEmbedder:
+    """Remembers vectors by text, so a second index over the same texts embeds nothing."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.dim, self._memo = inner, inner.name, inner.dim, {}
+
+    def encode(self, texts, **kwargs):
+        import numpy as np
+
+        missing = [t for t in dict.fromkeys(texts) if t not in self._memo]
+        if missing:
+            self._memo.update(zip(missing, self.inner.encode(missing, **kwargs)))
+        return np.stack([self._memo[t] for t in texts]) if texts else np.zeros((0, self.dim), np.float32)
+
+
+class Runtime:
+    """A loaded model, its indexes and generation, as the evaluation needs them."""
+
+    def __init__(self, llm, model: str, embedder=None):
+        self.llm = llm
+        self.model_name = llm.model_name or model
+        self.embedder = _MemoEmbedder(embedder) if embedder is not None else None
+
+    @classmethod
+    def load(cls, model: str, device: str = "auto", dtype: str = "auto", retrieval: bool = True) -> "Runtime":
+        """``retrieval=False``: no embedder is loaded (retrieval comes from a file) and indexes are
+        built without vectors, so neither faiss nor the embedder's weights are needed."""
+        from ..llm import LazyLLM
+
+        embedder = None
+        if retrieval:
+            from ..embedder import Embedder
+
+            embedder = Embedder()
+        return cls(LazyLLM.from_pretrained(model, device=device, dtype=dtype), model, embedder)
+
+    # -- what the records say about the run -------------------------------------------------------
+    @property
+    def fingerprint_id(self) -> str:
+        return self.llm.fingerprint["id"]
+
+    @property
+    def dtype(self) -> str:
+        return str(self.llm.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(self.llm.device)
+
+    def device_name(self) -> str:
+        dev = self.llm.device
+        if dev.type == "cuda":
+            return torch.cuda.get_device_name(dev)
+        threads = torch.get_num_threads()
+        return f"{threads} CPU thread{'s' if threads != 1 else ''}"
+
+    # -- indexes ------------------------------------------------------------------------------------
+    def index_folder(self, folder: Path) -> Path:
+        """Where an index of this runtime lives: one without vectors (no embedder) apart."""
+        return folder if self.embedder is not None else folder.with_name(folder.name + "-novectors")
+
+    def open_index(self, passages, folder: Path, system_prompt: str | None, instruction: str, index_options: dict,
+                   progress: bool):
+        """The index of ``passages`` in ``folder``: loaded when built before, else built (chunk KV
+        is encoded on first use, so only the chunks the questions use are ever encoded). Without an
+        embedder (retrieval from a file) the index has no vectors, and its folder says so."""
+        from ..index import LazyIndex
+
+        if (folder / "manifest.json").exists():
+            return LazyIndex.load(folder, llm=self.llm, embedder=self.embedder)
+        return LazyIndex.from_texts([p.text for p in passages], folder, llm=self.llm, embedder=self.embedder,
+                                    ids=[p.id for p in passages], split=False, precompute_kv=False,
+                                    progress=progress, system_prompt=system_prompt, instruction=instruction,
+                                    vectors=self.embedder is not None, **index_options)
+
+    def retrieve(self, index, question: str, depth: int) -> list[tuple[str, float]]:
+        return [(s.chunk_id, float(s.score)) for s in index.retrieve(question, depth)]
+
+    # -- generation -------------------------------------------------------------------------------
+    def answer(self, requests: Sequence[Request]) -> list[Answer]:
+        """Greedy answers in request order, as one engine batch."""
+        if not requests:
+            return []
+        t0 = time.perf_counter()
+        results = self.llm.engine.generate([self._request(r, r.max_new_tokens) for r in requests])
+        share = (time.perf_counter() - t0) / len(requests)
+        return [_answer(res, share) for res in results]
+
+    def first_token_ms(self, request: Request) -> float:
+        """TTFT of ``request`` served alone (one request in flight, one new token)."""
+        (res,) = self.llm.engine.generate([self._request(request, 1)])
+        return float(res.stats.ttft_ms)
+
+    def _request(self, r: Request, max_new_tokens: int) -> dict:
+        return dict(segments=r.index.segments(r.question, list(r.chunk_ids)), mode=r.mode,
+                    max_new_tokens=max_new_tokens, source=r.index.chunk_source, output_first_logits=True,
+                    stop=list(STOP), **r.generate_options)
+
+
+def _answer(res, seconds: float) -> Answer:
+    return Answer(res.text, res.first_logits.float().cpu(), int(res.stats.cached_tokens), int(res.stats.prompt_tokens),
+                  seconds)

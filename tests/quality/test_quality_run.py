@@ -1,0 +1,145 @@
+"""Evaluation runs with the bundled SmolLM2 on a small SQuAD-format file: structure, pairing,
+the data-keyed index cache, the retrieval file and the bridge task. SmolLM2's answers are poor:
+nothing here asserts a score."""
+import json
+from pathlib import Path
+
+import pytest
+
+from lazy_rag.errors import LazyRagError
+from lazy_rag.quality import EvalOptions, precompute_retrieval, run_eval, write_report
+from lazy_rag.quality.configs import Config
+from lazy_rag.quality.evaluate import _Evaluation
+from lazy_rag.quality.prompts import PROMPTS
+from lazy_rag.quality.runner import Runtime
+from tests.helpers import squad_file
+
+CORPUS = Path(__file__).resolve().parents[2] / "examples" / "corpus"
+BRIDGE = [
+    ("Agnes Thorold trained as an engineer in Leeds. She designed the Marrow Point Lighthouse in 1869. "
+     "Agnes Thorold retired to Whitby in 1890.",
+     [("What did Agnes Thorold design?", "the Marrow Point Lighthouse"),
+      ("Where did Agnes Thorold retire to?", "Whitby")]),
+    ("Lidia Varga trained as a baker in Budapest. In 2016 she became head baker at Kestrel Street. "
+     "Lidia Varga introduced the poppy seed roll.",
+     [("Where did Lidia Varga become head baker?", "Kestrel Street"),
+      ("What did Lidia Varga introduce?", "the poppy seed roll")]),
+]
+
+
+def corpus_file(path: Path, edit=lambda text: text) -> Path:
+    """The sample corpus as a SQuAD-format file (one article per document), plus the bridge article."""
+    articles = []
+    for f in sorted(CORPUS.iterdir()):
+        paras = [edit(p.strip()) for p in f.read_text().split("\n\n") if len(p) > 80]
+        articles.append([(p, [(f"What does the passage say about {p.split()[1]}?", " ".join(p.split()[:3]))])
+                         for p in paras])
+    return squad_file(path, articles + [BRIDGE])
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2):
+    from lazy_rag.embedder import Embedder
+
+    return Runtime(smollm2, "smollm2", Embedder())
+
+
+def _options(tmp_path, data, **kw) -> EvalOptions:
+    base = dict(model="smollm2", data=data, split="all", n=3, max_new_tokens=6, ttft_n=0, bootstrap=200,
+                work_dir=tmp_path / "work", progress="none")
+    return EvalOptions(**{**base, **kw})
+
+
+def test_open_retrieval_run_pairs_every_config_with_full_and_writes_the_report(runtime, tmp_path):
+    run = run_eval(_options(tmp_path, corpus_file(tmp_path / "c.json"), configs="lazy,block,lazy+sink,lazy+epic8+prophet20",
+                            ks=(2,), gold_positions=("retrieved", "last"), ttft_n=1), runtime)
+    modes = ["full", "lazy", "block", "lazy+sink", "lazy+epic8+prophet20"]
+    assert [r["mode"] for r in run.records] == modes * 2 and len(run.answers) == 2 * 5 * 3
+    assert {r["mode"]: r["generate_options"] for r in run.records}["lazy+epic8+prophet20"] == {
+        "recovery": "epic8+prophet20"}
+    by_setting = {pos: {r["mode"]: r for r in run.records if r["gold_position"] == pos} for pos in ("retrieved", "last")}
+    full, lazy = by_setting["retrieved"]["full"], by_setting["retrieved"]["lazy"]
+    assert full["agreement_with_full_pct"] == 100.0 and full["kl_vs_full_first_token"] == pytest.approx(0, abs=1e-9)
+    assert (full["f1_delta_vs_full"], full["f1_delta_ci_low"], full["f1_delta_ci_high"]) == (0.0, 0.0, 0.0)
+    assert full["cached_token_pct"] == 0 and lazy["cached_token_pct"] > 50
+    # recovery recomputes chunk tokens: fewer of the prompt's tokens come from the cache
+    assert by_setting["retrieved"]["lazy+epic8+prophet20"]["cached_token_pct"] < lazy["cached_token_pct"] - 10
+    assert full["gap_closed_pct"] is None and lazy["gap_closed_pct"] is None
+    assert "gap_closed_ci_low" in by_setting["retrieved"]["lazy+sink"]
+    assert all(r["ttft_n"] == 1 and r["ttft_ms_mean"] > 0 for r in run.records)
+    assert by_setting["last"]["full"]["recall_at_k_pct"] == 100.0
+    assert all(a["gold_index"] == 1 for a in run.answers if a["gold_position"] == "last")
+    # block and lazy compute the same function: the same answers
+    pred = {(a["gold_position"], a["question_id"], a["config"]): a["prediction"] for a in run.answers}
+    assert all(pred[(g, q, "block")] == p for (g, q, c), p in pred.items() if c == "lazy")
+    # every configuration saw the same chunks as full on every question
+    chunks = {(a["gold_position"], a["question_id"], a["config"]): a["chunk_ids"] for a in run.answers}
+    assert all(chunks[(g, q, "full")] == ids for (g, q, c), ids in chunks.items())
+
+    md = tmp_path / "QUALITY.md"
+    paths = write_report(run, tmp_path / "results", md, command="lazy-rag eval squad --test")
+    records = json.loads(paths["records"].read_text())
+    want = {"benchmark", "mode", "device", "model", "dtype", "split", "k", "n", "seed", "gold_position", "task", "f1",
+            "em", "contains", "f1_delta_vs_full", "f1_delta_ci_low", "f1_delta_ci_high", "agreement_with_full_pct",
+            "kl_vs_full_first_token", "ttft_ms_mean", "ttft_n", "date"}
+    assert all(want <= set(r) for r in records)
+    assert len(paths["answers"].read_text().splitlines()) == len(run.answers)
+    assert paths["plot"].stat().st_size > 0
+    text = md.read_text()
+    assert text.count("## open retrieval") == 1 and "| lazy+sink |" in text and "`lazy-rag eval squad --test`" in text
+    write_report(run, tmp_path / "results", md, plot=False)  # the same run again: its section is replaced
+    assert md.read_text().count("## open retrieval") == 1
+
+
+def test_cached_indexes_are_keyed_by_the_data(runtime, tmp_path, capsys):
+    """A second data file whose paragraphs have the same ids must not reuse the first file's index."""
+    first = corpus_file(tmp_path / "first.json")
+    second = corpus_file(tmp_path / "second.json", edit=lambda t: t.replace("Kestrel", "Osprey"))
+    prompt, plain = PROMPTS["short"], Config.parse("full")
+    indexes = []
+    for data in (first, second):
+        ev = _Evaluation(_options(tmp_path, data, configs="full", prompts=("short",), progress="lines"), runtime)
+        indexes.append(ev.index_for(prompt, plain))
+    a, b = indexes
+    assert a.path != b.path and a.path.parent == b.path.parent
+    assert "Osprey" in b.by_id["a000p0000"].text and "Osprey" not in a.by_id["a000p0000"].text
+    top = runtime.retrieve(b, "Osprey Street Bakery founders", 1)[0][0]
+    assert "Osprey" in b.by_id[top].text
+    err = capsys.readouterr().err
+    assert f"index (built): {a.path}" in err and f"index (built): {b.path}" in err
+
+
+class _NoRetrieval(Runtime):
+    def retrieve(self, *args, **kwargs):
+        raise AssertionError("retrieval ran although a retrieval file was given")
+
+
+def test_a_retrieval_file_replaces_retrieval_and_is_tied_to_its_data(runtime, tmp_path):
+    data = corpus_file(tmp_path / "c.json")
+    path = precompute_retrieval(tmp_path / "r.json", data=data, split="all", depth=3, work_dir=tmp_path / "work",
+                                progress="none", runtime=runtime, configs="full,lazy+sink")
+    doc = json.loads(path.read_text())
+    assert doc["depth"] == 3 and all(len(r) == 3 for r in doc["questions"].values())
+    assert len(list((tmp_path / "work").iterdir())) == 2  # the plain and the +sink index, built beside it
+    live = run_eval(_options(tmp_path, data, configs="full", ks=(2,), max_new_tokens=2), runtime)
+    # no embedder on the machine that runs from the file: its indexes have no vectors
+    offline = run_eval(_options(tmp_path, data, configs="full", ks=(2,), max_new_tokens=2, retrieval_file=path),
+                       _NoRetrieval(runtime.llm, "smollm2"))
+    assert [a["chunk_ids"] for a in offline.answers] == [a["chunk_ids"] for a in live.answers]
+    assert [a["prediction"] for a in offline.answers] == [a["prediction"] for a in live.answers]
+    assert any(p.name.endswith("-novectors") for p in (tmp_path / "work").iterdir())
+    assert offline.meta["retrieval_file"] == str(path)
+    other = corpus_file(tmp_path / "other.json", edit=lambda t: t + " Extra.")
+    with pytest.raises(LazyRagError, match="ranked other passages"):
+        run_eval(_options(tmp_path, other, configs="full", retrieval_file=path), runtime)
+
+
+def test_bridge_task_runs_bridge_and_control_questions_over_sentence_chunks(runtime, tmp_path):
+    run = run_eval(_options(tmp_path, corpus_file(tmp_path / "c.json"), task="bridge", configs="lazy", n=2,
+                            ttft_n=1), runtime)
+    assert [(r["subset"], r["mode"]) for r in run.records] == [
+        ("bridge", "full"), ("bridge", "lazy"), ("control", "full"), ("control", "lazy")]
+    assert all(r["n"] == 2 and r["k"] is None and r["chunks_per_question_mean"] == 3 for r in run.records)
+    assert all(len(a["chunk_ids"]) == 3 and a["chunk_ids"][0].endswith("s00") for a in run.answers)
+    with pytest.raises(LazyRagError, match="--task open only"):
+        run_eval(_options(tmp_path, corpus_file(tmp_path / "c.json"), task="bridge", ks=(8,)), runtime)
