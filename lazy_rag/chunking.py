@@ -39,7 +39,10 @@ def discover_files(sources) -> tuple[list[Path], Counter]:
 
 def read_text(path: Path) -> tuple[str | None, str | None]:
     """(text, None) or (None, reason) for binary / non-UTF-8 / empty files."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # unreadable, or gone while indexing
+        return None, f"unreadable ({e.strerror or type(e).__name__})"
     if b"\x00" in data[:8192]:
         return None, "binary"
     try:

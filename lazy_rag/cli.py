@@ -68,6 +68,9 @@ def index(
     recovery: Optional[str] = typer.Option(None, help=RECOVERY_HELP),
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
+    repair: bool = typer.Option(False, help="Rebuild the chunk table and vectors from SOURCES without reading the "
+                                            "old ones (after `lazy-rag verify` reports damage); intact KV is reused."),
+    wait_lock: float = typer.Option(0.0, help="Seconds to wait for another process writing the same --out."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
     _quiet_libraries()
@@ -77,12 +80,17 @@ def index(
         idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=sys.stderr.isatty(), precompute_kv=precompute,
-                                   boundary_recompute=boundary_recompute, recovery=recovery)
+                                   boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
+                                   wait_lock=wait_lock)
     except LazyRagError as e:
         _fail(e)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
     out.print(f"Indexed {rep.files_indexed} file(s), {rep.files_unchanged} unchanged, {rep.files_removed} removed; "
               f"skipped: {skipped}.")
+    for path, why in rep.skipped_files[:20]:
+        out.print(f"  skipped {path}: {why}", markup=False, highlight=False)
+    if len(rep.skipped_files) > 20:
+        out.print(f"  ... and {len(rep.skipped_files) - 20} more")
     out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
               f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}")
 
@@ -150,13 +158,48 @@ def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
         _fail(e)
     if as_json:
         print(json.dumps(info, indent=2))
-        return
-    t = Table(show_header=False)
-    for k, v in info.items():
-        if k == "kv_bytes":
-            v = f"{_human(v)} ({v} bytes)"
-        t.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
-    out.print(t)
+    else:
+        t = Table(show_header=False)
+        for k, v in info.items():
+            if k == "kv_bytes":
+                v = f"{_human(v)} ({v} bytes)"
+            t.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+        out.print(t)
+    if info["damage"]:
+        err.print(f"[bold red]damaged:[/] {escape(info['damage'])}", soft_wrap=True, highlight=False)
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Check every file of an index (manifest, chunk table, vectors, each chunk's KV) against its
+    checksums; exit 1 when something is damaged, naming it and the fix (no model is loaded)."""
+    _quiet_libraries()
+    from .index import verify_index
+
+    try:
+        report = verify_index(index_dir)
+    except LazyRagError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        damaged = sum(report.get("kv_damaged", {}).values())
+        out.print(f"{report['path']}: {report['chunks']} chunks, KV intact {report['kv_ok']}"
+                  + (f", deferred {report['kv_deferred']}" if report.get("kv_deferred") else "")
+                  + f", damaged {damaged}; stray KV files {report.get('stray_kv_files', 0)}, "
+                  f"temp files {report.get('temp_files', 0)}", markup=False, highlight=False)
+        for p in report["problems"][:50]:
+            err.print(f"  {p}", markup=False, highlight=False, soft_wrap=True)
+        if report["ok"]:
+            out.print("OK")
+        else:
+            err.print("Damaged KV files are recomputed and rewritten by the next query that needs them (or "
+                      "`lazy-rag index SOURCES --out DIR`); a damaged chunk table or vectors file needs "
+                      "`lazy-rag index SOURCES --out DIR --repair`.", markup=False, highlight=False, soft_wrap=True)
+    if not report["ok"]:
+        raise typer.Exit(code=1)
 
 
 @app.command()

@@ -5,6 +5,15 @@ class LazyRagError(Exception):
     """Base class for every error lazy-rag raises on purpose."""
 
 
+class InvalidRequestError(LazyRagError, ValueError):
+    """A request option out of range (max_new_tokens, temperature, top_p, ...)."""
+
+
+class RequestFailedError(LazyRagError):
+    """One request failed inside the engine (its chunk store raised, out of memory, ...); the
+    engine goes on serving the others. ``__cause__`` is the original exception."""
+
+
 class UnsupportedModelError(LazyRagError):
     """The checkpoint's architecture or RoPE cannot serve position-free chunk KV."""
 

@@ -9,14 +9,21 @@ Layout of an index folder::
 
 A build writes KV files and the new generation's chunk table and vectors first, and the manifest
 last (atomically), so an interrupted build leaves the previous index intact, or no index at all.
+One writer at a time per folder (``index_lock``). The manifest records the sha256 of the chunk
+table and the vectors, checked on every load (a damaged one is an error naming the file and the
+fix, ``lazy-rag index --repair``); every KV file carries its own checksums (store.py);
+``verify_index`` checks everything. Nothing on the load path unpickles: JSON, faiss's own
+format and safetensors only.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -32,6 +39,7 @@ from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
+from .index_lock import LOCK_NAME, try_writer_lock, writer_lock
 from .llm import LazyLLM
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
@@ -39,6 +47,7 @@ from .store import ChunkStore, _DTYPES
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+MANIFEST_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_chunks", "embedder")
 ENCODE_BATCH = 16  # chunks per encode call: one forward each (up to the engine's token budget)
 
 
@@ -53,6 +62,21 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _remove_debris(out: Path) -> int:
+    """Temp files of writers that were killed (only ever called under the writer lock)."""
+    n = 0
+    for folder in (out, out / "kv"):
+        if folder.is_dir():
+            for p in folder.glob(".*.tmp"):
+                p.unlink(missing_ok=True)
+                n += 1
+    return n
 
 
 def _faiss():
@@ -108,6 +132,7 @@ class BuildReport:
     files_unchanged: int = 0
     files_removed: int = 0
     skipped: Counter = field(default_factory=Counter)
+    skipped_files: list = field(default_factory=list)   # (path, why) of files that could not be read
     chunks_added: int = 0
     chunks_total: int = 0
     tokens_total: int = 0
@@ -129,6 +154,28 @@ class LazyIndex:
         kv_dtype = _DTYPES[manifest["kv_dtype"]]
         self.store = ChunkStore(self.path, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
                                 precomputed=manifest.get("kv_precomputed", True))
+        self.store.write_guard = self._write_guard  # a query writes KV only under the writer lock
+
+    def _write_guard(self):
+        """For a query's KV write-back: the writer lock if free now, and only while the folder still
+        holds the generation this index loaded (a newer build may have dropped the chunk)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def guard():
+            with try_writer_lock(self.path) as locked:
+                if not locked:
+                    yield "a build holds the index's writer lock"
+                    return
+                try:
+                    current = json.loads((self.path / "manifest.json").read_text()).get("generation")
+                except (OSError, ValueError):
+                    current = None
+                if current != self.manifest.get("generation"):
+                    yield "the index was rebuilt since it was loaded"
+                    return
+                yield None
+        return guard()
 
     @property
     def recovery(self) -> Recovery:
@@ -154,7 +201,8 @@ class LazyIndex:
               chunk_overlap: int = 32, shared_prefix: bool = False, system_prompt: str | None = None,
               kv_dtype: str = "auto", progress: bool = True, device: str = "auto", precompute_kv: bool = True,
               boundary_recompute: int = 0, recovery: Recovery | str | None = None,
-              instruction: str = DEFAULT_INSTRUCTION) -> tuple["LazyIndex", BuildReport]:
+              instruction: str = DEFAULT_INSTRUCTION, repair: bool = False,
+              wait_lock: float = 0.0) -> tuple["LazyIndex", BuildReport]:
         """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
 
         Mitigations for checkpoints not fine-tuned for independent chunks (stored in the manifest):
@@ -162,13 +210,18 @@ class LazyIndex:
         ``recovery`` (e.g. "prophet20", "epic16"; ``Recovery``) is the queries' default quality recovery
         at query time (``boundary_recompute=N`` is short for "epicN").
         ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
-        ``system_prompt`` and ``instruction`` shape the RAG prompt of every query (chat.py)."""
+        ``system_prompt`` and ``instruction`` shape the RAG prompt of every query (chat.py).
+        A file indexed before that is now empty or unreadable loses its chunks (it is named in
+        ``report.skipped_files``). ``repair=True`` rebuilds the chunk table and vectors from the
+        sources without reading the old ones (after damage), reusing every KV file whose stored
+        token ids match. ``wait_lock``: seconds to wait for another writer of ``out``."""
         files, skipped = discover_files(sources)
         docs, report = [], BuildReport(skipped=skipped)
         for f in files:
             text, why = read_text(f)
             if text is None:
                 report.skipped[why] += 1
+                report.skipped_files.append((str(f), why))
                 continue
             docs.append((str(f), text, {"file_path": str(f)}))
         if not docs:
@@ -179,7 +232,8 @@ class LazyIndex:
                                chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
                                kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
                                precompute_kv=precompute_kv, boundary_recompute=boundary_recompute, recovery=recovery,
-                               instruction=instruction)
+                               instruction=instruction, repair=repair, wait_lock=wait_lock,
+                               unreadable={path for path, _ in report.skipped_files})
 
     @classmethod
     def from_texts(cls, texts: Iterable[str], out, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
@@ -203,14 +257,53 @@ class LazyIndex:
         return index
 
     @classmethod
-    def _build_docs(cls, docs, out, llm, embedder, *, model="smollm2", chunk_size=256, chunk_overlap=32,
-                    shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True, device="auto",
-                    report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
-                    boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True):
+    def _build_docs(cls, docs, out, llm, embedder, *, wait_lock: float = 0.0, **kwargs):
+        """Check ``out``, take its writer lock, build; a failure to write (full disk, read-only
+        folder) is an error with the numbers and the fix, and leaves the previous index as it was."""
+        out = Path(out).expanduser()
+        if out.exists() and not out.is_dir():
+            raise LazyIndexError(f"--out {out} is a file, not a folder; name a folder for the index.")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LazyIndexError(f"Cannot create the index folder {out} ({e.strerror}); choose another --out.") from e
+        written: list[Path] = []
+        with writer_lock(out, wait=wait_lock):
+            _remove_debris(out)
+            try:
+                return cls._build_locked(docs, out, llm, embedder, written=written, **kwargs)
+            except OSError as e:
+                committed = (out / "manifest.json").exists()
+                live = cls._live_kv_names(out) if committed else set()
+                for p in written:  # KV this run wrote that no committed index refers to
+                    if p.name not in live:
+                        p.unlink(missing_ok=True)
+                _remove_debris(out)
+                why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+                       errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded"}.get(
+                    e.errno, e.strerror or type(e).__name__)
+                state = "the previous index is unchanged" if committed else "no index was written"
+                raise LazyIndexError(f"Writing the index at {out} failed: {why} ({e.filename or out}); {state} and "
+                                     "this run's partial files were removed. Free space or choose another --out, "
+                                     "then run `lazy-rag index` again.") from e
+
+    @staticmethod
+    def _live_kv_names(out: Path) -> set[str]:
+        try:
+            manifest = LazyIndex._read_manifest(out)
+            records = LazyIndex._read_records(out, manifest)
+        except LazyRagError:
+            return set()
+        return {ChunkStore.file_name(r.id) for r in records}
+
+    @classmethod
+    def _build_locked(cls, docs, out: Path, llm, embedder, *, written: list, model="smollm2", chunk_size=256,
+                      chunk_overlap=32, shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True,
+                      device="auto", report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
+                      boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True,
+                      repair=False, unreadable=frozenset()):
         t0 = time.perf_counter()
         report = report or BuildReport()
-        out = Path(out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
         if llm is None:
             llm = LazyLLM.from_pretrained(model, device=device)
             model_name = model
@@ -243,9 +336,10 @@ class LazyIndex:
         if old is not None:
             cls._check_compatible(old, manifest, out)
             manifest["generation"] = old["generation"] + 1
-            recs = cls._read_records(out, old)
-            old_vectors = cls._read_vectors(out, old) if old.get("vectors_file") else None
-            old_records = {r.id: (r, i) for i, r in enumerate(recs)}
+            if not repair:  # --repair: the old table and vectors are not read (they may be damaged)
+                recs = cls._read_records(out, old)
+                old_vectors = cls._read_vectors(out, old, len(recs)) if old.get("vectors_file") else None
+                old_records = {r.id: (r, i) for i, r in enumerate(recs)}
         # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
         keep_ids, new_records = [], []
         seen_sources = set()
@@ -269,6 +363,14 @@ class LazyIndex:
             for source, entry in old["files"].items():
                 if source in seen_sources:
                     continue
+                if source in unreadable:  # emptied or replaced by bytes that are not text: its chunks go
+                    report.files_removed += 1
+                    log.warning("%s can no longer be read as text; its chunks were removed from the index.", source)
+                    continue
+                if repair:
+                    report.files_removed += 1
+                    log.warning("--repair re-indexes only the sources given: %s was dropped.", source)
+                    continue
                 under_root = roots is not None and any(source.startswith(r.rstrip("/") + "/") or source == r for r in roots)
                 if under_root and not Path(source).exists():
                     report.files_removed += 1  # vanished from a folder we were asked to index again
@@ -277,6 +379,9 @@ class LazyIndex:
                 manifest["files"][source] = entry
         index = cls(out, llm, embedder, manifest, [], None)
         store = index.store
+        store.write_guard = None  # this build holds the writer lock itself
+        if precompute_kv and new_records:
+            cls._check_free_space(out, llm, store, new_records)
         # Embed and encode only what is new.
         with _progress(progress) as bar:
             vecs_new = None
@@ -297,6 +402,7 @@ class LazyIndex:
                     kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids)
                     for r, kv in zip(batch, kvs):
                         report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
+                        written.append(store.path(r.id))
                     bar.advance(task, len(batch))
         records = [old_records[c][0] for c in keep_ids] + new_records
         vindex = None
@@ -314,13 +420,17 @@ class LazyIndex:
         manifest["num_chunks"] = len(records)
         manifest["num_tokens"] = sum(len(r.token_ids) for r in records)
         manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        _atomic_write_bytes(out / manifest["chunks_file"],
-                            "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode())
+        table = "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode()
+        _atomic_write_bytes(out / manifest["chunks_file"], table)
+        manifest["checksums"] = {"chunks_file": _sha256(table)}
         if vectors:
-            _atomic_write_bytes(out / manifest["vectors_file"], faiss.serialize_index(vindex).tobytes())
+            data = faiss.serialize_index(vindex).tobytes()
+            _atomic_write_bytes(out / manifest["vectors_file"], data)
+            manifest["checksums"]["vectors_file"] = _sha256(data)
         _atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False).encode())
-        cls._collect_garbage(out, manifest, {r.id for r in records})
+        cls._collect_garbage(out, manifest, {ChunkStore.file_name(r.id) for r in records})
         index.manifest, index.records, index.vectors = manifest, records, vindex
+        store.write_guard = index._write_guard
         index.by_id = {r.id: r for r in records}
         report.chunks_added = len(new_records)
         report.chunks_total = len(records)
@@ -329,7 +439,21 @@ class LazyIndex:
         return index, report
 
     @staticmethod
-    def _collect_garbage(out: Path, manifest: dict, live_ids: set[str]) -> None:
+    def _check_free_space(out: Path, llm, store: ChunkStore, records) -> None:
+        """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers."""
+        item = torch_itemsize(store.kv_dtype or llm.dtype)
+        per_token = llm.shape.kv_bytes_per_token * item
+        need = sum(len(r.token_ids) for r in records) * per_token
+        free = shutil.disk_usage(out).free
+        if need > free * 0.95:
+            raise LazyIndexError(
+                f"The KV of {len(records)} new chunks ({sum(len(r.token_ids) for r in records):,} tokens x "
+                f"{per_token:,} bytes) needs {need / 2**30:.2f} GiB, but {out} has {free / 2**30:.2f} GiB free. "
+                "Store KV in bfloat16 (--kv-dtype bfloat16), index fewer files, defer KV to first use "
+                "(--no-precompute), use a smaller model, or choose another --out.")
+
+    @staticmethod
+    def _collect_garbage(out: Path, manifest: dict, live_names: set[str]) -> None:
         """Remove older generations' tables and KV files no chunk refers to (after the commit)."""
         for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")):
             if p.name not in (manifest["chunks_file"], manifest.get("vectors_file")):
@@ -337,7 +461,7 @@ class LazyIndex:
         kv_dir = out / "kv"
         if kv_dir.exists():
             for p in kv_dir.iterdir():
-                if p.suffix == ".safetensors" and p.stem not in live_ids:
+                if p.suffix == ".safetensors" and p.name not in live_names:
                     p.unlink(missing_ok=True)
 
     @staticmethod
@@ -366,22 +490,67 @@ class LazyIndex:
             hint = " (if a build was interrupted, run `lazy-rag index` again)" if Path(path).exists() else ""
             raise LazyIndexError(f"{path} is not a lazy-rag index: no manifest.json{hint}.")
         try:
-            manifest = json.loads(mf.read_text())
-        except json.JSONDecodeError as e:
-            raise LazyIndexError(f"{mf} is not valid JSON ({e}); rebuild the index.") from e
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise LazyIndexError(f"{path} has index format {manifest.get('format_version')}, this lazy-rag reads "
+            manifest = json.loads(mf.read_bytes().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise LazyIndexError(f"{mf} is damaged (not valid UTF-8 JSON: {e}); rebuild the index "
+                                 "(`lazy-rag index SOURCES --out DIR --repair`).") from e
+        except OSError as e:
+            raise LazyIndexError(f"Cannot read {mf} ({e.strerror}).") from e
+        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+            version = manifest.get("format_version") if isinstance(manifest, dict) else None
+            raise LazyIndexError(f"{path} has index format {version}, this lazy-rag reads "
                                  f"{FORMAT_VERSION}; rebuild the index.")
+        missing = [k for k in MANIFEST_KEYS if k not in manifest]
+        fingerprint = manifest.get("model")
+        if not missing and not (isinstance(fingerprint, dict) and isinstance(fingerprint.get("fingerprint"), dict)
+                                and "id" in fingerprint["fingerprint"]):
+            missing = ["model.fingerprint"]
+        if missing:
+            raise LazyIndexError(f"{mf} is damaged: it lacks {', '.join(missing)}; rebuild the index "
+                                 "(`lazy-rag index SOURCES --out DIR --repair`).")
         return manifest
 
     @staticmethod
-    def _read_records(path: Path, manifest: dict) -> list[ChunkRecord]:
-        with open(Path(path) / manifest["chunks_file"], encoding="utf-8") as f:
-            return [ChunkRecord(**json.loads(line)) for line in f if line.strip()]
+    def _read_checked(path: Path, manifest: dict, key: str) -> bytes:
+        """The bytes of the file the manifest names under ``key``, checked against its sha256."""
+        f = Path(path) / manifest[key]
+        fix = f"rebuild it from the sources with `lazy-rag index SOURCES --out {path} --repair`"
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:
+            raise LazyIndexError(f"The index at {path} lacks its {f.name}; {fix}.") from None
+        except OSError as e:
+            raise LazyIndexError(f"Cannot read {f} ({e.strerror}).") from e
+        want = (manifest.get("checksums") or {}).get(key)
+        if want is not None and _sha256(data) != want:
+            raise LazyIndexError(f"{f} is damaged (its sha256 differs from the manifest's); {fix}.")
+        return data
 
     @staticmethod
-    def _read_vectors(path: Path, manifest: dict):
-        return _faiss().read_index(str(Path(path) / manifest["vectors_file"]))
+    def _read_records(path: Path, manifest: dict) -> list[ChunkRecord]:
+        data = LazyIndex._read_checked(path, manifest, "chunks_file")
+        fix = f"rebuild it with `lazy-rag index SOURCES --out {path} --repair`"
+        try:
+            records = [ChunkRecord(**json.loads(line)) for line in data.decode("utf-8").splitlines() if line.strip()]
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
+            raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} is damaged ({e}); {fix}.") from e
+        if len(records) != manifest["num_chunks"]:
+            raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} holds {len(records)} chunks, the manifest "
+                                 f"{manifest['num_chunks']}: it is damaged; {fix}.")
+        return records
+
+    @staticmethod
+    def _read_vectors(path: Path, manifest: dict, num_chunks: int | None = None):
+        data = LazyIndex._read_checked(path, manifest, "vectors_file")
+        try:
+            vectors = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        except RuntimeError as e:
+            raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} is damaged (faiss cannot read it); rebuild "
+                                 f"it with `lazy-rag index SOURCES --out {path} --repair`.") from e
+        if num_chunks is not None and vectors.ntotal != num_chunks:
+            raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} holds {vectors.ntotal} vectors for "
+                                 f"{num_chunks} chunks; rebuild it with `lazy-rag index SOURCES --out {path} --repair`.")
+        return vectors
 
     @classmethod
     def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
@@ -409,7 +578,7 @@ class LazyIndex:
         elif embedder.name != manifest["embedder"]["name"]:
             raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not {embedder.name}.")
         records = cls._read_records(path, manifest)
-        vectors = cls._read_vectors(path, manifest) if manifest.get("vectors_file") else None
+        vectors = cls._read_vectors(path, manifest, len(records)) if manifest.get("vectors_file") else None
         return cls(path, llm, embedder, manifest, records, vectors)
 
     # -- querying -----------------------------------------------------------------------------
@@ -491,5 +660,63 @@ def describe_index(path) -> dict:
         "kv_dtype": m["kv_dtype"], "embedder": (m["embedder"] or {}).get("name"), "chunking": m["chunking"],
         "shared_prefix": bool(m.get("shared_prefix")), "files": len(m["files"]), "chunks": m["num_chunks"],
         "tokens": m["num_tokens"], "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
-        "updated": m.get("updated"),
+        "updated": m.get("updated"), "damage": _table_damage(path, m),
     }
+
+
+def _table_damage(path: Path, manifest: dict) -> str | None:
+    """What is wrong with the chunk table or the vectors file (their checksums; cheap), or None."""
+    try:
+        LazyIndex._read_records(path, manifest)
+        if manifest.get("vectors_file"):
+            LazyIndex._read_checked(path, manifest, "vectors_file")
+    except LazyIndexError as e:
+        return str(e)
+    return None
+
+
+def verify_index(path) -> dict:
+    """Check every file of an index without loading a model: the manifest, the chunk table and the
+    vectors against the manifest's checksums, and every chunk's KV file against its checksums, its
+    token ids and the model fingerprint. Returns counts and the problems found (``ok`` if none)."""
+    path = Path(path)
+    problems: list[str] = []
+    m = LazyIndex._read_manifest(path)
+    try:
+        records = LazyIndex._read_records(path, m)
+    except LazyIndexError as e:
+        return {"path": str(path), "ok": False, "problems": [str(e)], "chunks": m["num_chunks"], "kv_ok": 0}
+    if m.get("vectors_file"):
+        try:
+            LazyIndex._read_vectors(path, m, len(records))
+        except LazyRagError as e:  # damaged, or faiss missing here
+            problems.append(str(e))
+    if not m.get("checksums"):
+        problems.append("the manifest has no checksums (built by an older lazy-rag): the chunk table and vectors "
+                        "cannot be verified; re-index once to add them")
+    prefix = m["shared_prefix"]["token_ids"] if m.get("shared_prefix") else ()
+    store = ChunkStore(path, m["model"]["fingerprint"]["id"], prefix, _DTYPES.get(m["kv_dtype"]),
+                       precomputed=m.get("kv_precomputed", True))
+    kv = Counter()
+    for r in records:
+        _, why = store.read(r.id, r.token_ids)
+        if why is None:
+            kv["ok"] += 1
+        elif why == "missing" and not store.precomputed:
+            kv["deferred"] += 1  # encoded on first retrieval
+        else:
+            kv[why] += 1
+            problems.append(f"KV of chunk {r.id} ({r.source}): {why}")
+    live = {ChunkStore.file_name(r.id) for r in records}
+    stray = [p.name for p in (path / "kv").glob("*.safetensors") if p.name not in live] if (path / "kv").exists() else []
+    debris = [p.name for p in path.glob(".*.tmp")] + ([p.name for p in (path / "kv").glob(".*.tmp")]
+                                                       if (path / "kv").exists() else [])
+    return {"path": str(path), "ok": not problems, "chunks": len(records), "kv_ok": kv.pop("ok", 0),
+            "kv_deferred": kv.pop("deferred", 0), "kv_damaged": dict(kv), "stray_kv_files": len(stray),
+            "temp_files": len(debris), "problems": problems}
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .errors import LazyRagError
+from .errors import InvalidRequestError, LazyRagError
 
 if TYPE_CHECKING:
     import torch
@@ -48,11 +48,11 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 SELECTORS = {"cacheblend": "kv_deviation", "prophet": "question_attention"}

@@ -1,6 +1,7 @@
 """``ChunkKV`` (a chunk's position-free KV) and ``ChunkStore`` (chunk KV on disk, safetensors).
 
-One file per chunk, ``kv/<chunk_id>.safetensors``, holding ``k`` (unrotated) and ``v`` of shape
+One file per chunk, ``kv/<chunk_id>.safetensors`` (an id that is not a plain file name, e.g.
+one with a path separator, is stored under its hash: ``kv/id-<sha256>.safetensors``), holding ``k`` (unrotated) and ``v`` of shape
 [layers, tokens, kv_heads, head_dim] plus metadata: checksums of both tensors, a hash of the
 token ids, and the fingerprint of the model/tokenizer/RoPE/shared prefix that computed them.
 Every write goes to a temp file then ``os.replace``. A missing, corrupt or foreign file is
@@ -10,8 +11,10 @@ the engine's pool and host tier are the memory tiers.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import tempfile
 import zlib
 from pathlib import Path
@@ -59,9 +62,21 @@ class ChunkStore:
         self.shared_prefix_ids = tuple(shared_prefix_ids)
         self.kv_dtype = kv_dtype
         self.precomputed = precomputed  # False: KV is encoded on first use (a missing file is expected)
+        # for write-backs by queries (repairs, first use): a callable giving a context manager that
+        # yields None when writing is safe now, else why not (LazyIndex: the writer lock and the
+        # generation); None: the owner (a build) holds the lock itself
+        self.write_guard = None
+
+    @staticmethod
+    def file_name(chunk_id: str) -> str:
+        """The KV file's name: the id itself when it is a plain name, else its hash (no id can
+        name a path outside the store)."""
+        if re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", chunk_id):
+            return f"{chunk_id}.safetensors"
+        return f"id-{hashlib.sha256(chunk_id.encode()).hexdigest()[:40]}.safetensors"
 
     def path(self, chunk_id: str) -> Path:
-        return self.kv_dir / f"{chunk_id}.safetensors"
+        return self.kv_dir / self.file_name(chunk_id)
 
     def _meta_key(self, token_ids) -> str:
         key = token_ids_key(token_ids)
@@ -75,15 +90,37 @@ class ChunkStore:
         v = kv.v.detach().to("cpu", dt).contiguous()
         meta = {"k_crc32": _checksum(k), "v_crc32": _checksum(v), "tokens": self._meta_key(token_ids),
                 "fingerprint": self.fingerprint_id, "dtype": str(dt).removeprefix("torch."), "format": "1"}
-        fd, tmp = tempfile.mkstemp(prefix=f".{chunk_id}.", suffix=".tmp", dir=self.kv_dir)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path(chunk_id).stem}.", suffix=".tmp", dir=self.kv_dir)
         os.close(fd)
         try:
             save_file({"k": k, "v": v}, tmp, metadata=meta)
             os.replace(tmp, self.path(chunk_id))
-        except BaseException:
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
+            # safetensors reports a failed write (a full disk) as its own error: callers handle OSError
+            m = None if isinstance(e, OSError) else re.search(r"os error (\d+)", str(e))
+            if m:
+                code = int(m.group(1))
+                raise OSError(code, os.strerror(code), str(self.path(chunk_id))) from e
             raise
         return self.path(chunk_id).stat().st_size
+
+    def write_back(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
+        """A query's write of KV it had to encode (a repair, or first use): only when the guard
+        allows it and the folder is writable; otherwise the KV is served from memory and the file
+        is left for a later query or build (0 bytes written)."""
+        if self.write_guard is None:
+            return self.write(chunk_id, token_ids, kv)
+        with self.write_guard() as refused:
+            if refused:
+                log.info("Chunk %s KV not written back: %s.", chunk_id, refused)
+                return 0
+            try:
+                return self.write(chunk_id, token_ids, kv)
+            except OSError as e:
+                log.warning("Could not write the KV of chunk %s to %s (%s); it is served from memory and will "
+                            "be recomputed by a later query.", chunk_id, self.kv_dir, e.strerror or e)
+                return 0
 
     def read(self, chunk_id: str, token_ids) -> tuple[ChunkKV | None, str | None]:
         """(kv, None) if the file is present and intact, else (None, why)."""

@@ -11,5 +11,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export LAZY_RAG_TEST_DEVICE=cuda HF_HUB_OFFLINE=1
 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py tests/engine/test_engine_oracle.py \
-  tests/engine/test_engine_cpu.py tests/engine/test_tiers.py tests/test_recovery.py \
+  tests/engine/test_engine_cpu.py tests/engine/test_tiers.py tests/engine/test_engine_faults.py tests/test_recovery.py \
   -k "not index_records" "$@"

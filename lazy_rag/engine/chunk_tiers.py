@@ -97,7 +97,7 @@ class ChunkTiers:
         kv = self._to_host(kv)
         self.host.put(key, kv)
         if store is not None and chunk_id is not None:
-            self.counters["bytes_to_disk"] += store.write(chunk_id, tuple(token_ids), kv)
+            self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
         return kv
 
     def place(self, pool: PagePool, pages: list[int], kv: ChunkKV, rope_table: RopeTable) -> Transfer:

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from ..model_host import ModelHost
-from ..errors import LazyRagError
+from ..errors import LazyRagError, RequestFailedError
 from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
                         resolve_recovery)
 from ..sampling import TextAssembler, sample_next
@@ -46,10 +46,11 @@ class RequestHandle:
     first_token_time: float = 0.0
     first_logits: torch.Tensor | None = None
     result: GenerationResult | None = None
+    error: RequestFailedError | None = None  # set when this request failed (the others go on)
 
     @property
     def done(self) -> bool:
-        return self.result is not None
+        return self.result is not None or self.error is not None
 
 
 class Engine:
@@ -70,6 +71,7 @@ class Engine:
         self.handles: dict[int, RequestHandle] = {}
         self.lock = threading.RLock()
         self.num_steps = 0
+        self.num_failed = 0
         # where the wall time goes: admission (incl. chunk fetch/encode), steps with a prefill,
         # decode-only steps, idle waits on chunk transfers
         self.timers: Counter = Counter()
@@ -110,14 +112,23 @@ class Engine:
             step = self.scheduler.schedule()   # admission: chunk lookups, tier fetches, encodes
             t1 = time.perf_counter()
             self.timers["schedule_s"] += t1 - t0
-            if not step:
-                return False
+            for seq, e in step.failed:
+                self._fail(seq, e)
+            for seq in list(step.prefill):
+                try:
+                    self.planner.materialize(seq)
+                    if seq.needs_selection:
+                        self._select(seq)
+                except Exception as e:
+                    step.prefill.remove(seq)
+                    self._fail(seq, e)
             seqs = step.prefill + step.decode
-            for seq in step.prefill:
-                self.planner.materialize(seq)
-                if seq.needs_selection:
-                    self._select(seq)
-            out = self.runner.run(seqs)
+            if not seqs:
+                return bool(step.failed)
+            seqs, out = self._run(seqs)
+            if not seqs:
+                return True
+            step.prefill = [s for s in step.prefill if s in seqs]
             # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
             # timers below are exact.
@@ -134,6 +145,37 @@ class Engine:
                 self._accept(seq, row, tok)
             self.num_steps += 1
             return True
+
+    def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """One forward over the batch. If it raises, each request is run alone so that only the
+        ones that fail by themselves fail (a step writes each token's KV at a fixed slot, so a
+        re-run writes the same values)."""
+        try:
+            return seqs, self.runner.run(seqs)
+        except Exception as e:
+            if len(seqs) == 1:
+                self._fail(seqs[0], e)
+                return [], None
+        kept, rows = [], []
+        for seq in seqs:
+            try:
+                rows.append(self.runner.run([seq]))
+                kept.append(seq)
+            except Exception as e:
+                self._fail(seq, e)
+        return kept, (torch.cat(rows) if rows else None)
+
+    def _fail(self, seq: Sequence, e: Exception) -> None:
+        """End one request with an error its caller sees; free its KV; the engine serves on."""
+        h = self.handles.pop(seq.id, None)
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq, "error")
+        seq.status, seq.finish_reason = Status.FINISHED, "error"
+        self.num_failed += 1
+        if h is not None:
+            err = RequestFailedError(f"Request {seq.id} ({seq.mode}) failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            h.error = err
 
     def _select(self, seq: Sequence) -> None:
         """Pick the chunk tokens this request recomputes (Recovery.select), before its prefill."""
@@ -171,6 +213,10 @@ class Engine:
         """Blocking: each request is a dict of ``submit`` keyword arguments (``segments`` required)."""
         handles = [self.submit(**r) for r in requests]
         self.run_until_done()
+        failed = [h.error for h in handles if h.error is not None]
+        if failed:
+            raise RequestFailedError(f"{len(failed)} of {len(handles)} requests failed; the first: {failed[0]}") \
+                from failed[0].__cause__
         return [h.result for h in handles]
 
     def pieces(self, handle: RequestHandle) -> Iterator[str]:
@@ -183,6 +229,8 @@ class Engine:
                 while sent < len(handle.pieces):
                     yield handle.pieces[sent]
                     sent += 1
+                if handle.error is not None:
+                    raise handle.error
                 if handle.done:
                     return
                 with self.lock:
@@ -263,6 +311,7 @@ class Engine:
         graphs = self.runner.graphs
         return {**self.pm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
                 "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+                "failed_requests": self.num_failed,
                 "requests_waiting": len(self.scheduler.waiting), "requests_running": len(self.scheduler.running),
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 **{k: round(v, 4) for k, v in self.timers.items()},

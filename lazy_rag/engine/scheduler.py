@@ -32,6 +32,10 @@ class Step:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
 
+    # requests that failed in this step's admission (their own fault: a store that raised, an
+    # encode out of memory, too large for the pool), each with its exception
+    failed: list = field(default_factory=list)
+
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
 
@@ -96,9 +100,17 @@ class Scheduler:
         while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
                and self.num_preemptions == preempted):
             seq = self.waiting[0]
-            if not self.planner.admit(seq):
-                if not self.running:
+            try:
+                admitted = self.planner.admit(seq)  # releases what it took if it raises
+                if not admitted and not self.running:
                     raise RequestTooLarge(f"request {seq.id} does not fit in the empty KV pool")
+            except Exception as e:  # this request's fault only: fail it, serve the others
+                self.waiting.popleft()
+                seq.status = Status.FINISHED
+                seq.finish_reason = "error"
+                step.failed.append((seq, e))
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -99,6 +99,11 @@ def test_budget_and_max_num_seqs_bound_each_step():
 
 
 def test_a_request_larger_than_the_pool_fails_alone():
-    seq = Sequence(PromptLayout(token_ids=list(range(50))))
-    with pytest.raises(RequestTooLarge):
-        run_all([seq], num_pages=4)
+    planner = FakePlanner(4)
+    sched = Scheduler(planner, max_num_seqs=8, max_batched_tokens=64)
+    big, small = Sequence(PromptLayout(token_ids=list(range(50)))), Sequence(PromptLayout(token_ids=[1, 2, 3]))
+    sched.add(big)
+    sched.add(small)
+    step = sched.schedule()
+    assert [(s, type(e)) for s, e in step.failed] == [(big, RequestTooLarge)] and big.finish_reason == "error"
+    assert step.prefill == [small] and list(sched.waiting) == []  # the next one is admitted in the same step
