@@ -79,7 +79,7 @@ def index(
     try:
         idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
-                                   kv_dtype=kv_dtype, progress=sys.stderr.isatty(), precompute_kv=precompute,
+                                   kv_dtype=kv_dtype, progress=True, precompute_kv=precompute,
                                    boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
                                    wait_lock=wait_lock)
     except LazyRagError as e:

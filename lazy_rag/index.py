@@ -39,8 +39,9 @@ from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
-from .index_lock import LOCK_NAME, try_writer_lock, writer_lock
+from .index_lock import try_writer_lock, writer_lock
 from .llm import LazyLLM
+from .progress import Progress
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import ChunkStore, _DTYPES
@@ -88,11 +89,10 @@ def _chunk_id(source: str, ordinal: int, text: str) -> str:
     return hashlib.sha256(f"{source}\0{ordinal}\0{text}".encode()).hexdigest()[:20]
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    disable=not enabled, transient=False)
+def progress_style(progress) -> str:
+    """A build's progress: True = a bar on a terminal, plain lines anywhere else (a log file, CI);
+    False = none; or a style name of ``lazy_rag.progress``."""
+    return {True: "auto", False: "none"}.get(progress, progress) if isinstance(progress, bool) else str(progress)
 
 
 @dataclass
@@ -163,9 +163,9 @@ class LazyIndex:
 
         @contextmanager
         def guard():
-            with try_writer_lock(self.path) as locked:
-                if not locked:
-                    yield "a build holds the index's writer lock"
+            with try_writer_lock(self.path) as refused:
+                if refused:
+                    yield refused
                     return
                 try:
                     current = json.loads((self.path / "manifest.json").read_text()).get("generation")
@@ -211,6 +211,8 @@ class LazyIndex:
         at query time (``boundary_recompute=N`` is short for "epicN").
         ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
         ``system_prompt`` and ``instruction`` shape the RAG prompt of every query (chat.py).
+        ``progress``: True (a bar on a terminal, else a plain line every 30 s or 5%), False, or
+        a style: "bar", "lines", "none".
         A file indexed before that is now empty or unreadable loses its chunks (it is named in
         ``report.skipped_files``). ``repair=True`` rebuilds the chunk table and vectors from the
         sources without reading the old ones (after damage), reusing every KV file whose stored
@@ -383,27 +385,27 @@ class LazyIndex:
         if precompute_kv and new_records:
             cls._check_free_space(out, llm, store, new_records)
         # Embed and encode only what is new.
-        with _progress(progress) as bar:
-            vecs_new = None
-            if new_records and vectors:
-                task = bar.add_task("Embedding chunks", total=len(new_records))
+        style = progress_style(progress)
+        vecs_new = None
+        if new_records and vectors:
+            with Progress(len(new_records), "embedding chunks", style) as bar:
                 parts = []
                 for s in range(0, len(new_records), 64):
                     parts.append(embedder.encode([r.text for r in new_records[s:s + 64]]))
-                    bar.advance(task, len(parts[-1]))
-                vecs_new = np.concatenate(parts)
-            if new_records:
-                task = bar.add_task("Encoding chunk KV", total=len(new_records) if precompute_kv else 0)
+                    bar.advance(len(parts[-1]))
+            vecs_new = np.concatenate(parts)
+        if new_records and precompute_kv:
+            with Progress(len(new_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV an interrupted build already wrote are kept as they are
-                todo = [r for r in (new_records if precompute_kv else []) if store.read(r.id, r.token_ids)[0] is None]
-                bar.advance(task, (len(new_records) if precompute_kv else 0) - len(todo))
+                todo = [r for r in new_records if store.read(r.id, r.token_ids)[0] is None]
+                bar.advance(len(new_records) - len(todo))
                 for s in range(0, len(todo), ENCODE_BATCH):
                     batch = todo[s:s + ENCODE_BATCH]
                     kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids)
                     for r, kv in zip(batch, kvs):
                         report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
                         written.append(store.path(r.id))
-                    bar.advance(task, len(batch))
+                    bar.advance(len(batch))
         records = [old_records[c][0] for c in keep_ids] + new_records
         vindex = None
         if vectors:

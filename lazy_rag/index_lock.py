@@ -68,19 +68,19 @@ def writer_lock(folder: Path, wait: float = 0.0):
 
 @contextmanager
 def try_writer_lock(folder: Path):
-    """The writer lock if it is free now (yields True), else yields False at once."""
+    """The writer lock if it is free now: yields None when held, else why not (at once)."""
     folder = Path(folder)
     try:
         fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False  # a read-only folder: nothing can be written anyway
+    except OSError as e:
+        yield f"the index folder is not writable ({e.strerror})"
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
+            yield "another process is writing the index"
             return
-        yield True
+        yield None
     finally:
         os.close(fd)

@@ -112,8 +112,9 @@ class ChunkStore:
         if self.write_guard is None:
             return self.write(chunk_id, token_ids, kv)
         with self.write_guard() as refused:
-            if refused:
-                log.info("Chunk %s KV not written back: %s.", chunk_id, refused)
+            if refused:  # served from memory; a folder that cannot be written deserves a word
+                (log.warning if "not writable" in refused else log.info)(
+                    "Chunk %s KV not written back: %s.", chunk_id, refused)
                 return 0
             try:
                 return self.write(chunk_id, token_ids, kv)

@@ -13,7 +13,7 @@ from lazy_rag.errors import LazyRagError
 from lazy_rag.quality import configs as configs_mod
 from lazy_rag.quality.configs import Config, Suffix, parse_configs, split_config_list
 from lazy_rag.quality.data import BIGBENCH_DIR, DATASETS, extract_bigbench_data, load_dataset, passages_hash
-from lazy_rag.quality.progress import Progress
+from lazy_rag.progress import Progress
 from lazy_rag.quality.prompts import FROZEN, PROMPTS
 from lazy_rag.quality.report import update_quality_md
 from lazy_rag.quality.retrieval import load_retrieval, save_retrieval

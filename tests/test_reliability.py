@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -305,3 +304,13 @@ def test_a_full_disk_inside_safetensors_is_an_oserror_and_leaves_no_temp_file(tm
         store.write("c1", [1, 2], ChunkKV(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4)))
     assert info.value.errno == errno.ENOSPC
     assert list((tmp_path / "kv").iterdir()) == []
+
+
+def test_a_build_not_on_a_terminal_prints_progress_lines(tmp_path, smollm2, embedder, capsys):
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "a.md").write_text(DOCS["lighthouse.md"] + " " + DOCS["bakery.md"])
+    LazyIndex.build([src], tmp_path / "idx", llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
+                    progress=True)  # stderr is captured here, so not a terminal: lines
+    err = capsys.readouterr().err
+    assert "[embedding chunks]" in err and re.search(r"\[encoding chunk KV\] (\d+)/\1 \(100%\)", err)

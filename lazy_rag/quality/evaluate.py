@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import LazyRagError
 from .configs import Config, parse_configs
 from .data import Dataset, cache_dir, load_dataset, passages_hash
-from .progress import Progress
+from ..progress import Progress
 from .prompts import EXAMPLE_QUESTION_IDS, FROZEN, Prompt, get_prompt
 from .retrieval import load_retrieval, save_retrieval
 from .runner import REUSE_MODES, Request, Runtime

@@ -18,9 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .. import MODES  # noqa: F401  (re-exported: the configurations' modes; the package exports it)
-
-REUSE_MODES = ("lazy", "block")  # the modes that read cached chunk KV
+from ..requests import CHUNK_MODES as REUSE_MODES, MODES  # noqa: F401  (the configurations' modes)
 STOP = ("\n",)                   # an answer is one line
 
 

@@ -1,4 +1,4 @@
-"""Progress of a long evaluation: a live bar on a terminal, plain lines anywhere else.
+"""Progress of long work (index builds, evaluations): a bar on a terminal, plain lines elsewhere.
 
 A run on a GPU machine or in CI writes to a log file, where a live bar prints nothing useful:
 there, a line goes out every ``every_s`` seconds or every ``every_fraction`` of the work, with
