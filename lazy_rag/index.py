@@ -277,8 +277,18 @@ class LazyIndex:
             except OSError as e:
                 committed = (out / "manifest.json").exists()
                 live = cls._live_kv_names(out) if committed else set()
-                for p in written:  # KV this run wrote that no committed index refers to
-                    if p.name not in live:
+                tables = list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss"))
+                if committed:
+                    try:
+                        m = cls._read_manifest(out)
+                        current = {m["chunks_file"], m.get("vectors_file")}
+                    except LazyRagError:  # not ours to judge: leave every table where it is
+                        current = {p.name for p in tables}
+                else:
+                    current = set()
+                # what this run wrote that no committed index refers to: KV files, a new table
+                for p in written + tables:
+                    if p.name not in live and p.name not in current:
                         p.unlink(missing_ok=True)
                 _remove_debris(out)
                 why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",

@@ -147,7 +147,8 @@ def test_a_source_emptied_or_made_binary_loses_its_chunks_and_is_named(index_cop
     assert verify_index(out)["ok"] and verify_index(out)["stray_kv_files"] == 0
 
 
-def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2, embedder, monkeypatch):
+@pytest.mark.parametrize("where", ["kv", "vectors"])
+def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2, embedder, monkeypatch, where):
     src, out = index_copy
     before = answer(out, smollm2, embedder)
     names_before = sorted(p.name for p in out.rglob("*"))
@@ -161,7 +162,19 @@ def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path(chunk_id)))
         return real_write(self, chunk_id, token_ids, kv)
 
-    monkeypatch.setattr(ChunkStore, "write", full_after_one)
+    import lazy_rag.index as index_mod
+
+    real_atomic = index_mod._atomic_write_bytes
+
+    def full_at_vectors(path, data):  # after the new chunk table was written
+        if path.name.startswith("vectors-"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_atomic(path, data)
+
+    if where == "kv":
+        monkeypatch.setattr(ChunkStore, "write", full_after_one)
+    else:
+        monkeypatch.setattr(index_mod, "_atomic_write_bytes", full_at_vectors)
     with pytest.raises(LazyIndexError, match="disk is full.*previous index is unchanged.*removed"):
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     assert sorted(p.name for p in out.rglob("*")) == names_before
