@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -156,26 +157,20 @@ class LazyIndex:
                                 precomputed=manifest.get("kv_precomputed", True))
         self.store.write_guard = self._write_guard  # a query writes KV only under the writer lock
 
+    @contextmanager
     def _write_guard(self):
         """For a query's KV write-back: the writer lock if free now, and only while the folder still
-        holds the generation this index loaded (a newer build may have dropped the chunk)."""
-        from contextlib import contextmanager
-
-        @contextmanager
-        def guard():
-            with try_writer_lock(self.path) as refused:
-                if refused:
-                    yield refused
-                    return
-                try:
-                    current = json.loads((self.path / "manifest.json").read_text()).get("generation")
-                except (OSError, ValueError):
-                    current = None
-                if current != self.manifest.get("generation"):
-                    yield "the index was rebuilt since it was loaded"
-                    return
-                yield None
-        return guard()
+        holds the generation this index loaded (a newer build may have dropped the chunk). Yields
+        None when writing is safe, else why not."""
+        with try_writer_lock(self.path) as refused:
+            if refused:
+                yield refused
+                return
+            try:
+                current = json.loads((self.path / "manifest.json").read_text()).get("generation")
+            except (OSError, ValueError):
+                current = None
+            yield None if current == self.manifest.get("generation") else "the index was rebuilt since it was loaded"
 
     @property
     def recovery(self) -> Recovery:
@@ -453,7 +448,7 @@ class LazyIndex:
     @staticmethod
     def _check_free_space(out: Path, llm, store: ChunkStore, records) -> None:
         """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers."""
-        item = torch_itemsize(store.kv_dtype or llm.dtype)
+        item = (store.kv_dtype or llm.dtype).itemsize
         per_token = llm.shape.kv_bytes_per_token * item
         need = sum(len(r.token_ids) for r in records) * per_token
         free = shutil.disk_usage(out).free
@@ -727,8 +722,3 @@ def verify_index(path) -> dict:
             "kv_deferred": kv.pop("deferred", 0), "kv_damaged": dict(kv), "stray_kv_files": len(stray),
             "temp_files": len(debris), "problems": problems}
 
-
-def torch_itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

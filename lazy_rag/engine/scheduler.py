@@ -71,6 +71,12 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
+    def _fail_waiting(self, seq: Sequence, error: Exception, step: Step) -> None:
+        self.waiting.popleft()
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        step.failed.append((seq, error))
+
     def schedule(self) -> Step:
         step = Step()
         budget = self.max_batched_tokens
@@ -102,16 +108,14 @@ class Scheduler:
             seq = self.waiting[0]
             try:
                 admitted = self.planner.admit(seq)  # releases what it took if it raises
-                if not admitted and not self.running:
-                    raise RequestTooLarge(f"request {seq.id} does not fit in the empty KV pool")
             except Exception as e:  # this request's fault only: fail it, serve the others
-                self.waiting.popleft()
-                seq.status = Status.FINISHED
-                seq.finish_reason = "error"
-                step.failed.append((seq, e))
+                self._fail_waiting(seq, e, step)
                 continue
             if not admitted:
-                break
+                if self.running:
+                    break  # pages come back as running requests finish
+                self._fail_waiting(seq, RequestTooLarge(f"request {seq.id} does not fit in the empty KV pool"), step)
+                continue
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
