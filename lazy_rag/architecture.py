@@ -85,6 +85,8 @@ class ModelParts:
         self.rope_table = rope_table_of(model)
         inner = model.model
         self.embed = inner.embed_tokens
+        self.vocab_rows = int(self.embed.weight.shape[0])  # ids from here up are wrapper slots (wrapper.py)
+        self.virtual_rows: torch.Tensor | None = None     # the host's WrapperTable rows, if any
         self.final_norm = inner.norm
         self.lm_head = model.lm_head
         self.layers = list(inner.layers)
@@ -101,6 +103,16 @@ class ModelParts:
         )
         self.scaling = float(attn.scaling)
         self.has_qk_norm = hasattr(attn, "q_norm")
+
+    def embed_ids(self, ids: torch.Tensor, virtual: bool = False) -> torch.Tensor:
+        """Input embeddings of ``ids``; with ``virtual``, ids >= ``vocab_rows`` (chunk wrapper slots)
+        read ``virtual_rows`` instead. Value-independent (no host sync), so it can be captured."""
+        if not virtual or self.virtual_rows is None:
+            return self.embed(ids)
+        extra = ids - self.vocab_rows
+        x = self.embed(ids.clamp(max=self.vocab_rows - 1))
+        w = self.virtual_rows[extra.clamp(min=0, max=self.virtual_rows.shape[0] - 1)]
+        return torch.where((extra >= 0)[:, None], w.to(x.dtype), x)
 
     def project_qkv(self, layer, y: torch.Tensor):
         """q [n, Hq, D], k and v [n, Hkv, D] of normed hidden states y [n, hidden], before RoPE

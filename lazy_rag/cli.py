@@ -71,6 +71,9 @@ def index(
     repair: bool = typer.Option(False, help="Rebuild the chunk table and vectors from SOURCES without reading the "
                                             "old ones (after `lazy-rag verify` reports damage); intact KV is reused."),
     wait_lock: float = typer.Option(0.0, help="Seconds to wait for another process writing the same --out."),
+    wrapper: str = typer.Option("auto", help="Chunk wrapper every chunk is encoded inside: auto (an existing index's, "
+                                             "else the model's bundled one), none, a bundled name (`lazy-rag models`) "
+                                             "or a file from `lazy-rag tune`."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
     _quiet_libraries()
@@ -81,7 +84,7 @@ def index(
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=True, precompute_kv=precompute,
                                    boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
-                                   wait_lock=wait_lock)
+                                   wait_lock=wait_lock, wrapper=wrapper)
     except LazyRagError as e:
         _fail(e)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
@@ -91,8 +94,11 @@ def index(
         out.print(f"  skipped {path}: {why}", markup=False, highlight=False)
     if len(rep.skipped_files) > 20:
         out.print(f"  ... and {len(rep.skipped_files) - 20} more")
+    w = idx.wrapper
     out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
-              f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}")
+              f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}"
+              + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots)" if w is not None else ""),
+              markup=False, highlight=False)
 
 
 @app.command()
@@ -204,14 +210,71 @@ def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
 
 @app.command()
 def models():
-    """List the bundled offline models and whether their packages are installed."""
+    """List the bundled offline models, whether their packages are installed, and their bundled
+    chunk wrappers (on by default for indexes built with that model)."""
     from .models import BUNDLED, _package_dir, install_command
+    from .wrapper import ChunkWrapper, bundled_path
 
-    t = Table("name", "model", "installed", "install with")
+    t = Table("name", "model", "installed", "chunk wrapper", "install with")
     for name, m in BUNDLED.items():
         ok = all(_package_dir(mod) is not None for mod, _ in m.parts)
-        t.add_row(name, m.description, "yes" if ok else "no", "" if ok else install_command(name))
+        path = bundled_path(name)
+        wrapper = "-"
+        if path is not None:
+            w = ChunkWrapper.load(path, name=name)
+            wrapper = f"{w.header}+{w.trailer} slots, {w.recipe.get('steps', '?')} steps ({w.digest})"
+        t.add_row(name, m.description, "yes" if ok else "no", wrapper, "" if ok else install_command(name))
     out.print(t)
+
+
+@app.command()
+def tune(
+    index_dir: Optional[Path] = typer.Argument(None, help="Tune for this index's own chunks (no labels) and "
+                                                          "re-encode its KV with the new wrapper; omit to train "
+                                                          "a general wrapper for --model."),
+    model: str = typer.Option("smollm2", help="Bundled name, HF folder or .gguf (ignored with INDEX_DIR)."),
+    out_file: Optional[Path] = typer.Option(None, "--out", "-o", help="Where the wrapper goes (default "
+                                            "wrapper-MODEL.safetensors; with INDEX_DIR it goes into the index)."),
+    data: Optional[Path] = typer.Option(None, help="SQuAD v1.1 dev JSON (default: the packaged copy); its train "
+                                                   "articles only."),
+    examples: int = typer.Option(512, help="Training prompts (some held out for the KL curve)."),
+    top_k: int = typer.Option(4, "--k", help="Chunks per prompt."),
+    steps: int = typer.Option(240, help="Optimizer steps."),
+    lr: float = typer.Option(2e-3, help="AdamW learning rate (linear decay to 0)."),
+    batch: int = typer.Option(64, help="Prompts per step."),
+    micro_batch: int = typer.Option(8, help="Prompts per forward (memory)."),
+    header: int = typer.Option(8, help="Wrapper vectors before each chunk."),
+    trailer: int = typer.Option(8, help="Wrapper vectors after each chunk."),
+    seed: int = typer.Option(0, help="Seed of the data sample and the batches."),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA), float32, bfloat16."),
+    work_dir: Optional[Path] = typer.Option(None, help="Teacher cache and checkpoint (default under the "
+                                                       "lazy-rag cache); a re-run with the same settings resumes."),
+):
+    """Train a chunk wrapper by self-distillation (the model frozen): the model reading chunks
+    encoded alone learns to answer as it does with full attention."""
+    _quiet_libraries()
+    from .tune import TuneOptions
+    from .tune.run import tune_index, tune_model
+
+    options = TuneOptions(header=header, trailer=trailer, steps=steps, lr=lr, batch=batch, micro_batch=micro_batch,
+                          seed=seed)
+    log = lambda m: err.print(m, markup=False, highlight=False)  # noqa: E731
+    try:
+        options.check()
+        if index_dir is not None:
+            wrapper, report = tune_index(index_dir, options, examples=examples, k=top_k, device=device, out=out_file,
+                                         work_dir=work_dir, log=log)
+        else:
+            wrapper, report = tune_model(model, options, out=out_file, data=data, examples=examples, k=top_k,
+                                         device=device, dtype=dtype, work_dir=work_dir, log=log)
+    except LazyRagError as e:
+        _fail(e)
+    h = report["history"]
+    out.print(f"held-out KL {h[0]['held_out_kl']:.4f} -> {h[-1]['held_out_kl']:.4f} after {options.steps} steps "
+              f"({report['train_seconds']:.0f} s, teacher {report['teacher_seconds']:.0f} s on {report['device']}); "
+              f"wrapper {wrapper.digest} -> " + (f"index {index_dir} (KV re-encoded)" if index_dir else report["path"]),
+              markup=False, highlight=False)
 
 
 eval_app = typer.Typer(no_args_is_help=True, help="Measure answer quality of KV reuse.")

@@ -5,7 +5,8 @@ Layout of an index folder::
     manifest.json           the commit point: format, fingerprints, settings, files, generation
     chunks-<gen>.jsonl      one record per chunk: id, source, ordinal, text, token ids
     vectors-<gen>.faiss     inner-product index over normalised embeddings, row i = chunk i
-    kv/<chunk_id>.safetensors   the chunk's KV (see store.py)
+    kv/<chunk_id>.safetensors   the chunk's KV (see store.py); kv-w<digest>/ with a chunk wrapper
+    wrapper-<digest>.safetensors  the chunk wrapper every chunk was encoded inside, if any
 
 A build writes KV files and the new generation's chunk table and vectors first, and the manifest
 last (atomically), so an interrupted build leaves the previous index intact, or no index at all.
@@ -46,6 +47,7 @@ from .progress import Progress
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import ChunkStore, _DTYPES
+from .wrapper import ChunkWrapper, WrapperError
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -73,7 +75,7 @@ def _sha256(data: bytes) -> str:
 def _remove_debris(out: Path) -> int:
     """Temp files of writers that were killed (only ever called under the writer lock)."""
     n = 0
-    for folder in (out, out / "kv"):
+    for folder in (out, *out.glob("kv*")):
         if folder.is_dir():
             for p in folder.glob(".*.tmp"):
                 p.unlink(missing_ok=True)
@@ -84,6 +86,32 @@ def _remove_debris(out: Path) -> int:
 def _faiss():
     # imported on use: the core runtime (and the GPU image) works without faiss installed
     return require("faiss")
+
+
+def store_fingerprint(manifest: dict) -> str:
+    """What an index's KV files are tied to: the model's fingerprint, and the wrapper's digest."""
+    fp = manifest["model"]["fingerprint"]["id"]
+    w = manifest.get("wrapper")
+    return f"{fp}-w{w['digest']}" if w else fp
+
+
+def kv_subdir(wrapper: "ChunkWrapper | dict | None") -> str:
+    """The KV folder of an index whose chunks are encoded inside ``wrapper`` (a new wrapper gets a
+    new folder, so re-encoding every chunk commits atomically with the manifest)."""
+    if wrapper is None:
+        return "kv"
+    return f"kv-w{wrapper['digest'] if isinstance(wrapper, dict) else wrapper.digest}"
+
+
+def wrapper_file(wrapper: ChunkWrapper) -> str:
+    return f"wrapper-{wrapper.digest}.safetensors"
+
+
+def open_store(path: Path, manifest: dict, vocab_rows: int | None = None) -> ChunkStore:
+    prefix = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
+    return ChunkStore(path, store_fingerprint(manifest), prefix, _DTYPES.get(manifest["kv_dtype"]),
+                      precomputed=manifest.get("kv_precomputed", True), kv_subdir=kv_subdir(manifest.get("wrapper")),
+                      vocab_rows=vocab_rows)
 
 
 def _chunk_id(source: str, ordinal: int, text: str) -> str:
@@ -143,7 +171,7 @@ class BuildReport:
 
 class LazyIndex:
     def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records: list[ChunkRecord],
-                 vectors):
+                 vectors, wrapper: ChunkWrapper | None = None):
         self.path = Path(path)
         self.llm = llm
         self.embedder = embedder
@@ -151,10 +179,10 @@ class LazyIndex:
         self.records = records
         self.by_id = {r.id: r for r in records}
         self.vectors = vectors  # a faiss index
-        prefix_ids = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
-        kv_dtype = _DTYPES[manifest["kv_dtype"]]
-        self.store = ChunkStore(self.path, manifest["model"]["fingerprint"]["id"], prefix_ids, kv_dtype,
-                                precomputed=manifest.get("kv_precomputed", True))
+        if wrapper is None and manifest.get("wrapper"):
+            wrapper = self._read_wrapper(self.path, manifest)
+        self.wrapper = wrapper  # every chunk's KV was encoded inside it (None: plain chunks)
+        self.store = open_store(self.path, manifest, llm.host.parts.vocab_rows)
         self.store.write_guard = self._write_guard  # a query writes KV only under the writer lock
 
     @contextmanager
@@ -187,7 +215,7 @@ class LazyIndex:
     def chunk_source(self) -> ChunkSource:
         """What a request over this index's chunks passes to ``LazyLLM.generate(source=...)``:
         the prefix its chunks were encoded after, and the store holding their KV files."""
-        return ChunkSource(self.store.shared_prefix_ids, self.store)
+        return ChunkSource(self.store.shared_prefix_ids, self.store, self.wrapper)
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
@@ -197,7 +225,7 @@ class LazyIndex:
               kv_dtype: str = "auto", progress: bool = True, device: str = "auto", precompute_kv: bool = True,
               boundary_recompute: int = 0, recovery: Recovery | str | None = None,
               instruction: str = DEFAULT_INSTRUCTION, repair: bool = False,
-              wait_lock: float = 0.0) -> tuple["LazyIndex", BuildReport]:
+              wait_lock: float = 0.0, wrapper="auto") -> tuple["LazyIndex", BuildReport]:
         """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
 
         Mitigations for checkpoints not fine-tuned for independent chunks (stored in the manifest):
@@ -211,7 +239,10 @@ class LazyIndex:
         A file indexed before that is now empty or unreadable loses its chunks (it is named in
         ``report.skipped_files``). ``repair=True`` rebuilds the chunk table and vectors from the
         sources without reading the old ones (after damage), reusing every KV file whose stored
-        token ids match. ``wait_lock``: seconds to wait for another writer of ``out``."""
+        token ids match. ``wait_lock``: seconds to wait for another writer of ``out``.
+        ``wrapper``: the chunk wrapper every chunk is encoded inside (a bundled name, a file from
+        `lazy-rag tune`, or "none"); "auto" keeps an existing index's and otherwise takes the model's
+        bundled wrapper, if it has one."""
         files, skipped = discover_files(sources)
         docs, report = [], BuildReport(skipped=skipped)
         for f in files:
@@ -229,7 +260,7 @@ class LazyIndex:
                                chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
                                kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
                                precompute_kv=precompute_kv, boundary_recompute=boundary_recompute, recovery=recovery,
-                               instruction=instruction, repair=repair, wait_lock=wait_lock,
+                               instruction=instruction, repair=repair, wait_lock=wait_lock, wrapper=wrapper,
                                unreadable={path for path, _ in report.skipped_files})
 
     @classmethod
@@ -271,7 +302,7 @@ class LazyIndex:
                 return cls._build_locked(docs, out, llm, embedder, written=written, **kwargs)
             except OSError as e:
                 committed = (out / "manifest.json").exists()
-                live = cls._live_kv_names(out) if committed else set()
+                live = cls._live_kv_paths(out) if committed else set()
                 tables = list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss"))
                 if committed:
                     try:
@@ -283,7 +314,7 @@ class LazyIndex:
                     current = set()
                 # what this run wrote that no committed index refers to: KV files, a new table
                 for p in written + tables:
-                    if p.name not in live and p.name not in current:
+                    if p not in live and p.name not in current:
                         p.unlink(missing_ok=True)
                 _remove_debris(out)
                 why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
@@ -295,20 +326,22 @@ class LazyIndex:
                                      "then run `lazy-rag index` again.") from e
 
     @staticmethod
-    def _live_kv_names(out: Path) -> set[str]:
+    def _live_kv_paths(out: Path) -> set[Path]:
         try:
             manifest = LazyIndex._read_manifest(out)
             records = LazyIndex._read_records(out, manifest)
         except LazyRagError:
             return set()
-        return {ChunkStore.file_name(r.id) for r in records}
+        store = open_store(out, manifest)
+        return {store.path(r.id) for r in records} | ({out / manifest["wrapper_file"]} if manifest.get("wrapper_file")
+                                                       else set())
 
     @classmethod
     def _build_locked(cls, docs, out: Path, llm, embedder, *, written: list, model="smollm2", chunk_size=256,
                       chunk_overlap=32, shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True,
                       device="auto", report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
                       boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True,
-                      repair=False, unreadable=frozenset()):
+                      repair=False, unreadable=frozenset(), wrapper="auto"):
         t0 = time.perf_counter()
         report = report or BuildReport()
         if llm is None:
@@ -326,6 +359,11 @@ class LazyIndex:
             prefix = {"text": text, "token_ids": tokenize_text(llm.tokenizer, text, first=True)}
         settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "split": split,
                     "splitter": "llama_index.SentenceSplitter"}
+        old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
+        if isinstance(wrapper, str) and wrapper.lower() == "auto" and old is not None:
+            wrapper = cls._read_wrapper(out, old) if old.get("wrapper") else None  # the index's choice stands
+        else:
+            wrapper = llm.host.resolve_wrapper(wrapper)
         manifest = {
             "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
             "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
@@ -336,8 +374,9 @@ class LazyIndex:
             "kv_precomputed": bool(precompute_kv),
             "query_defaults": {"recovery": resolve_recovery(recovery, boundary_recompute).name()},
             "prompt": {"system_prompt": system_prompt, "instruction": instruction},
+            "wrapper": wrapper.describe() if wrapper is not None else None,
+            "wrapper_file": wrapper_file(wrapper) if wrapper is not None else None,
         }
-        old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
         old_records: dict[str, ChunkRecord] = {}
         old_vectors = None
         if old is not None:
@@ -384,11 +423,11 @@ class LazyIndex:
                     continue
                 keep_ids.extend(entry["chunk_ids"])
                 manifest["files"][source] = entry
-        index = cls(out, llm, embedder, manifest, [], None)
+        index = cls(out, llm, embedder, manifest, [], None, wrapper)
         store = index.store
         store.write_guard = None  # this build holds the writer lock itself
         if precompute_kv and new_records:
-            cls._check_free_space(out, llm, store, new_records)
+            cls._check_free_space(out, llm, store, new_records, wrapper.slots if wrapper else 0)
         # Embed and encode only what is new.
         style = progress_style(progress)
         vecs_new = None
@@ -406,7 +445,7 @@ class LazyIndex:
                 bar.advance(len(new_records) - len(todo))
                 for s in range(0, len(todo), ENCODE_BATCH):
                     batch = todo[s:s + ENCODE_BATCH]
-                    kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids)
+                    kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper)
                     for r, kv in zip(batch, kvs):
                         report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
                         written.append(store.path(r.id))
@@ -430,6 +469,9 @@ class LazyIndex:
         table = "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode()
         _atomic_write_bytes(out / manifest["chunks_file"], table)
         manifest["checksums"] = {"chunks_file": _sha256(table)}
+        if wrapper is not None:
+            written.append(wrapper.save(out / manifest["wrapper_file"]))
+            manifest["checksums"]["wrapper_file"] = _sha256((out / manifest["wrapper_file"]).read_bytes())
         if vectors:
             data = faiss.serialize_index(vindex).tobytes()
             _atomic_write_bytes(out / manifest["vectors_file"], data)
@@ -446,11 +488,12 @@ class LazyIndex:
         return index, report
 
     @staticmethod
-    def _check_free_space(out: Path, llm, store: ChunkStore, records) -> None:
-        """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers."""
+    def _check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0) -> None:
+        """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers
+        (``slots``: a chunk wrapper's, stored with every chunk)."""
         item = (store.kv_dtype or llm.dtype).itemsize
         per_token = llm.shape.kv_bytes_per_token * item
-        need = sum(len(r.token_ids) for r in records) * per_token
+        need = sum(len(r.token_ids) + slots for r in records) * per_token
         free = shutil.disk_usage(out).free
         if need > free * 0.95:
             raise LazyIndexError(
@@ -461,11 +504,16 @@ class LazyIndex:
 
     @staticmethod
     def _collect_garbage(out: Path, manifest: dict, live_names: set[str]) -> None:
-        """Remove older generations' tables and KV files no chunk refers to (after the commit)."""
-        for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")):
-            if p.name not in (manifest["chunks_file"], manifest.get("vectors_file")):
+        """Remove older generations' tables, wrappers, KV folders and KV files no chunk refers to
+        (after the commit)."""
+        for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")) + \
+                list(out.glob("wrapper-*.safetensors")):
+            if p.name not in (manifest["chunks_file"], manifest.get("vectors_file"), manifest.get("wrapper_file")):
                 p.unlink(missing_ok=True)
-        kv_dir = out / "kv"
+        kv_dir = out / kv_subdir(manifest.get("wrapper"))
+        for other in out.glob("kv*"):
+            if other.is_dir() and other != kv_dir:  # KV encoded inside another (or no) wrapper
+                shutil.rmtree(other, ignore_errors=True)
         if kv_dir.exists():
             for p in kv_dir.iterdir():
                 if p.suffix == ".safetensors" and p.name not in live_names:
@@ -481,6 +529,13 @@ class LazyIndex:
                 f"than the one loaded now (fingerprint {b['id']}: {b.get('model_type')} weights {b['weights']}, "
                 f"tokenizer {b['tokenizer']}, rope {b['rope']}). Use the index's model, or index into a new --out folder."
             )
+        wa, wb = old.get("wrapper"), new.get("wrapper")
+        if (wa or {}).get("digest") != (wb or {}).get("digest"):
+            name = lambda w: f"wrapper {w['name'] or '?'} (digest {w['digest']})" if w else "no wrapper"  # noqa: E731
+            raise FingerprintMismatchError(
+                f"The index at {out} encoded its chunks inside {name(wa)}, this build asks for {name(wb)}. Re-index "
+                "with the index's wrapper (the default, --wrapper auto, keeps it), re-encode the index for a new one "
+                f"with `lazy-rag tune {out}`, or index into a new --out folder.")
         for key in ("embedder", "chunking", "shared_prefix", "kv_dtype", "kv_precomputed") + \
                 (("prompt",) if new.get("shared_prefix") else ()):
             if old.get(key) != new.get(key):
@@ -488,6 +543,55 @@ class LazyIndex:
                     f"The index at {out} was built with {key} = {old.get(key)!r}, not {new.get(key)!r}; "
                     "index into a new --out folder (or delete the old one) to change it."
                 )
+
+    # -- a new chunk wrapper ----------------------------------------------------------------------
+    def rewrap(self, wrapper: ChunkWrapper | None, progress=True, wait_lock: float = 0.0) -> int:
+        """Encode every chunk inside ``wrapper`` (``lazy-rag tune INDEX_DIR``; None: plain chunks)
+        and commit it as the index's next generation: the new KV goes to its own folder and the
+        manifest switches to it atomically, so a crash leaves the previous index whole. Returns
+        the KV bytes written."""
+        if wrapper is not None:
+            wrapper.check_model(self.llm.fingerprint, self.llm.model_name)
+        with writer_lock(self.path, wait=wait_lock):
+            _remove_debris(self.path)
+            current = self._read_manifest(self.path)
+            if current.get("generation") != self.manifest.get("generation"):
+                raise LazyIndexError(f"The index at {self.path} was rebuilt since it was loaded; load it again.")
+            manifest = dict(current)
+            manifest["wrapper"] = wrapper.describe() if wrapper is not None else None
+            manifest["wrapper_file"] = wrapper_file(wrapper) if wrapper is not None else None
+            manifest["generation"] = current["generation"] + 1
+            store = open_store(self.path, manifest, self.llm.host.parts.vocab_rows)
+            written, nbytes = [], 0
+            try:
+                if manifest.get("kv_precomputed", True):
+                    self._check_free_space(self.path, self.llm, store, self.records, wrapper.slots if wrapper else 0)
+                    with Progress(len(self.records), "encoding chunk KV", progress_style(progress)) as bar:
+                        for s in range(0, len(self.records), ENCODE_BATCH):
+                            batch = self.records[s:s + ENCODE_BATCH]
+                            kvs = self.llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids,
+                                                                wrapper)
+                            for r, kv in zip(batch, kvs):
+                                nbytes += store.write(r.id, r.token_ids, kv)
+                                written.append(store.path(r.id))
+                            bar.advance(len(batch))
+                checksums = {k: v for k, v in (current.get("checksums") or {}).items() if k != "wrapper_file"}
+                if wrapper is not None:
+                    written.append(wrapper.save(self.path / manifest["wrapper_file"]))
+                    checksums["wrapper_file"] = _sha256((self.path / manifest["wrapper_file"]).read_bytes())
+                manifest["checksums"] = checksums
+                manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+                _atomic_write_bytes(self.path / "manifest.json",
+                                    json.dumps(manifest, indent=2, ensure_ascii=False).encode())
+            except BaseException:
+                if not (store.kv_dir == self.store.kv_dir):  # only this run's own new folder goes
+                    shutil.rmtree(store.kv_dir, ignore_errors=True)
+                raise
+            self._collect_garbage(self.path, manifest, {ChunkStore.file_name(r.id) for r in self.records})
+        self.manifest, self.wrapper = manifest, wrapper
+        self.store = store
+        store.write_guard = self._write_guard
+        return nbytes
 
     # -- loading ------------------------------------------------------------------------------
     @staticmethod
@@ -532,6 +636,22 @@ class LazyIndex:
         if want is not None and _sha256(data) != want:
             raise LazyIndexError(f"{f} is damaged (its sha256 differs from the manifest's); {fix}.")
         return data
+
+    @staticmethod
+    def _read_wrapper(path: Path, manifest: dict) -> ChunkWrapper:
+        """The index's chunk wrapper, checked against the manifest's checksum and digest."""
+        LazyIndex._read_checked(path, manifest, "wrapper_file")
+        want = manifest["wrapper"]
+        try:
+            wrapper = ChunkWrapper.load(Path(path) / manifest["wrapper_file"], name=want.get("name"))
+        except WrapperError as e:
+            raise LazyIndexError(f"{e} (the index at {path}; re-encode it with `lazy-rag tune {path}` or index "
+                                 "into a new folder)") from e
+        if wrapper.digest != want["digest"]:
+            raise LazyIndexError(f"{Path(path) / manifest['wrapper_file']} holds wrapper {wrapper.digest}, the "
+                                 f"manifest names {want['digest']}: the index is damaged; rebuild it.")
+        wrapper.check_model(manifest["model"]["fingerprint"], manifest["model"].get("name"))
+        return wrapper
 
     @staticmethod
     def _read_records(path: Path, manifest: dict) -> list[ChunkRecord]:
@@ -661,12 +781,13 @@ def describe_index(path) -> dict:
     """Chunks, tokens, KV bytes and fingerprint of an index folder, without loading any model."""
     path = Path(path)
     m = LazyIndex._read_manifest(path)
-    kv_files = list((path / "kv").glob("*.safetensors")) if (path / "kv").exists() else []
+    kv_dir = path / kv_subdir(m.get("wrapper"))
+    kv_files = list(kv_dir.glob("*.safetensors")) if kv_dir.exists() else []
     return {
         "path": str(path), "model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"],
         "kv_dtype": m["kv_dtype"], "embedder": (m["embedder"] or {}).get("name"), "chunking": m["chunking"],
         "shared_prefix": bool(m.get("shared_prefix")), "files": len(m["files"]), "chunks": m["num_chunks"],
-        "tokens": m["num_tokens"], "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
+        "tokens": m["num_tokens"], "wrapper": m.get("wrapper"), "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
         "updated": m.get("updated"), "damage": _table_damage(path, m),
     }
 
@@ -701,9 +822,12 @@ def verify_index(path) -> dict:
     if not m.get("checksums"):
         problems.append("the manifest has no checksums (built by an older lazy-rag): the chunk table and vectors "
                         "cannot be verified; re-index once to add them")
-    prefix = m["shared_prefix"]["token_ids"] if m.get("shared_prefix") else ()
-    store = ChunkStore(path, m["model"]["fingerprint"]["id"], prefix, _DTYPES.get(m["kv_dtype"]),
-                       precomputed=m.get("kv_precomputed", True))
+    if m.get("wrapper"):
+        try:
+            LazyIndex._read_wrapper(path, m)
+        except LazyRagError as e:
+            problems.append(str(e))
+    store = open_store(path, m)
     kv = Counter()
     for r in records:
         _, why = store.read(r.id, r.token_ids)
@@ -715,9 +839,9 @@ def verify_index(path) -> dict:
             kv[why] += 1
             problems.append(f"KV of chunk {r.id} ({r.source}): {why}")
     live = {ChunkStore.file_name(r.id) for r in records}
-    stray = [p.name for p in (path / "kv").glob("*.safetensors") if p.name not in live] if (path / "kv").exists() else []
-    debris = [p.name for p in path.glob(".*.tmp")] + ([p.name for p in (path / "kv").glob(".*.tmp")]
-                                                       if (path / "kv").exists() else [])
+    kv_dir = store.kv_dir
+    stray = [p.name for p in kv_dir.glob("*.safetensors") if p.name not in live] if kv_dir.exists() else []
+    debris = [p.name for p in path.glob(".*.tmp")] + ([p.name for p in kv_dir.glob(".*.tmp")] if kv_dir.exists() else [])
     return {"path": str(path), "ok": not problems, "chunks": len(records), "kv_ok": kv.pop("ok", 0),
             "kv_deferred": kv.pop("deferred", 0), "kv_damaged": dict(kv), "stray_kv_files": len(stray),
             "temp_files": len(debris), "problems": problems}

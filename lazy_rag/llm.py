@@ -22,25 +22,29 @@ class LazyLLM:
     ``LazyLLM(model, tokenizer)`` wraps a loaded model; ``LazyLLM.from_pretrained(name)`` loads a
     bundled name, a local folder, a GGUF file or a hub id. ``shared_prefix`` (text or ids): chunks
     that are not an index's are encoded after it, and prompts must start with it (off by default).
+    ``wrapper``: the chunk wrapper those chunks are encoded inside (``from_pretrained`` default
+    "auto": the bundled wrapper of a bundled model; "none" for none; an index brings its own).
     ``engine_config`` / keyword options (``kv_bytes``, ``page_size``, ``max_num_seqs``, ``policy``,
     ...: ``EngineConfig``) size the engine, which is created on first use.
     """
 
     def __init__(self, model, tokenizer, *, shared_prefix: str | Sequence[int] | None = None,
-                 engine_config: EngineConfig | None = None, **engine_options):
-        self.host = ModelHost(model, tokenizer, shared_prefix=shared_prefix)
+                 engine_config: EngineConfig | None = None, wrapper=None, **engine_options):
+        self.host = ModelHost(model, tokenizer, shared_prefix=shared_prefix, wrapper=wrapper)
         self.engine_config = (engine_config or EngineConfig()).with_options(**engine_options)
         self._engine: Engine | None = None
         self._engine_guard = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", device: str = "auto", dtype: str = "auto",
-                        **kwargs) -> "LazyLLM":
+                        wrapper="auto", **kwargs) -> "LazyLLM":
         from .models import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(name_or_path, device=device, dtype=dtype)
         llm = cls(model, tokenizer, **kwargs)
         llm.model_name = name_or_path
+        if wrapper is not None:  # after the name: "auto" finds the bundled wrapper by it
+            llm.host.use_default_wrapper(wrapper)
         return llm
 
     @property
@@ -85,9 +89,10 @@ class LazyLLM:
         self.host.eos_ids = set(ids)
 
     def prepare(self, segments: Sequence[Segment] | Segment, source: ChunkSource | None = None,
-                boundary_recompute: int = 0) -> PromptLayout:
-        """The token layout of a prompt (what the oracle and the engine both consume)."""
-        return self.host.prepare(segments, source, boundary_recompute)
+                boundary_recompute: int = 0, mode: str | None = None) -> PromptLayout:
+        """The token layout of a prompt (what the oracle and the engine both consume); ``mode``
+        full or prefix leaves chunk wrapper slots out."""
+        return self.host.prepare(segments, source, boundary_recompute, mode)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, segments, max_new_tokens: int = 128, mode: str = "lazy", temperature: float = 0.0,
@@ -119,9 +124,10 @@ class LazyLLM:
 
     def encode_chunk(self, token_ids: Sequence[int], shared_prefix: Sequence[int] | None = None) -> ChunkKV:
         """Position-free KV of one chunk (keys unrotated): its tokens attend only to themselves
-        (and the shared prefix, default this model's)."""
+        (and the shared prefix, default this model's; inside the default wrapper, whose slots'
+        KV it includes)."""
         prefix = self.default_source.shared_prefix_ids if shared_prefix is None else shared_prefix
-        return self.engine.encode_chunks([list(token_ids)], prefix)[0]
+        return self.engine.encode_chunks([list(token_ids)], prefix, self.default_source.wrapper)[0]
 
     def stats(self) -> dict:
         """The engine's counters: pages, chunk hits per tier, steps, timers."""

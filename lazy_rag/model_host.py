@@ -14,6 +14,7 @@ from .errors import LazyRagError, PromptTooLongError
 from .fingerprint import model_fingerprint
 from .requests import CHUNK_MODES, ChunkSource, check_mode
 from .segments import PromptLayout, Segment, assemble, tokenize_text
+from .wrapper import ChunkWrapper, WrapperTable, resolve_wrapper
 
 
 def resolve_eos(model, tokenizer) -> set[int]:
@@ -36,10 +37,12 @@ def resolve_eos(model, tokenizer) -> set[int]:
 class ModelHost:
     """A transformers causal LM of a supported family (``architecture.SUPPORTED_MODEL_TYPES``)
     with its tokenizer. ``shared_prefix`` (text or ids): the default chunk source's prefix, for
-    chunks that are not an index's (an index brings its own, ``LazyIndex.chunk_source``)."""
+    chunks that are not an index's (an index brings its own, ``LazyIndex.chunk_source``).
+    ``wrapper``: the default source's chunk wrapper ("auto": the bundled one of a bundled model;
+    ``from_pretrained`` uses "auto"; None or "none": no wrapper)."""
 
     def __init__(self, model, tokenizer, *, shared_prefix: str | Sequence[int] | None = None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, wrapper=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.parts = ModelParts(model)
@@ -51,15 +54,18 @@ class ModelHost:
         self.eos_ids = resolve_eos(model, tokenizer)
         self.model_name = model_name  # recorded in indexes so `lazy-rag query` reloads the same model
         self._fingerprint = None
+        self.wrappers = WrapperTable(self.parts)
+        if wrapper is not None:
+            self.use_default_wrapper(wrapper)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", device: str = "auto", dtype: str = "auto",
-                        **kwargs) -> "ModelHost":
+                        wrapper="auto", **kwargs) -> "ModelHost":
         """A bundled name, a local HF folder, a .gguf file or a hub id (see ``lazy_rag.models``)."""
         from .models import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(name_or_path, device=device, dtype=dtype)
-        return cls(model, tokenizer, model_name=name_or_path, **kwargs)
+        return cls(model, tokenizer, model_name=name_or_path, wrapper=wrapper, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -82,11 +88,35 @@ class ModelHost:
 
     # -- prompts ----------------------------------------------------------------------------------
     def prepare(self, segments: Sequence[Segment] | Segment, source: ChunkSource | None = None,
-               boundary_recompute: int = 0) -> PromptLayout:
+               boundary_recompute: int = 0, mode: str | None = None) -> PromptLayout:
         """The token layout of a prompt: every token, its logical position, and which spans are
-        cached chunks (encoded after ``source``'s shared prefix)."""
+        cached chunks (encoded after ``source``'s shared prefix, inside its wrapper). ``full`` and
+        ``prefix`` prompts never carry wrapper slots: they are the plain prompt."""
         source = source or self.default_source
-        return assemble(self.tokenizer, segments, source.shared_prefix_ids, boundary_recompute)
+        wrap = ((), ())
+        if source.wrapper is not None and (mode is None or mode in CHUNK_MODES):
+            wrap = self.wrapper_ids(source.wrapper)
+        return assemble(self.tokenizer, segments, source.shared_prefix_ids, boundary_recompute, wrap)
+
+    def wrapper_ids(self, wrapper: ChunkWrapper) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(header, trailer) virtual token ids of ``wrapper`` in this host."""
+        return self.wrappers.ids(wrapper)
+
+    def wrap_chunk(self, token_ids: Sequence[int], wrapper: ChunkWrapper | None) -> list[int]:
+        """A chunk's ids as it is encoded: inside the wrapper's slots when it has one."""
+        if wrapper is None:
+            return [int(t) for t in token_ids]
+        head, tail = self.wrapper_ids(wrapper)
+        return [*head, *(int(t) for t in token_ids), *tail]
+
+    def resolve_wrapper(self, spec) -> ChunkWrapper | None:
+        """A wrapper by spec ("auto", "none", a bundled name, a path), checked against this model."""
+        return resolve_wrapper(spec, self.model_name, self.fingerprint)
+
+    def use_default_wrapper(self, spec="auto") -> None:
+        """Chunks given as text (no index) are encoded inside this wrapper (the bundled one by
+        default for a bundled model)."""
+        self.default_source = ChunkSource(self.default_source.shared_prefix_ids, None, self.resolve_wrapper(spec))
 
     def check_request(self, layout: PromptLayout, mode: str, max_new_tokens: int) -> None:
         """The rules every request must pass, whatever serves it."""

@@ -4,6 +4,8 @@
 logical positions and a 4-D mask in which a chunk's tokens see only earlier tokens of the same
 chunk, and every other token sees everything before it. ``lazy`` and ``block`` must match it.
 ``causal_logits``: a plain causal forward; ``full`` and ``prefix`` must match it.
+Chunk wrapper slots (ids at and above the embedding rows, wrapper.py) enter as ``inputs_embeds``
+rows taken from the wrapper's vectors (``virtual_rows``): the same forward, mask and positions.
 """
 from __future__ import annotations
 
@@ -29,16 +31,32 @@ def visibility_mask(layout: PromptLayout) -> torch.Tensor:
     return mask
 
 
+def model_inputs(model, token_ids, virtual_rows: torch.Tensor | None = None) -> dict:
+    """``input_ids``, or ``inputs_embeds`` where some ids are wrapper slots (row id - vocab rows
+    of ``virtual_rows``)."""
+    ids = torch.tensor([list(token_ids)], device=model.device)
+    table = model.get_input_embeddings()
+    rows = table.weight.shape[0]
+    if not bool((ids >= rows).any()):
+        return {"input_ids": ids}
+    if virtual_rows is None:
+        raise ValueError("The layout holds chunk wrapper slots; pass the host's wrapper rows (virtual_rows).")
+    x = table(ids.clamp(max=rows - 1))
+    slots = ids >= rows
+    x[slots] = virtual_rows.to(x.device, x.dtype)[ids[slots] - rows]
+    return {"inputs_embeds": x}
+
+
 @torch.inference_mode()
-def block_diagonal_logits(model, layout: PromptLayout) -> torch.Tensor:
+def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [T, vocab] of an HF forward under the chunk-visibility mask."""
     dev = model.device
     allow = visibility_mask(layout).to(dev)
     additive = torch.zeros(allow.shape, dtype=model.dtype, device=dev)
     additive.masked_fill_(~allow, torch.finfo(model.dtype).min)
-    ids = torch.tensor([layout.token_ids], device=dev)
-    pos = torch.arange(ids.shape[1], device=dev)[None]
-    return model(input_ids=ids, position_ids=pos, attention_mask=additive[None, None]).logits[0].float()
+    pos = torch.arange(len(layout.token_ids), device=dev)[None]
+    return model(**model_inputs(model, layout.token_ids, virtual_rows), position_ids=pos,
+                 attention_mask=additive[None, None]).logits[0].float()
 
 
 @torch.inference_mode()
@@ -94,14 +112,15 @@ def causal_logits(model, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_ids=()) -> list[int]:
+def greedy_block_diagonal(model, layout: PromptLayout, max_new_tokens: int, eos_ids=(),
+                          virtual_rows: torch.Tensor | None = None) -> list[int]:
     """Greedy tokens under the oracle mask, recomputing the whole prompt every step (slow, exact):
     each generated token sees everything before it."""
     out: list[int] = []
     cur = PromptLayout(token_ids=list(layout.token_ids), spans=list(layout.spans),
                        uncached=list(layout.uncached), prefix_len=layout.prefix_len)
     for _ in range(max_new_tokens):
-        tok = int(block_diagonal_logits(model, cur)[-1].argmax())
+        tok = int(block_diagonal_logits(model, cur, virtual_rows)[-1].argmax())
         if tok in eos_ids:
             break
         out.append(tok)
@@ -130,10 +149,10 @@ def teacher_forced_logits(llm, segments, mode: str, tokens: list[int]) -> torch.
     tokens before it (one forward): the block-diagonal mask for lazy/block, causal otherwise."""
     segments = list(segments) if isinstance(segments, (list, tuple)) else [segments]
     fed = list(tokens[:-1])
-    layout = llm.prepare(segments + ([fed] if fed else []))
+    layout = llm.prepare(segments + ([fed] if fed else []), mode=mode)
     T = len(layout.token_ids) - len(fed)  # the prompt's own length
     if mode in ("lazy", "block"):
-        logits = block_diagonal_logits(llm.model, layout)
+        logits = block_diagonal_logits(llm.model, layout, llm.host.parts.virtual_rows)
     else:
         logits = causal_logits(llm.model, layout.token_ids)
     return logits[T - 1:T - 1 + len(tokens)]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from .store import ChunkStore
+    from .wrapper import ChunkWrapper
 
 MODES = ("lazy", "block", "prefix", "full")
 CHUNK_MODES = ("lazy", "block")  # the modes that reuse chunks encoded alone
@@ -171,11 +172,14 @@ class ChunkSource:
     ``shared_prefix_ids``: the tokens every chunk was encoded after (an attention sink; the
     prompt must start with them), empty for chunks encoded alone. ``store``: the disk store
     holding the chunks' KV files (an index's), or None: chunks are then encoded on first use
-    and kept in the engine's memory tiers only. ``LazyIndex.chunk_source`` gives an index's.
+    and kept in the engine's memory tiers only. ``wrapper``: the chunk wrapper every chunk was
+    encoded inside (``wrapper.ChunkWrapper``; its slots surround each chunk in lazy and block
+    modes), or None. ``LazyIndex.chunk_source`` gives an index's.
     """
 
     shared_prefix_ids: tuple[int, ...] = ()
     store: "ChunkStore | None" = None
+    wrapper: "ChunkWrapper | None" = None
 
 
 @dataclass

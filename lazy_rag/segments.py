@@ -113,13 +113,15 @@ def chunk_token_ids(tokenizer, chunk: Chunk) -> tuple[int, ...]:
 
 
 def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int] = (),
-             boundary_recompute: int = 0) -> PromptLayout:
+             boundary_recompute: int = 0, wrap: tuple[Sequence[int], Sequence[int]] = ((), ())) -> PromptLayout:
     """Turn segments into a ``PromptLayout``.
 
     With a non-empty ``shared_prefix`` (the tokens every chunk was encoded after), the prompt
     must start with exactly those tokens; they are then served from cache like a chunk.
     ``boundary_recompute`` (EPIC-style): the first N tokens of every chunk are recomputed at query
     time with attention to everything before them; the rest of the chunk is read from cache.
+    ``wrap`` (header ids, trailer ids): a chunk wrapper's slots, placed around every chunk's tokens
+    and part of its span (they are encoded with it, wrapper.py).
     """
     if boundary_recompute < 0:
         raise LazyRagError(f"boundary_recompute must be >= 0, got {boundary_recompute}.")
@@ -134,6 +136,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
             ids = chunk_token_ids(tokenizer, seg)
             if not ids:
                 continue  # an empty chunk contributes nothing
+            ids = tuple(wrap[0]) + ids + tuple(wrap[1])
             skip = min(boundary_recompute, len(ids))
             layout.spans.append(CachedSpan(pos, ids, seg.chunk_id, skip))
             layout.uncached.extend(range(pos, pos + skip))

@@ -1,9 +1,11 @@
 """``ChunkKV`` (a chunk's position-free KV) and ``ChunkStore`` (chunk KV on disk, safetensors).
 
-One file per chunk, ``kv/<chunk_id>.safetensors`` (an id that is not a plain file name, e.g.
+One file per chunk, ``kv/<chunk_id>.safetensors`` (``kv-w<digest>/`` for chunks encoded inside a
+chunk wrapper, so a re-encode with a new wrapper commits atomically) (an id that is not a plain file name, e.g.
 one with a path separator, is stored under its hash: ``kv/id-<sha256>.safetensors``), holding ``k`` (unrotated) and ``v`` of shape
 [layers, tokens, kv_heads, head_dim] plus metadata: checksums of both tensors, a hash of the
-token ids, and the fingerprint of the model/tokenizer/RoPE/shared prefix that computed them.
+token ids (a wrapper's slots left out: the wrapper is in the fingerprint), and the fingerprint
+of the model/tokenizer/RoPE/shared prefix/wrapper that computed them.
 Every write goes to a temp file then ``os.replace``. A missing, corrupt or foreign file is
 detected on read (``read`` says why); the engine then recomputes the chunk and writes the file
 again (``engine.chunk_tiers``). The store itself never encodes and keeps nothing in memory:
@@ -55,9 +57,11 @@ def _checksum(t: torch.Tensor) -> str:
 
 class ChunkStore:
     def __init__(self, root: Path, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
-                 precomputed: bool = True):
+                 precomputed: bool = True, kv_subdir: str = "kv", vocab_rows: int | None = None):
         self.root = Path(root)
-        self.kv_dir = self.root / "kv"
+        self.kv_dir = self.root / kv_subdir
+        # ids from vocab_rows up are a chunk wrapper's slots, numbered per process: never hashed
+        self.vocab_rows = vocab_rows
         self.fingerprint_id = fingerprint_id
         self.shared_prefix_ids = tuple(shared_prefix_ids)
         self.kv_dtype = kv_dtype
@@ -79,6 +83,8 @@ class ChunkStore:
         return self.kv_dir / self.file_name(chunk_id)
 
     def _meta_key(self, token_ids) -> str:
+        if self.vocab_rows is not None:
+            token_ids = [t for t in token_ids if t < self.vocab_rows]
         key = token_ids_key(token_ids)
         return f"{token_ids_key(self.shared_prefix_ids)}/{key}" if self.shared_prefix_ids else key
 
@@ -136,7 +142,7 @@ class ChunkStore:
         except Exception as e:  # truncated or garbled file
             return None, f"unreadable ({type(e).__name__})"
         if meta.get("fingerprint") != self.fingerprint_id:
-            return None, "computed by another model/tokenizer/prefix"
+            return None, "computed by another model/tokenizer/prefix/wrapper"
         if meta.get("tokens") != self._meta_key(token_ids):
             return None, "token ids differ"
         if meta.get("k_crc32") != _checksum(k) or meta.get("v_crc32") != _checksum(v):

@@ -114,7 +114,7 @@ class DecodeGraphs:
         pid, ppos, plen, shift = (rest[i * B * P:(i + 1) * B * P] for i in range(4))
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P)
         attention = DecodeAttention(self.runner, table, pos.to(torch.int32))
-        logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None))
+        logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None), virtual=False)
         return logits
 
     def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int] | None:

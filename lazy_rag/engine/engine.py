@@ -93,7 +93,7 @@ class Engine:
                                f"not {mode!r}.")
         t0 = time.perf_counter()
         with self.lock:  # the tokenizer is not safe to share between threads
-            layout = self.host.prepare(segments, source, recovery.boundary)
+            layout = self.host.prepare(segments, source, recovery.boundary, mode)
             self.host.check_request(layout, mode, max_new_tokens)
             seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery)
             gen = None
@@ -252,10 +252,13 @@ class Engine:
             it.close()
 
     # -- chunk encoding (index builds) ----------------------------------------------------------
-    def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = ()) -> list[ChunkKV]:
+    def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = (), wrapper=None) -> list[ChunkKV]:
         """Each chunk's position-free KV on the host (keys unrotated), encoded after
-        ``shared_prefix``, many chunks per forward. Encoded chunks stay cached in the pool."""
+        ``shared_prefix`` and inside ``wrapper`` (its slots' KV included), many chunks per forward.
+        Encoded chunks stay cached in the pool."""
         prefix = tuple(int(t) for t in shared_prefix)
+        with self.lock:
+            chunks = [self.host.wrap_chunk(ids, wrapper) for ids in chunks]
         for ids in chunks:
             self.host.check_chunk(ids, prefix)
         out: list[ChunkKV | None] = [None] * len(chunks)

@@ -51,12 +51,13 @@ class ModelRunner:
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
-                capture: bool = False, num_layers: int | None = None):
+                capture: bool = False, num_layers: int | None = None, virtual: bool = True):
         """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
         ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q unrotated and k as stored.
-        ``num_layers``: stop after that many layers. Returns (fp32 logits of ``logits_rows`` or
+        ``num_layers``: stop after that many layers. ``virtual=False``: no id is a chunk wrapper's
+        slot (decode steps; a captured graph must not read the wrapper table). Returns (fp32 logits of ``logits_rows`` or
         None, captured unrotated K and V [layers, n, Hkv, D] or None). No host syncs and no
         allocation that depends on values: a decode step through it can be captured in a graph."""
         p, shp = self.parts, self.parts.shape
@@ -68,7 +69,7 @@ class ModelRunner:
         if capture:
             caught = (torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
                       torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
-        x = p.embed(ids)
+        x = p.embed_ids(ids, virtual)
         for i, layer in enumerate(p.layers[:depth]):
             q, k, v = p.project_qkv(layer, layer.input_layernorm(x))
             if capture:

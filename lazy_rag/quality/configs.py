@@ -28,6 +28,9 @@ class Suffix:
 SUFFIXES: dict[str, Suffix] = {
     "sink": Suffix(r"sink", "chunks encoded after the prompt's fixed head (shared prefix, an attention sink)",
                    index=lambda m: {"shared_prefix": True}),
+    "wrapper": Suffix(r"wrapper(?::.+)?", "chunks encoded inside a chunk wrapper: the model's bundled one, or "
+                      "+wrapper:NAME_OR_PATH (a file from `lazy-rag tune`)",
+                      index=lambda m: {"wrapper": m.group(0).partition(":")[2] or "auto"}),
     "epic": Suffix(r"epic\d+", "the first N tokens of every chunk recomputed at query time (EPIC)",
                    recovery="boundary"),
     "prophet": Suffix(r"prophet\d+(?:\.\d+)?", "P% of the chunk tokens, those the question attends to most, "

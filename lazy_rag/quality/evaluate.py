@@ -138,9 +138,15 @@ class _Evaluation:
     # -- indexes and chunks ---------------------------------------------------------------------------
     def index_for(self, prompt: Prompt, config: Config):
         """The index a configuration reads its chunks from; prompts with the same instruction share it."""
-        options = config.index_options if config.mode in REUSE_MODES else {}
+        options = dict(config.index_options) if config.mode in REUSE_MODES else {}
+        named = dict(options)
+        if config.mode in REUSE_MODES:  # a chunk wrapper only where named (+wrapper), by its digest in the folder
+            options["wrapper"] = self.runtime.wrapper(options.get("wrapper", "none"))
+            named.pop("wrapper", None)
+            if options["wrapper"] is not None:
+                named["wrapper"] = options["wrapper"].digest
         folder = self.runtime.index_folder(index_folder(self.work_dir, self.o.task, self.dataset_tag, self.runtime,
-                                                        prompt, options, self.data_hash))
+                                                        prompt, named, self.data_hash))
         if folder not in self.indexes:
             existed = (folder / "manifest.json").exists()
             self.indexes[folder] = self.runtime.open_index(self.passages, folder, prompt.system_prompt,

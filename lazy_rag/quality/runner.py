@@ -97,6 +97,17 @@ class Runtime:
         threads = torch.get_num_threads()
         return f"{threads} CPU thread{'s' if threads != 1 else ''}"
 
+    def wrapper(self, spec: str):
+        """The chunk wrapper a configuration names ("none", "auto": the model's bundled one, a name
+        or a path), checked against the model."""
+        from ..errors import LazyRagError
+
+        wrapper = self.llm.host.resolve_wrapper(spec)
+        if wrapper is None and str(spec).lower() == "auto":
+            raise LazyRagError(f"+wrapper: {self.model_name} has no bundled chunk wrapper trained for these weights; "
+                               "name one with +wrapper:PATH (a file from `lazy-rag tune`).")
+        return wrapper
+
     # -- indexes ------------------------------------------------------------------------------------
     def index_folder(self, folder: Path) -> Path:
         """Where an index of this runtime lives: one without vectors (no embedder) apart."""

@@ -1,0 +1,57 @@
+"""`lazy-rag tune --model M` on the GPU machine, whose image has no typer: the same run through the
+Python API (``lazy_rag.tune.run.tune_model``). Writes the wrapper and a JSON record (recipe, held-out
+KL curve, wall times) to --out.
+
+    python3 benchmarks/device/tune_gpu.py --model /tmp/stage/qwen.gguf --name qwen2.5-0.5b \
+        --data /tmp/data/squad_v1.1_dev.json --out $OUT
+"""
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--name", required=True, help="The wrapper's name (the bundled model's name).")
+    p.add_argument("--data", type=Path)
+    p.add_argument("--examples", type=int, default=512)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--steps", type=int, default=240)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--header", type=int, default=8)
+    p.add_argument("--trailer", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", type=Path, default=Path("."))
+    a = p.parse_args()
+
+    import torch
+
+    from lazy_rag.tune import TuneOptions
+    from lazy_rag.tune.run import tune_model
+
+    options = TuneOptions(header=a.header, trailer=a.trailer, steps=a.steps, lr=a.lr, batch=a.batch,
+                          micro_batch=a.micro_batch, seed=a.seed)
+    t0 = time.perf_counter()
+    wrapper, report = tune_model(a.model, options, out=a.out / f"{a.name}.safetensors", data=a.data,
+                                 examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines")
+    report.update(benchmark="tune_wrapper", mode="lazy+wrapper", model=a.name, wrapper_digest=wrapper.digest,
+                  device_name=torch.cuda.get_device_name(), torch=torch.__version__, wall_s=round(time.perf_counter() - t0, 1),
+                  command="python3 " + shlex.join(sys.argv))
+    (a.out / f"tune_{a.name}.json").write_text(json.dumps([report], indent=1))
+    h = report["history"]
+    print(f"{a.name}: held-out KL {h[0]['held_out_kl']:.4f} -> {h[-1]['held_out_kl']:.4f}, "
+          f"train {report['train_seconds']} s, teacher {report['teacher_seconds']} s, wrapper {wrapper.digest}")
+
+
+if __name__ == "__main__":
+    main()

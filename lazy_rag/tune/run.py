@@ -1,0 +1,48 @@
+"""The two tuning runs ``lazy-rag tune`` offers, as functions (the CLI and the GPU scripts call
+these): a general wrapper for a model from SQuAD's train articles, and a wrapper for one index's
+own chunks, written into the index with its KV re-encoded."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..models import cache_dir
+from .examples import index_examples, squad_examples
+from .trainer import TuneOptions, train_wrapper
+
+
+def _work_dir(llm, *parts) -> Path:
+    key = hashlib.sha256("|".join(str(p) for p in (llm.fingerprint["id"], *parts)).encode()).hexdigest()[:12]
+    return cache_dir() / "tune" / key
+
+
+def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: Path | None = None,
+               examples: int = 512, k: int = 4, device: str = "auto", dtype: str = "auto",
+               work_dir: Path | None = None, progress: str = "auto", log=print, llm=None):
+    """Train a general wrapper for ``model`` (a bundled name, a folder or a .gguf) on prompts from
+    SQuAD v1.1 dev's train articles; returns (wrapper, report). ``out`` default:
+    ``wrapper-<model>.safetensors`` in the current folder."""
+    from ..llm import LazyLLM
+
+    llm = llm or LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none")
+    exs = squad_examples(llm.tokenizer, examples, k=k, seed=options.seed, data=data)
+    name = Path(model).stem
+    out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
+    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed)
+    return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log)
+
+
+def tune_index(index_dir: Path, options: TuneOptions, examples: int = 256, k: int = 4, device: str = "auto",
+               out: Path | None = None, work_dir: Path | None = None, progress: str = "auto", log=print):
+    """Train a wrapper for the index's own chunks (questions written by the model, no labels),
+    then re-encode the index's KV inside it (one atomic commit). Returns (wrapper, report)."""
+    from ..index import LazyIndex
+
+    idx = LazyIndex.load(index_dir, device=device)
+    log(f"writing questions for {examples} random chunks of {index_dir} ...")
+    exs = index_examples(idx, examples, k=k, seed=options.seed)
+    work = work_dir or _work_dir(idx.llm, "index", Path(index_dir).resolve(), examples, k, options.seed)
+    wrapper, report = train_wrapper(idx.llm, exs, options, out or work / "wrapper.safetensors", work,
+                                    progress=progress, name=f"tuned:{Path(index_dir).name}", log=log)
+    report["kv_bytes_written"] = idx.rewrap(wrapper, progress=progress)
+    return wrapper, report

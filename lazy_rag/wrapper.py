@@ -1,0 +1,205 @@
+"""Chunk wrappers: a few trained soft input vectors encoded with every chunk (KV Packet, 2026).
+
+A wrapper is H header and T trailer vectors of the model's hidden size. Each chunk is encoded
+alone as ``[header][chunk tokens][trailer]``, so the wrapper's effect lives in the chunk's stored
+KV and nothing is recomputed at query time; the model itself stays frozen. The vectors are
+trained by self-distillation (``lazy_rag.tune``).
+
+Inside a prompt layout the wrapper's slots are *virtual token ids*: ids at and above the
+model's embedding rows, which ``ModelParts.embed_ids`` looks up in the host's table of
+registered wrappers (``WrapperTable``) instead of the embedding matrix. Everything that handles
+token ids (positions, chunk keys, recompute, the oracle) therefore handles wrapped chunks
+unchanged. The virtual ids of one wrapper are fixed for the life of a host, not across
+processes: stored KV is tied to a wrapper by its digest (in the index's fingerprint), never by
+these ids.
+
+The file: safetensors with one tensor ``vectors`` [H + T, hidden] (fp32) and metadata (format,
+H, T, the model fingerprint it was trained for, the training recipe as JSON).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import LazyRagError
+
+FORMAT = "lazy-rag-wrapper/1"
+BUNDLED_DIR = Path(__file__).parent / "wrappers"
+NONE_NAMES = ("none", "off", "")
+
+
+class WrapperError(LazyRagError):
+    """A wrapper file is missing, damaged, or was trained for another model."""
+
+
+@dataclass
+class ChunkWrapper:
+    vectors: torch.Tensor            # [header + trailer, hidden] fp32
+    header: int
+    trailer: int
+    model_fingerprint: str = ""      # the model's fingerprint id it was trained for
+    recipe: dict = field(default_factory=dict)
+    name: str = ""                   # a bundled name or the file it came from
+
+    def __post_init__(self):
+        if self.header < 0 or self.trailer < 0 or self.header + self.trailer == 0:
+            raise WrapperError(f"A wrapper needs header + trailer > 0 slots (got {self.header} + {self.trailer}).")
+        if self.vectors.dim() != 2 or self.vectors.shape[0] != self.header + self.trailer:
+            raise WrapperError(f"Wrapper vectors must be [header + trailer, hidden] = [{self.header + self.trailer}, "
+                               f"hidden], got {list(self.vectors.shape)}.")
+
+    @property
+    def slots(self) -> int:
+        return self.header + self.trailer
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.vectors.shape[1])
+
+    @property
+    def digest(self) -> str:
+        """What stored KV depends on: the vectors' bytes and the split into header and trailer."""
+        h = hashlib.sha256(f"{self.header}|{self.trailer}|".encode())
+        h.update(self.vectors.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def describe(self) -> dict:
+        """What an index manifest records about its wrapper."""
+        return {"name": self.name, "digest": self.digest, "header": self.header, "trailer": self.trailer,
+                "model_fingerprint": self.model_fingerprint}
+
+    def check_model(self, fingerprint: dict, model_name: str | None = None) -> None:
+        """A WrapperError unless the wrapper was trained for this model (same fingerprint id)."""
+        want = fingerprint["id"]
+        if self.model_fingerprint and self.model_fingerprint != want:
+            raise WrapperError(
+                f"The chunk wrapper {self.name or '(unnamed)'} (digest {self.digest}) was trained for the model with "
+                f"fingerprint {self.model_fingerprint}, but the model loaded{f' ({model_name})' if model_name else ''} "
+                f"has fingerprint {want}. Use --wrapper none, the model it was trained for, or train one for this "
+                "model with `lazy-rag tune`.")
+
+    # -- files ------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (a temp file in the same folder, then a rename)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FORMAT, "header": str(self.header), "trailer": str(self.trailer),
+                "model_fingerprint": self.model_fingerprint, "recipe": json.dumps(self.recipe, sort_keys=True),
+                "digest": self.digest}
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file({"vectors": self.vectors.detach().to("cpu", torch.float32).contiguous()}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, name: str | None = None) -> "ChunkWrapper":
+        from safetensors import safe_open
+
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise WrapperError(f"No chunk wrapper file at {path}; give a bundled name ({', '.join(bundled_names()) or 'none'}), "
+                               "a .safetensors file written by `lazy-rag tune`, or none.")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                vectors = f.get_tensor("vectors").to(torch.float32).clone()
+        except Exception as e:  # truncated, garbled or not safetensors
+            raise WrapperError(f"{path} is not a readable chunk wrapper ({type(e).__name__}: {e}); train it again "
+                               "with `lazy-rag tune`.") from e
+        if meta.get("format") != FORMAT:
+            raise WrapperError(f"{path} is not a lazy-rag chunk wrapper (format {meta.get('format')!r}, want {FORMAT!r}).")
+        try:
+            wrapper = cls(vectors, int(meta["header"]), int(meta["trailer"]), meta.get("model_fingerprint", ""),
+                          json.loads(meta.get("recipe") or "{}"), name or str(path))
+        except (KeyError, ValueError) as e:
+            raise WrapperError(f"{path} has damaged metadata ({e}); train it again with `lazy-rag tune`.") from e
+        if meta.get("digest") and meta["digest"] != wrapper.digest:
+            raise WrapperError(f"{path} is damaged: its vectors do not match the digest in its metadata "
+                               f"({wrapper.digest} != {meta['digest']}).")
+        if not torch.isfinite(vectors).all():
+            raise WrapperError(f"{path} holds non-finite values; train it again with `lazy-rag tune`.")
+        return wrapper
+
+
+# -- bundled wrappers and how a name resolves ------------------------------------------------------
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.safetensors")) if BUNDLED_DIR.exists() else []
+
+
+def bundled_path(model_name: str | None) -> Path | None:
+    """The bundled wrapper file for a bundled model name (aliases resolved), or None."""
+    if not model_name:
+        return None
+    from .models import ALIASES
+
+    name = ALIASES.get(str(model_name).lower(), str(model_name).lower())
+    path = BUNDLED_DIR / f"{name}.safetensors"
+    return path if path.is_file() else None
+
+
+def resolve_wrapper(spec: "str | os.PathLike | ChunkWrapper | None", model_name: str | None,
+                    fingerprint: dict) -> ChunkWrapper | None:
+    """The wrapper a build or a model uses.
+
+    ``"auto"`` (the default): the bundled wrapper of the model when there is one and it was
+    trained for exactly these weights, else none. ``"none"``/None: no wrapper. A bundled name
+    (``lazy-rag models`` lists them) or a file path: that wrapper, which must match the model."""
+    if isinstance(spec, ChunkWrapper):
+        spec.check_model(fingerprint, model_name)
+        return spec
+    if spec is None or str(spec).lower() in NONE_NAMES:
+        return None
+    if str(spec).lower() == "auto":
+        path = bundled_path(model_name)
+        if path is None:
+            return None
+        wrapper = ChunkWrapper.load(path, name=path.stem)
+        return wrapper if wrapper.model_fingerprint in ("", fingerprint["id"]) else None
+    text = str(spec)
+    path = BUNDLED_DIR / f"{text}.safetensors"
+    if not path.is_file():
+        path = Path(text)
+    wrapper = ChunkWrapper.load(path, name=text)
+    wrapper.check_model(fingerprint, model_name)
+    return wrapper
+
+
+class WrapperTable:
+    """The wrappers a host serves, each given a fixed block of virtual token ids.
+
+    ``rows`` [slots of all registered wrappers, hidden] (model dtype, on the model's device) is
+    what ``ModelParts.embed_ids`` reads for ids >= ``vocab_rows``. Registering replaces the tensor,
+    so it happens outside any captured CUDA graph (decode steps never read it)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.vocab_rows = parts.vocab_rows
+        self._base: dict[str, int] = {}
+        self._vectors: list[torch.Tensor] = []
+
+    def ids(self, wrapper: ChunkWrapper) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(header ids, trailer ids) of ``wrapper`` in this host, registering it on first use."""
+        if wrapper.hidden_size != self.parts.shape.hidden_size:
+            raise WrapperError(f"The chunk wrapper {wrapper.name or wrapper.digest} has vectors of size "
+                               f"{wrapper.hidden_size}, the model's hidden size is {self.parts.shape.hidden_size}.")
+        key = wrapper.digest
+        if key not in self._base:
+            self._base[key] = sum(v.shape[0] for v in self._vectors)
+            self._vectors.append(wrapper.vectors.detach().to(self.parts.device, self.parts.dtype))
+            self.parts.virtual_rows = torch.cat(self._vectors)
+        first = self.vocab_rows + self._base[key]
+        header = tuple(range(first, first + wrapper.header))
+        return header, tuple(range(first + wrapper.header, first + wrapper.slots))
