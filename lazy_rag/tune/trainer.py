@@ -117,7 +117,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / options.steps))
     settings = {**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"]}
     ckpt = work_dir / "checkpoint.pt" if work_dir is not None else None
-    step, history = 0, []
+    step, history, skipped = 0, [], 0
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         if json.loads(state["settings"]) == settings:
@@ -141,8 +141,17 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             rows = sum(len(teacher.answers[it["i"]]) + 1 for it in picks)
             opt.zero_grad(set_to_none=True)
             loss = float(_kl_of(llm, vectors, picks, teacher, options.micro_batch, rows)) / rows
-            if not math.isfinite(loss):
-                raise LazyRagError(f"The loss became {loss} at step {step}; lower --lr (now {options.lr}).")
+            if not math.isfinite(loss) or not bool(torch.isfinite(vectors.grad).all()):
+                # a bf16 overflow in one batch: skip it (as AMP's scaler does); many in a row is divergence
+                skipped += 1
+                if skipped > max(3, options.steps // 20):
+                    raise LazyRagError(f"The loss or its gradient was not finite in {skipped} batches (last at step "
+                                       f"{step}); lower --lr (now {options.lr}) or train in float32 (--dtype float32).")
+                log(f"step {step}: non-finite loss or gradient, batch skipped")
+                step += 1
+                sched.step()
+                continue
+            torch.nn.utils.clip_grad_norm_([vectors], 1.0)
             opt.step()
             sched.step()
             step += 1
