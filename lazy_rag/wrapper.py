@@ -43,7 +43,7 @@ class ChunkWrapper:
     vectors: torch.Tensor            # [header + trailer, hidden] fp32
     header: int
     trailer: int
-    model_fingerprint: str = ""      # the model's fingerprint id it was trained for
+    model_fingerprint: str = ""      # the fingerprint id(s) of the model it was trained for (matches())
     recipe: dict = field(default_factory=dict)
     name: str = ""                   # a bundled name or the file it came from
 
@@ -74,10 +74,16 @@ class ChunkWrapper:
         return {"name": self.name, "digest": self.digest, "header": self.header, "trailer": self.trailer,
                 "model_fingerprint": self.model_fingerprint}
 
+    def matches(self, fingerprint_id: str) -> bool:
+        """Trained for the model with this fingerprint id. ``model_fingerprint`` may list several,
+        comma-separated: the same checkpoint file loaded by different library versions (a bundled
+        wrapper trained on the GPU machine and served on a CPU), "" for any model."""
+        return not self.model_fingerprint or fingerprint_id in self.model_fingerprint.split(",")
+
     def check_model(self, fingerprint: dict, model_name: str | None = None) -> None:
         """A WrapperError unless the wrapper was trained for this model (same fingerprint id)."""
         want = fingerprint["id"]
-        if self.model_fingerprint and self.model_fingerprint != want:
+        if not self.matches(want):
             raise WrapperError(
                 f"The chunk wrapper {self.name or '(unnamed)'} (digest {self.digest}) was trained for the model with "
                 f"fingerprint {self.model_fingerprint}, but the model loaded{f' ({model_name})' if model_name else ''} "
@@ -167,7 +173,7 @@ def resolve_wrapper(spec: "str | os.PathLike | ChunkWrapper | None", model_name:
         if path is None:
             return None
         wrapper = ChunkWrapper.load(path, name=path.stem)
-        return wrapper if wrapper.model_fingerprint in ("", fingerprint["id"]) else None
+        return wrapper if wrapper.matches(fingerprint["id"]) else None
     text = str(spec)
     path = BUNDLED_DIR / f"{text}.safetensors"
     if not path.is_file():
