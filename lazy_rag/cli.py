@@ -238,6 +238,9 @@ def tune(
     data: Optional[Path] = typer.Option(None, help="SQuAD v1.1 dev JSON (default: the packaged copy); its train "
                                                    "articles only."),
     examples: int = typer.Option(512, help="Training prompts (some held out for the KL curve)."),
+    retrieval: Optional[Path] = typer.Option(None, help="Ranking of the train split (`lazy-rag eval retrieve --split "
+                                                        "train`): distractors as retrieved."),
+    prompts: str = typer.Option("mixed", help="Training prompts' instruction: mixed, frozen (the eval's) or default."),
     top_k: int = typer.Option(4, "--k", help="Chunks per prompt."),
     steps: int = typer.Option(240, help="Optimizer steps."),
     lr: float = typer.Option(2e-3, help="AdamW learning rate (linear decay to 0)."),
@@ -267,7 +270,8 @@ def tune(
                                          work_dir=work_dir, log=log)
         else:
             wrapper, report = tune_model(model, options, out=out_file, data=data, examples=examples, k=top_k,
-                                         device=device, dtype=dtype, work_dir=work_dir, log=log)
+                                         device=device, dtype=dtype, work_dir=work_dir, log=log, retrieval=retrieval,
+                                         prompts=prompts)
     except LazyRagError as e:
         _fail(e)
     h = report["history"]

@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--name", required=True, help="The wrapper's name (the bundled model's name).")
     p.add_argument("--data", type=Path)
     p.add_argument("--examples", type=int, default=512)
+    p.add_argument("--retrieval", type=Path, help="Ranking file of the train split (`lazy-rag eval retrieve --split train`).")
+    p.add_argument("--prompts", default="mixed", help="mixed, frozen or default")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -43,7 +45,8 @@ def main() -> None:
                           micro_batch=a.micro_batch, seed=a.seed)
     t0 = time.perf_counter()
     wrapper, report = tune_model(a.model, options, out=a.out / f"{a.name}.safetensors", data=a.data,
-                                 examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines")
+                                 examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines",
+                                 retrieval=a.retrieval, prompts=a.prompts)
     report.update(benchmark="tune_wrapper", mode="lazy+wrapper", model=a.name, wrapper_digest=wrapper.digest,
                   device_name=torch.cuda.get_device_name(), torch=torch.__version__, wall_s=round(time.perf_counter() - t0, 1),
                   command="python3 " + shlex.join(sys.argv))

@@ -1,10 +1,11 @@
 """Training prompts for a chunk wrapper: a question over k chunks, as lazy-rag assembles it.
 
 - ``squad_examples``: SQuAD v1.1 dev questions of the *train* articles (the first half; the eval
-  scores the other half), each over its gold paragraph and k - 1 distractors (half from the same
-  article, the hardest to tell apart, half from others), the gold paragraph at a random place;
-  the instruction alternates between the runtime's default and the eval's frozen prompt, so the
-  wrapper does not learn one prompt.
+  scores the other half), each over its gold paragraph and k - 1 distractors, the gold paragraph
+  at a random place. Distractors are the retriever's top-ranked other paragraphs when a ranking
+  file is given (``lazy-rag eval retrieve --split train``: what serving hands the model), else
+  half from the same article and half from others. ``prompts``: "mixed" alternates between the
+  runtime's default instruction and the eval's frozen prompt; "frozen" or "default" uses one.
 - ``index_examples``: a user's own index, no labels. For a random chunk the model writes a
   question that the chunk answers (full attention, the chunk alone in the prompt); the training
   prompt is that question over the chunks the index retrieves for it (random chunks without
@@ -37,22 +38,35 @@ class Example:
                                   self.system_prompt, self.instruction)
 
 
-def _prompts() -> tuple[tuple[str, str | None], ...]:
+PROMPT_CHOICES = ("mixed", "frozen", "default")
+
+
+def _prompts(choice: str) -> tuple[tuple[str, str | None], ...]:
     """(instruction, system prompt) pairs the SQuAD prompts alternate between."""
     from ..quality.prompts import FROZEN, get_prompt
 
+    if choice not in PROMPT_CHOICES:
+        raise LazyRagError(f"Unknown prompt choice {choice!r}; choose one of {', '.join(PROMPT_CHOICES)}.")
     frozen = get_prompt(FROZEN)
-    return (DEFAULT_INSTRUCTION, None), (frozen.instruction, frozen.system_prompt)
+    both = {"default": (DEFAULT_INSTRUCTION, None), "frozen": (frozen.instruction, frozen.system_prompt)}
+    return tuple(both.values()) if choice == "mixed" else (both[choice],)
 
 
-def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None) -> list[Example]:
+def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retrieval=None,
+                   prompts: str = "mixed") -> list[Example]:
     """``n`` prompts from the train articles of SQuAD v1.1 dev (``data``: its file, default the
-    packaged copy); never a question of the evaluated half."""
-    from ..quality.data import load_dataset
+    packaged copy); never a question of the evaluated half. ``retrieval``: a ranking file of the
+    train split (distractors as retrieved)."""
+    from ..quality.data import load_dataset, passages_hash
     from ..quality.prompts import EXAMPLE_QUESTION_IDS
+    from ..quality.retrieval import load_retrieval
 
     ds = load_dataset("squad", data)
     questions = [q for q in ds.split("train") if q.id not in EXAMPLE_QUESTION_IDS]
+    ranked = None
+    if retrieval is not None:
+        ranked = load_retrieval(retrieval, data_hash=passages_hash(ds.passages), question_ids=[q.id for q in questions],
+                                depth=k)
     article_of = {q.passage: q.article for q in ds.questions}
     train_passages = sorted({q.passage for q in questions})
     by_article: dict[int, list[str]] = {}
@@ -68,15 +82,18 @@ def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None) -> l
             ids_of[pid] = tuple(tokenizer(ds.text_of[pid], add_special_tokens=False).input_ids[:MAX_CHUNK_TOKENS])
         return ids_of[pid]
 
-    prompts = _prompts()
+    choices = _prompts(prompts)
     out = []
     for i, q in enumerate(rng.sample(questions, min(n, len(questions)))):
-        same = [p for p in by_article[q.article] if p != q.passage]
-        near = rng.sample(same, min(len(same), (k - 1 + 1) // 2))
-        others = [p for p in train_passages if p != q.passage and p not in near]
-        chosen = near + rng.sample(others, k - 1 - len(near))
+        if ranked is not None:
+            chosen = [p for p, _ in ranked[q.id] if p != q.passage][:k - 1]
+        else:
+            same = [p for p in by_article[q.article] if p != q.passage]
+            near = rng.sample(same, min(len(same), (k - 1 + 1) // 2))
+            others = [p for p in train_passages if p != q.passage and p not in near]
+            chosen = near + rng.sample(others, k - 1 - len(near))
         chosen.insert(rng.randrange(k), q.passage)
-        instruction, system_prompt = prompts[i % len(prompts)]
+        instruction, system_prompt = choices[i % len(choices)]
         out.append(Example(q.question.strip(), tuple(ids(p) for p in chosen), instruction, system_prompt,
                            origin=f"squad:{q.id}"))
     return out

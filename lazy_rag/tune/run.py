@@ -18,17 +18,19 @@ def _work_dir(llm, *parts) -> Path:
 
 def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: Path | None = None,
                examples: int = 512, k: int = 4, device: str = "auto", dtype: str = "auto",
-               work_dir: Path | None = None, progress: str = "auto", log=print, llm=None):
+               work_dir: Path | None = None, progress: str = "auto", log=print, llm=None, retrieval: Path | None = None,
+               prompts: str = "mixed"):
     """Train a general wrapper for ``model`` (a bundled name, a folder or a .gguf) on prompts from
-    SQuAD v1.1 dev's train articles; returns (wrapper, report). ``out`` default:
+    SQuAD v1.1 dev's train articles (``retrieval``: their ranking file, for retrieved distractors;
+    ``prompts``: mixed, frozen or default); returns (wrapper, report). ``out`` default:
     ``wrapper-<model>.safetensors`` in the current folder."""
     from ..llm import LazyLLM
 
     llm = llm or LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none")
-    exs = squad_examples(llm.tokenizer, examples, k=k, seed=options.seed, data=data)
+    exs = squad_examples(llm.tokenizer, examples, k=k, seed=options.seed, data=data, retrieval=retrieval, prompts=prompts)
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
-    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed)
+    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts)
     return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log)
 
 

@@ -1,0 +1,192 @@
+"""Chunk wrappers end to end on the CPU: an index built inside a wrapper serves the oracle's
+answer; the wrapper is the index's (queries need no flag, re-index keeps it, another one is
+refused naming both); `rewrap` re-encodes atomically; `lazy-rag tune` trains one whose KL
+falls, on a tiny random model in a few steps."""
+import random
+
+import pytest
+import torch
+
+from helpers import rel_err, small_llm
+from lazy_rag import LazyIndex
+from lazy_rag.errors import FingerprintMismatchError, LazyRagError
+from lazy_rag.index import verify_index
+from lazy_rag.oracle import block_diagonal_logits
+from lazy_rag.tune import Example, TuneOptions, train_wrapper
+from lazy_rag.wrapper import ChunkWrapper, WrapperError
+from tiny_models import tiny_model
+
+TEXTS = ["The Marrow Point lighthouse was completed in 1871 after six years of work.",
+         "Keepers lived on the island until 1954, when the light was automated.",
+         "The lens was made in Paris and shipped in crates of oiled wood."]
+
+
+@pytest.fixture(scope="module")
+def llm(tokenizer):
+    return small_llm(tiny_model("llama", seed=2, initializer_range=0.2), tokenizer)
+
+
+def _wrapper(llm, seed, header=2, trailer=3):
+    g = torch.Generator().manual_seed(seed)
+    vec = torch.randn(header + trailer, llm.model.config.hidden_size, generator=g) * 0.3
+    return ChunkWrapper(vec, header, trailer, llm.fingerprint["id"], {"steps": 0}, f"w{seed}")
+
+
+def _index(llm, out, wrapper):
+    return LazyIndex.from_texts(TEXTS, out, llm=llm, ids=["a", "b", "c"], split=False, vectors=False,
+                                progress=False, wrapper=wrapper)
+
+
+def test_index_inside_a_wrapper_serves_the_oracle(llm, tmp_path):
+    w = _wrapper(llm, 1)
+    idx = _index(llm, tmp_path / "idx", w)
+    m = idx.manifest
+    assert m["wrapper"]["digest"] == w.digest and (tmp_path / "idx" / m["wrapper_file"]).exists()
+    assert sorted(p.name for p in (tmp_path / "idx" / f"kv-w{w.digest}").iterdir()) == \
+        ["a.safetensors", "b.safetensors", "c.safetensors"]
+    loaded = LazyIndex.load(tmp_path / "idx", llm=llm)  # the wrapper comes from the index: no flag
+    assert loaded.wrapper.digest == w.digest
+    llm.engine.clear_cache()
+    segs = loaded.segments("When was it completed?", ["c", "a"])
+    res = llm.generate(segs, max_new_tokens=1, source=loaded.chunk_source, output_first_logits=True)
+    layout = llm.prepare(segs, loaded.chunk_source)
+    ref = block_diagonal_logits(llm.model, layout, llm.host.parts.virtual_rows)[-1]
+    assert rel_err(res.first_logits, ref) < 1e-4
+    chunk_tokens = sum(len(loaded.by_id[c].token_ids) for c in ("c", "a"))
+    assert res.stats.cached_tokens == chunk_tokens + 2 * w.slots and res.stats.chunk_sources == {"disk": 2}
+    full = llm.generate(segs, max_new_tokens=1, mode="full", source=loaded.chunk_source)
+    assert full.stats.prompt_tokens == res.stats.prompt_tokens - 2 * w.slots  # full reads the plain prompt
+    assert verify_index(tmp_path / "idx")["ok"]
+
+
+def test_reindex_keeps_the_wrapper_and_refuses_another(llm, tmp_path):
+    w = _wrapper(llm, 1)
+    _index(llm, tmp_path / "idx", w)
+    again = _index(llm, tmp_path / "idx", "auto")
+    assert again.wrapper.digest == w.digest and again.manifest["generation"] == 1
+    with pytest.raises(FingerprintMismatchError, match=f"digest {w.digest}.*no wrapper"):
+        _index(llm, tmp_path / "idx", "none")
+    other = _wrapper(llm, 2)
+    with pytest.raises(FingerprintMismatchError, match=f"{w.digest}.*{other.digest}"):
+        _index(llm, tmp_path / "idx", other)
+    foreign = ChunkWrapper(other.vectors, 2, 3, "0123456789abcdef")
+    with pytest.raises(WrapperError, match="0123456789abcdef.*" + llm.fingerprint["id"]):
+        _index(llm, tmp_path / "fresh", foreign)
+
+
+def test_rewrap_reencodes_atomically_and_changes_the_answer(llm, tmp_path):
+    plain = _index(llm, tmp_path / "idx", "none")
+    segs = plain.segments("Who lived there?", ["b", "a"])
+    before = llm.next_token_logits(segs, source=plain.chunk_source)
+    w = _wrapper(llm, 3)
+    written = plain.rewrap(w, progress=False)
+    assert written > 0 and not (tmp_path / "idx" / "kv").exists()  # the plain KV folder is gone
+    fresh = LazyIndex.load(tmp_path / "idx", llm=llm)
+    assert fresh.manifest["generation"] == 1 and fresh.wrapper.digest == w.digest
+    llm.engine.clear_cache()
+    after = llm.next_token_logits(fresh.segments("Who lived there?", ["b", "a"]), source=fresh.chunk_source)
+    assert rel_err(after, before) > 1e-3
+    ref = block_diagonal_logits(llm.model, llm.prepare(segs, fresh.chunk_source), llm.host.parts.virtual_rows)[-1]
+    assert rel_err(after, ref) < 1e-4
+    report = verify_index(tmp_path / "idx")
+    assert report["ok"] and report["kv_ok"] == 3
+    # a damaged wrapper file is found by verify and refused on load, naming the file
+    wf = tmp_path / "idx" / fresh.manifest["wrapper_file"]
+    data = bytearray(wf.read_bytes())
+    data[-3] ^= 0x55
+    wf.write_bytes(bytes(data))
+    assert not verify_index(tmp_path / "idx")["ok"]
+    with pytest.raises(LazyRagError, match=wf.name):
+        LazyIndex.load(tmp_path / "idx", llm=llm)
+
+
+def _examples(n, rng):
+    chunks = [tuple(rng.randrange(100, 40000) for _ in range(12)) for _ in range(3)]
+    return [Example(f"Question number {i}?", tuple(rng.sample(chunks, 3))) for i in range(n)]
+
+
+def test_tune_reduces_held_out_kl_and_writes_a_loadable_wrapper(llm, tmp_path):
+    options = TuneOptions(header=2, trailer=2, steps=16, batch=16, micro_batch=8, lr=5e-2, held_out=8,
+                          max_answer_tokens=3, eval_every=8)
+    wrapper, report = train_wrapper(llm, _examples(40, random.Random(0)), options, tmp_path / "w.safetensors",
+                                    tmp_path / "work", progress="none", log=lambda m: None)
+    kl = [h["held_out_kl"] for h in report["history"]]
+    assert kl[-1] < kl[0] * 0.9, kl
+    back = ChunkWrapper.load(tmp_path / "w.safetensors")
+    assert back.digest == wrapper.digest and back.matches(llm.fingerprint["id"]) and back.recipe["steps"] == 16
+    assert list((tmp_path / "work").glob("teacher-*.pt")) and (tmp_path / "work" / "checkpoint.pt").exists()
+    # a second run with the same settings resumes from the finished checkpoint: no step runs again
+    lines = []
+    again, _ = train_wrapper(llm, _examples(40, random.Random(0)), options, tmp_path / "w2.safetensors",
+                             tmp_path / "work", progress="none", log=lines.append)
+    assert any("resuming" in s for s in lines) and again.digest == wrapper.digest
+
+
+def test_tune_refuses_too_little_data(llm, tmp_path):
+    with pytest.raises(LazyRagError, match="Too little data"):
+        train_wrapper(llm, _examples(10, random.Random(1)), TuneOptions(steps=1), tmp_path / "w.safetensors",
+                      None, progress="none")
+
+
+def test_cli_tune_a_model_then_index_with_the_wrapper(tmp_path, tokenizer):
+    """`lazy-rag tune --model FOLDER` on a tiny model and a small SQuAD-format file, then
+    `lazy-rag index --wrapper FILE` and `lazy-rag models` (no wrapper bundled for it)."""
+    from typer.testing import CliRunner
+
+    from helpers import squad_file
+    from lazy_rag.cli import app
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", seed=3, initializer_range=0.2).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rng = random.Random(0)
+    words = ["river", "castle", "harbour", "mill", "bridge", "tower", "market", "abbey"]
+    articles = [[(f"The {w} of town {a}{p} was built in {1800 + a * 10 + p} by {w.title()} guild {p}.",
+                  [(f"Who built the {w} of town {a}{p}?", f"{w.title()} guild {p}")])
+                 for p, w in enumerate(rng.sample(words, 6))] for a in range(8)]
+    data = squad_file(tmp_path / "squad.json", articles)
+    out = tmp_path / "w.safetensors"
+    runner = CliRunner()
+    res = runner.invoke(app, ["tune", "--model", str(model_dir), "--data", str(data), "--examples", "24", "--k", "2",
+                              "--steps", "2", "--batch", "4", "--micro-batch", "4", "--device", "cpu",
+                              "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    assert res.exit_code == 0, res.output
+    assert "held-out KL" in res.output and out.exists()
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "a.txt").write_text(" ".join(TEXTS))
+    res = runner.invoke(app, ["index", str(src), "--out", str(tmp_path / "idx"), "--model", str(model_dir),
+                              "--device", "cpu", "--wrapper", str(out), "--no-precompute"])
+    assert res.exit_code == 0, res.output
+    assert "chunk wrapper" in res.output and "8+8" in res.output
+    res = runner.invoke(app, ["index", str(src), "--out", str(tmp_path / "idx"), "--model", str(model_dir),
+                              "--device", "cpu", "--wrapper", "none"])
+    assert res.exit_code == 2 and "tune" in res.output
+
+
+def test_squad_examples_use_train_articles_and_retrieved_distractors(tmp_path, tokenizer):
+    from helpers import squad_file
+    from lazy_rag.quality.data import load_dataset, passages_hash
+    from lazy_rag.quality.retrieval import save_retrieval
+    from lazy_rag.tune import squad_examples
+
+    articles = [[(f"Paragraph {a}-{p} says the answer is {a * 10 + p}.", [(f"What does {a}-{p} say?", f"{a * 10 + p}")])
+                 for p in range(3)] for a in range(4)]
+    data = squad_file(tmp_path / "squad.json", articles)
+    ds = load_dataset("squad", data)
+    train = ds.split("train")
+    assert {q.article for q in train} == {0, 1}
+    pids = [p.id for p in ds.passages]
+    ranked = {q.id: [(p, 1.0 - i / 100) for i, p in enumerate(reversed(pids))] for q in train}
+    path = save_retrieval(tmp_path / "r.json", ranked, data_hash=passages_hash(ds.passages), dataset="squad",
+                          split="train", embedder="test", depth=len(pids))
+    exs = squad_examples(tokenizer, 6, k=3, seed=1, data=data, retrieval=path, prompts="frozen")
+    text_ids = {tuple(tokenizer(p.text, add_special_tokens=False).input_ids): p.id for p in ds.passages}
+    for e in exs:
+        q = next(q for q in train if q.question == e.question)
+        got = [text_ids[c] for c in e.chunks]
+        assert q.passage in got and [p for p in got if p != q.passage] == \
+            [p for p in reversed(pids) if p != q.passage][:2]
+    assert len({e.instruction for e in exs}) == 1 and exs[0].system_prompt
+    with pytest.raises(LazyRagError, match="prompt choice"):
+        squad_examples(tokenizer, 2, k=3, data=data, prompts="other")
