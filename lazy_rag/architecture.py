@@ -104,15 +104,18 @@ class ModelParts:
         self.scaling = float(attn.scaling)
         self.has_qk_norm = hasattr(attn, "q_norm")
 
-    def embed_ids(self, ids: torch.Tensor, virtual: bool = False) -> torch.Tensor:
-        """Input embeddings of ``ids``; with ``virtual``, ids >= ``vocab_rows`` (chunk wrapper slots)
-        read ``virtual_rows`` instead. Value-independent (no host sync), so it can be captured."""
-        if not virtual or self.virtual_rows is None:
+    def embed_ids(self, ids: torch.Tensor, virtual: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Input embeddings of ``ids`` (any shape); with ``virtual``, ids >= ``vocab_rows`` (chunk
+        wrapper slots) read ``rows`` (default ``virtual_rows``; the trainer passes its trainable
+        vectors, and gradients reach them) instead. Value-independent (no host sync), so it can be
+        captured."""
+        rows = self.virtual_rows if rows is None else rows
+        if not virtual or rows is None:
             return self.embed(ids)
         extra = ids - self.vocab_rows
         x = self.embed(ids.clamp(max=self.vocab_rows - 1))
-        w = self.virtual_rows[extra.clamp(min=0, max=self.virtual_rows.shape[0] - 1)]
-        return torch.where((extra >= 0)[:, None], w.to(x.dtype), x)
+        w = rows[extra.clamp(min=0, max=rows.shape[0] - 1)]
+        return torch.where((extra >= 0)[..., None], w.to(x.dtype), x)
 
     def project_qkv(self, layer, y: torch.Tensor):
         """q [n, Hq, D], k and v [n, Hkv, D] of normed hidden states y [n, hidden], before RoPE

@@ -114,6 +114,27 @@ def open_store(path: Path, manifest: dict, vocab_rows: int | None = None) -> Chu
                       vocab_rows=vocab_rows)
 
 
+def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list) -> int:
+    """Encode the KV of ``records`` inside ``wrapper`` into ``store``, ENCODE_BATCH chunks per
+    engine call, advancing ``bar`` and listing each file in ``written``; returns the bytes written."""
+    nbytes = 0
+    for s in range(0, len(records), ENCODE_BATCH):
+        batch = records[s:s + ENCODE_BATCH]
+        kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper)
+        for r, kv in zip(batch, kvs):
+            nbytes += store.write(r.id, r.token_ids, kv)
+            written.append(store.path(r.id))
+        bar.advance(len(batch))
+    return nbytes
+
+
+def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
+    """Write the index's wrapper file (named in the manifest) and record its checksum there."""
+    path = wrapper.save(out / manifest["wrapper_file"])
+    manifest["checksums"]["wrapper_file"] = _sha256(path.read_bytes())
+    return path
+
+
 def _chunk_id(source: str, ordinal: int, text: str) -> str:
     return hashlib.sha256(f"{source}\0{ordinal}\0{text}".encode()).hexdigest()[:20]
 
@@ -443,13 +464,7 @@ class LazyIndex:
                 # chunks whose KV an interrupted build already wrote are kept as they are
                 todo = [r for r in new_records if store.read(r.id, r.token_ids)[0] is None]
                 bar.advance(len(new_records) - len(todo))
-                for s in range(0, len(todo), ENCODE_BATCH):
-                    batch = todo[s:s + ENCODE_BATCH]
-                    kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper)
-                    for r, kv in zip(batch, kvs):
-                        report.kv_bytes_written += store.write(r.id, r.token_ids, kv)
-                        written.append(store.path(r.id))
-                    bar.advance(len(batch))
+                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, written)
         records = [old_records[c][0] for c in keep_ids] + new_records
         vindex = None
         if vectors:
@@ -470,8 +485,7 @@ class LazyIndex:
         _atomic_write_bytes(out / manifest["chunks_file"], table)
         manifest["checksums"] = {"chunks_file": _sha256(table)}
         if wrapper is not None:
-            written.append(wrapper.save(out / manifest["wrapper_file"]))
-            manifest["checksums"]["wrapper_file"] = _sha256((out / manifest["wrapper_file"]).read_bytes())
+            written.append(_save_wrapper(out, manifest, wrapper))
         if vectors:
             data = faiss.serialize_index(vindex).tobytes()
             _atomic_write_bytes(out / manifest["vectors_file"], data)
@@ -562,29 +576,22 @@ class LazyIndex:
             manifest["wrapper_file"] = wrapper_file(wrapper) if wrapper is not None else None
             manifest["generation"] = current["generation"] + 1
             store = open_store(self.path, manifest, self.llm.host.parts.vocab_rows)
-            written, nbytes = [], 0
+            nbytes = 0
             try:
                 if manifest.get("kv_precomputed", True):
                     self._check_free_space(self.path, self.llm, store, self.records, wrapper.slots if wrapper else 0)
                     with Progress(len(self.records), "encoding chunk KV", progress_style(progress)) as bar:
-                        for s in range(0, len(self.records), ENCODE_BATCH):
-                            batch = self.records[s:s + ENCODE_BATCH]
-                            kvs = self.llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids,
-                                                                wrapper)
-                            for r, kv in zip(batch, kvs):
-                                nbytes += store.write(r.id, r.token_ids, kv)
-                                written.append(store.path(r.id))
-                            bar.advance(len(batch))
-                checksums = {k: v for k, v in (current.get("checksums") or {}).items() if k != "wrapper_file"}
+                        # a failure removes the whole new KV folder below, not file by file
+                        nbytes = _encode_records(self.llm, store, self.records, wrapper, bar, [])
+                manifest["checksums"] = {k: v for k, v in (current.get("checksums") or {}).items()
+                                         if k != "wrapper_file"}
                 if wrapper is not None:
-                    written.append(wrapper.save(self.path / manifest["wrapper_file"]))
-                    checksums["wrapper_file"] = _sha256((self.path / manifest["wrapper_file"]).read_bytes())
-                manifest["checksums"] = checksums
+                    _save_wrapper(self.path, manifest, wrapper)
                 manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
                 _atomic_write_bytes(self.path / "manifest.json",
                                     json.dumps(manifest, indent=2, ensure_ascii=False).encode())
             except BaseException:
-                if not (store.kv_dir == self.store.kv_dir):  # only this run's own new folder goes
+                if store.kv_dir != self.store.kv_dir:  # only this run's own new folder goes
                     shutil.rmtree(store.kv_dir, ignore_errors=True)
                 raise
             self._collect_garbage(self.path, manifest, {ChunkStore.file_name(r.id) for r in self.records})

@@ -257,12 +257,11 @@ class Engine:
         ``shared_prefix`` and inside ``wrapper`` (its slots' KV included), many chunks per forward.
         Encoded chunks stay cached in the pool."""
         prefix = tuple(int(t) for t in shared_prefix)
-        with self.lock:
+        with self.lock, torch.inference_mode():  # the lock also guards the host's wrapper table
             chunks = [self.host.wrap_chunk(ids, wrapper) for ids in chunks]
-        for ids in chunks:
-            self.host.check_chunk(ids, prefix)
-        out: list[ChunkKV | None] = [None] * len(chunks)
-        with self.lock, torch.inference_mode():
+            for ids in chunks:
+                self.host.check_chunk(ids, prefix)
+            out: list[ChunkKV | None] = [None] * len(chunks)
             pre = self.planner.place_chunk(prefix, None, (), None)[0] if prefix else None
             try:
                 budget = self.config.max_batched_tokens

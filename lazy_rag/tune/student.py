@@ -29,7 +29,7 @@ def student_logp(llm, vectors: torch.Tensor, batch) -> list[torch.Tensor]:
     """Log-probs (fp32) of each example's rows: [len(answer) + 1, vocab] per example.
     ``batch``: (layout, first row, number of rows) triples."""
     model, parts = llm.model, llm.host.parts
-    dev, dt, V = parts.device, parts.dtype, parts.vocab_rows
+    dev, dt = parts.device, parts.dtype
     L = max(len(lay.token_ids) for lay, _, _ in batch)
     B = len(batch)
     ids = torch.zeros(B, L, dtype=torch.long, device=dev)
@@ -41,10 +41,7 @@ def student_logp(llm, vectors: torch.Tensor, batch) -> list[torch.Tensor]:
         allow[b, :n, :n] = visibility_mask(lay).to(dev)
         pos[b, :n] = torch.arange(n, device=dev)
         allow[b, n:, n:] = torch.eye(L - n, dtype=torch.bool, device=dev)  # padding sees itself: no NaN
-    slots = ids >= V
-    x = parts.embed(ids.clamp(max=V - 1))
-    w = vectors[(ids - V).clamp(min=0, max=vectors.shape[0] - 1)].to(dt)
-    x = torch.where(slots[..., None], w, x)
+    x = parts.embed_ids(ids, virtual=True, rows=vectors)
     mask = torch.zeros(B, 1, L, L, dtype=dt, device=dev).masked_fill(~allow[:, None], torch.finfo(dt).min)
     hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
     rows = torch.cat([hidden[b, first:first + n] for b, (_, first, n) in enumerate(batch)])
