@@ -129,8 +129,19 @@ def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list
 
 
 def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
-    """Write the index's wrapper file (named in the manifest) and record its checksum there."""
-    path = wrapper.save(out / manifest["wrapper_file"])
+    """Write the index's wrapper file (named in the manifest) and record its checksum there.
+
+    A file already holding this wrapper (same digest) is kept as it is: safetensors writes its
+    metadata in no fixed order, so rewriting it would change the bytes under the checksum of the
+    committed manifest, and the previous generation (after a failed update, or for a reader
+    loading it meanwhile) would look damaged."""
+    path = out / manifest["wrapper_file"]
+    try:
+        present = ChunkWrapper.load(path).digest == wrapper.digest
+    except WrapperError:  # absent or damaged: write it
+        present = False
+    if not present:
+        wrapper.save(path)
     manifest["checksums"]["wrapper_file"] = _sha256(path.read_bytes())
     return path
 

@@ -31,10 +31,18 @@ def corpus(tmp_path):
 
 @pytest.fixture()
 def built(corpus, tmp_path, smollm2, embedder):
+    """An index as a user builds it: with the model's bundled chunk wrapper (its KV folder is kv-w<digest>)."""
     out = tmp_path / "idx"
     index, report = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96,
                                     chunk_overlap=16, progress=False)
+    assert index.wrapper is not None and index.store.kv_dir.name == f"kv-w{index.wrapper.digest}"
     return index, report, out
+
+
+def cached_tokens(index, chunk_ids):
+    """The tokens a query over these chunks reads from cache: theirs and their wrapper's slots."""
+    slots = index.wrapper.slots if index.wrapper else 0
+    return sum(len(index.by_id[c].token_ids) + slots for c in chunk_ids)
 
 
 def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, embedder):
@@ -42,13 +50,13 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
     assert report.files_indexed == 3
     assert report.skipped == {"unsupported type (.png)": 1, "binary": 1, "not UTF-8": 1}
     assert report.chunks_total == len(index.records) >= 6
-    assert len(list((out / "kv").glob("*.safetensors"))) == report.chunks_total
+    assert len(list(index.store.kv_dir.glob("*.safetensors"))) == report.chunks_total
     loaded = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     smollm2.engine.clear_cache()  # a process that just started: the chunks are on disk only
     res = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8)
     assert res.sources[0].source.endswith("lighthouse.md")
-    chunk_tokens = sum(len(loaded.by_id[s.chunk_id].token_ids) for s in res.sources)
-    assert res.stats["cached_tokens"] == chunk_tokens and res.stats["chunk_sources"] == {"disk": 2}
+    assert res.stats["cached_tokens"] == cached_tokens(loaded, [s.chunk_id for s in res.sources])
+    assert res.stats["chunk_sources"] == {"disk": 2}
     again = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8)
     assert again.stats["chunk_sources"] == {"pool": 2} and again.answer == res.answer
     block = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8, mode="block")
@@ -57,18 +65,19 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
 
 def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpus, smollm2, embedder):
     index, _, out = built
-    kv_files = {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")}
+    kv_dir = index.store.kv_dir
+    kv_files = {p.name: p.stat().st_mtime_ns for p in kv_dir.glob("*.safetensors")}
     _, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
                              progress=False)
     assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added, rep.kv_bytes_written) == (0, 3, 0, 0)
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")} == kv_files
+    assert {p.name: p.stat().st_mtime_ns for p in kv_dir.glob("*.safetensors")} == kv_files
     (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
     (corpus / "observatory.txt").unlink()
     idx2, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
                                 progress=False)
     assert (rep.files_indexed, rep.files_unchanged, rep.files_removed, rep.chunks_added) == (1, 1, 1, 1)
     assert {r.source.rsplit("/", 1)[1] for r in idx2.records} == {"bakery.md", "lighthouse.md"}
-    assert len(list((out / "kv").glob("*.safetensors"))) == len(idx2.records)  # stale KV collected
+    assert len(list(kv_dir.glob("*.safetensors"))) == len(idx2.records)  # stale KV collected
     assert len(list(out.glob("chunks-*.jsonl"))) == 1
 
 
@@ -99,7 +108,7 @@ def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder
     question = "What does Kestrel Street Bakery sell on Fridays?"
     fresh = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     want = fresh.query(question, top_k=2, max_new_tokens=8)
-    victim = out / "kv" / f"{want.sources[0].chunk_id}.safetensors"
+    victim = fresh.store.path(want.sources[0].chunk_id)
     good = victim.read_bytes()
     rec = fresh.by_id[want.sources[0].chunk_id]
     good_kv, _ = fresh.store.read(rec.id, rec.token_ids)
@@ -136,7 +145,7 @@ def test_kv_written_by_another_model_is_not_trusted(built, smollm2, embedder, to
 
     foreign = ChunkStore(out.parent / "foreign", other_llm.fingerprint["id"])
     foreign.write(rec.id, rec.token_ids, other_llm.encode_chunk(rec.token_ids))
-    shutil.copy(foreign.path(rec.id), out / "kv" / f"{rec.id}.safetensors")
+    shutil.copy(foreign.path(rec.id), index.store.path(rec.id))
     kv, why = LazyIndex.load(out, llm=smollm2, embedder=embedder).store.read(rec.id, rec.token_ids)
     assert kv is None and "another model" in why
 
@@ -199,4 +208,4 @@ def test_an_index_without_vectors_needs_no_embedder_and_names_chunks_by_id(tmp_p
         loaded.retrieve("Which letter is last?")
     res = smollm2.generate(loaded.segments("Which letter is last?", ["z", "a"]), max_new_tokens=3,
                            source=loaded.chunk_source)
-    assert res.stats.cached_tokens == sum(len(r.token_ids) for r in loaded.records)
+    assert res.stats.cached_tokens == cached_tokens(loaded, ["z", "a"])

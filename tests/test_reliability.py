@@ -19,7 +19,7 @@ from lazy_rag import LazyIndex
 from lazy_rag.cli import app
 from lazy_rag.embedder import Embedder
 from lazy_rag.errors import InvalidRequestError, LazyIndexError, LazyRagError
-from lazy_rag.index import verify_index
+from lazy_rag.index import kv_subdir, verify_index
 from lazy_rag.index_lock import writer_lock
 from lazy_rag.store import ChunkStore
 
@@ -47,6 +47,23 @@ def index_copy(tmp_path, smollm2, embedder):
     LazyIndex.build([src], tmp_path / "idx", llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
                     progress=False)
     return src, tmp_path / "idx"
+
+
+def kv_dir(out: Path) -> Path:
+    """The folder of the index's KV files (kv-w<digest> when its chunks are inside a wrapper, as by default)."""
+    return out / kv_subdir(json.loads((out / "manifest.json").read_text()).get("wrapper"))
+
+
+def kv_files(out: Path, read) -> dict:
+    """``read(path)`` of every KV file of the index, by name; never empty (or every comparison of
+    two of these would hold vacuously)."""
+    files = {p.name: read(p) for p in kv_dir(out).glob("*.safetensors")}
+    assert files, f"no KV files in {kv_dir(out)}"
+    return files
+
+
+def mtime(p: Path) -> int:
+    return p.stat().st_mtime_ns
 
 
 def answer(out, smollm2, embedder):
@@ -101,11 +118,11 @@ def test_damaged_vectors_are_an_error_naming_the_file_and_repair_restores_the_an
     report = verify_index(out)
     assert not report["ok"] and manifest["vectors_file"] in report["problems"][0]
     assert report["kv_ok"] == manifest["num_chunks"]  # the KV is intact and says so
-    kv_mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")}
+    kv_mtimes = kv_files(out, mtime)
     _, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
                              progress=False, repair=True)
     assert rep.kv_bytes_written == 0  # every KV file was reused: its token ids matched
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "kv").glob("*.safetensors")} == kv_mtimes
+    assert kv_files(out, mtime) == kv_mtimes
     assert verify_index(out)["ok"] and answer(out, smollm2, embedder) == before
 
 
@@ -125,13 +142,13 @@ def test_a_damaged_chunk_table_is_an_error_and_kv_is_never_repaired_from_it(inde
     elif damage == "last_line":
         lines = lines[:-1]
     table.write_text("".join(lines)) if damage != "bytes" else table.write_bytes(b"\xff\xfe\x00garbage")
-    kv_before = {p.name: p.read_bytes() for p in (out / "kv").glob("*.safetensors")}
+    kv_before = kv_files(out, Path.read_bytes)
     with pytest.raises(LazyIndexError, match=rf"{manifest['chunks_file']}.*--repair"):
         LazyIndex.load(out, llm=smollm2, embedder=embedder)
     with pytest.raises(LazyIndexError, match="--repair"):  # an update refuses to build on it too
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     assert not verify_index(out)["ok"]
-    assert {p.name: p.read_bytes() for p in (out / "kv").glob("*.safetensors")} == kv_before
+    assert kv_files(out, Path.read_bytes) == kv_before
     LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False,
                     repair=True)
     assert verify_index(out)["ok"]
@@ -196,7 +213,7 @@ def test_a_build_that_cannot_fit_is_refused_before_writing(tmp_path, smollm2, em
 
 def test_killed_writers_temp_files_are_removed_by_the_next_build(index_copy, smollm2, embedder):
     src, out = index_copy
-    (out / "kv" / ".abc.123.tmp").write_bytes(b"half a file")
+    (kv_dir(out) / ".abc.123.tmp").write_bytes(b"half a file")
     (out / ".manifest.json.9.tmp").write_bytes(b"{")
     assert verify_index(out)["temp_files"] == 2
     LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
@@ -234,9 +251,12 @@ def test_ids_cannot_name_paths_outside_the_store(tmp_path, smollm2, embedder):
     ids = ["../../../escaped", "a/b", "ok-id_1.x"]
     index = LazyIndex.from_texts(["first text here", "second text here", "third text here"], out, llm=smollm2,
                                  embedder=embedder, ids=ids, split=False, progress=False)
-    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors"))
-    assert len(files) == 3 and all(f.startswith("deep/idx/kv/") for f in files)
-    assert "deep/idx/kv/ok-id_1.x.safetensors" in files
+    wrapper_file = index.manifest.get("wrapper_file")  # the index's own chunk wrapper, beside its KV
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors")
+                   if p != (out / wrapper_file if wrapper_file else None))
+    store = f"deep/idx/{index.store.kv_dir.name}/"
+    assert len(files) == 3 and all(f.startswith(store) for f in files)
+    assert f"{store}ok-id_1.x.safetensors" in files
     assert index.segments("q", ["a/b"]) and verify_index(out)["ok"]
 
 
@@ -270,7 +290,7 @@ def test_cli_verify_and_bad_out_and_bad_request(index_copy, tmp_path):
     runner = CliRunner()
     ok = runner.invoke(app, ["verify", str(out)])
     assert ok.exit_code == 0 and "OK" in ok.output
-    kv = next((out / "kv").glob("*.safetensors"))
+    kv = next(kv_dir(out).glob("*.safetensors"))
     data = bytearray(kv.read_bytes())
     data[-5] ^= 0xFF
     kv.write_bytes(bytes(data))

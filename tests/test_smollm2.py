@@ -1,10 +1,12 @@
-"""The real bundled SmolLM2: oracle parity, token-for-token generation, streaming, bad input."""
+"""The real bundled SmolLM2: oracle parity, token-for-token generation, streaming, bad input;
+with its bundled chunk wrapper (the default for text chunks) and with plain chunks."""
 import pytest
 
 from helpers import rel_err
 from lazy_rag import Chunk, build_rag_segments
 from lazy_rag.errors import LazyRagError, PromptTooLongError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
+from lazy_rag.requests import ChunkSource
 
 DOCS = [
     "The Marrow Point Lighthouse was completed in 1871 by the engineer Agnes Thorold.",
@@ -17,6 +19,19 @@ def _segments(tok, order, question="Who built the lighthouse?"):
     return build_rag_segments(tok, question, [Chunk(DOCS[i]) for i in order])
 
 
+@pytest.fixture(params=["bundled_wrapper", "plain"])
+def source(request, smollm2):
+    """Where the chunks are encoded: inside SmolLM2's bundled wrapper (what a user gets) or plain."""
+    if request.param == "plain":
+        return ChunkSource()
+    assert smollm2.default_source.wrapper is not None and smollm2.default_source.wrapper.name == "smollm2"
+    return smollm2.default_source
+
+
+def _slots(source) -> int:
+    return source.wrapper.slots if source.wrapper else 0
+
+
 def test_chat_segments_put_chunks_inside_the_user_turn(smollm2):
     segs = _segments(smollm2.tokenizer, [0, 1])
     assert segs[0].startswith("<|im_start|>system") and "<|im_start|>user" in segs[0]
@@ -24,24 +39,28 @@ def test_chat_segments_put_chunks_inside_the_user_turn(smollm2):
 
 
 @pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2]])
-def test_lazy_block_match_oracle_and_full_matches_plain(smollm2, order):
+def test_lazy_block_match_oracle_and_full_matches_plain(smollm2, source, order):
     segs = _segments(smollm2.tokenizer, order)
-    layout = smollm2.prepare(segs)
-    ref = block_diagonal_logits(smollm2.model, layout)[-1]
-    assert rel_err(smollm2.next_token_logits(segs, mode="lazy"), ref) < 1e-4
-    assert rel_err(smollm2.next_token_logits(segs, mode="block"), ref) < 1e-4
-    plain = causal_logits(smollm2.model, layout.token_ids)[-1]
-    assert rel_err(smollm2.next_token_logits(segs, mode="full"), plain) < 1e-4
+    layout = smollm2.prepare(segs, source)
+    assert [s.end - s.start for s in layout.spans] == [
+        len(smollm2.tokenizer(DOCS[i], add_special_tokens=False).input_ids) + _slots(source) for i in order]
+    ref = block_diagonal_logits(smollm2.model, layout, smollm2.host.parts.virtual_rows)[-1]
+    assert rel_err(smollm2.next_token_logits(segs, mode="lazy", source=source), ref) < 1e-4
+    assert rel_err(smollm2.next_token_logits(segs, mode="block", source=source), ref) < 1e-4
+    plain = causal_logits(smollm2.model, smollm2.prepare(segs, source, mode="full").token_ids)[-1]
+    assert rel_err(smollm2.next_token_logits(segs, mode="full", source=source), plain) < 1e-4
 
 
-def test_generation_is_token_for_token_the_oracles(smollm2):
+def test_generation_is_token_for_token_the_oracles(smollm2, source):
     segs = _segments(smollm2.tokenizer, [2, 0])
-    want = greedy_block_diagonal(smollm2.model, smollm2.prepare(segs), 10, smollm2.eos_ids)
-    lazy = smollm2.generate(segs, max_new_tokens=10, mode="lazy")
-    block = smollm2.generate(segs, max_new_tokens=10, mode="block")
+    want = greedy_block_diagonal(smollm2.model, smollm2.prepare(segs, source), 10, smollm2.eos_ids,
+                                 smollm2.host.parts.virtual_rows)
+    lazy = smollm2.generate(segs, max_new_tokens=10, mode="lazy", source=source)
+    block = smollm2.generate(segs, max_new_tokens=10, mode="block", source=source)
     assert lazy.token_ids == want == block.token_ids
     assert lazy.text == smollm2.tokenizer.decode(want, skip_special_tokens=True)
-    chunk_tokens = sum(len(smollm2.tokenizer(DOCS[i], add_special_tokens=False).input_ids) for i in (2, 0))
+    chunk_tokens = sum(len(smollm2.tokenizer(DOCS[i], add_special_tokens=False).input_ids) + _slots(source)
+                       for i in (2, 0))
     assert lazy.stats.cached_tokens == chunk_tokens
     assert lazy.stats.computed_tokens == lazy.stats.prompt_tokens - chunk_tokens
     assert lazy.stats.ttft_ms > 0

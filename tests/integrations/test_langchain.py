@@ -14,12 +14,16 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def index(smollm2, tiny_docs, tmp_path_factory):
-    return LazyIndex.from_texts(list(tiny_docs.values()), tmp_path_factory.mktemp("lc") / "index", llm=smollm2,
-                                ids=list(tiny_docs), split=False, progress=False)
+    index = LazyIndex.from_texts(list(tiny_docs.values()), tmp_path_factory.mktemp("lc") / "index", llm=smollm2,
+                                 ids=list(tiny_docs), split=False, progress=False)
+    assert index.wrapper is not None  # what a user gets by default: SmolLM2's bundled chunk wrapper
+    return index
 
 
 def chunk_tokens(index, ids):
-    return sum(len(index.by_id[i].token_ids) for i in ids)
+    """The cached tokens of these chunks: their own and their wrapper's slots (stored with each)."""
+    slots = index.wrapper.slots if index.wrapper else 0
+    return sum(len(index.by_id[i].token_ids) + slots for i in ids)
 
 
 def test_retriever_returns_documents_with_chunk_ids(index):
@@ -61,7 +65,7 @@ def test_llm_kwargs_pass_through_batch_stream_async(smollm2, index, segments_by_
     rec = index.by_id["observatory"]
     prompt = f"Context: {rec.text}\nQuestion: What does the observatory house?\nAnswer:"
     text = llm.invoke(prompt, chunk_ids=["observatory"])
-    assert llm.last_stats["chunk_ids"] == ["observatory"] and llm.last_stats["cached_tokens"] == len(rec.token_ids)
+    assert llm.last_stats["chunk_ids"] == ["observatory"] and llm.last_stats["cached_tokens"] == chunk_tokens(index, ["observatory"])
     ref = smollm2.generate(segments_by_hand(prompt, [(rec.text, rec.token_ids, rec.id)]), max_new_tokens=4,
                            mode="block", source=index.chunk_source)
     assert text == ref.text
@@ -84,7 +88,7 @@ def test_altered_chunk_text_is_computed(smollm2, index):
     msg = chat.invoke(f"Context:\n{altered}\n\n{index.by_id['lighthouse'].text}\n\nWhen does it open?")
     stats = msg.response_metadata["lazy_rag"]
     assert stats["chunk_ids"] == ["lighthouse"]
-    assert stats["cached_tokens"] == len(index.by_id["lighthouse"].token_ids)
+    assert stats["cached_tokens"] == chunk_tokens(index, ["lighthouse"])
     plain = ChatLazyRAG(index=index, max_new_tokens=4).invoke(f"Context:\n{altered}\nWhen does it open?")
     assert plain.response_metadata["lazy_rag"]["cached_tokens"] == 0
 

@@ -27,12 +27,15 @@ def corpus(smollm2, tiny_docs, tmp_path_factory):
     lidx, nodes = index_from_documents(docs, tmp_path_factory.mktemp("li") / "index", smollm2, chunk_size=128,
                                        chunk_overlap=0, progress=False)
     assert len(nodes) == len(tiny_docs) and {n.node_id for n in nodes} == set(lidx.by_id)
+    assert lidx.wrapper is not None  # what a user gets by default: SmolLM2's bundled chunk wrapper
     vs = VectorStoreIndex(nodes, embed_model=LazyRAGEmbedding(embedder=lidx.embedder))
     return lidx, nodes, vs
 
 
 def chunk_tokens(lidx, ids):
-    return sum(len(lidx.by_id[i].token_ids) for i in ids)
+    """The cached tokens of these chunks: their own and their wrapper's slots (stored with each)."""
+    slots = lidx.wrapper.slots if lidx.wrapper else 0
+    return sum(len(lidx.by_id[i].token_ids) + slots for i in ids)
 
 
 def test_llm_metadata_and_settings(smollm2, corpus):
@@ -129,7 +132,9 @@ def test_exact_synthesizer_passes_node_ids(smollm2, corpus):
     sresp = streaming.query(QUESTIONS[0])
     text = "".join(sresp.response_gen)
     sids = [n.node.node_id for n in sresp.source_nodes]
-    ref = smollm2.generate(lidx.segments(QUESTIONS[0], sids), max_new_tokens=NEW, mode="block", source=lidx.chunk_source)
+    budget = streaming._response_synthesizer._llm.max_new_tokens  # from_index's LLM has the default budget
+    ref = smollm2.generate(lidx.segments(QUESTIONS[0], sids), max_new_tokens=budget, mode="block",
+                           source=lidx.chunk_source)
     assert text == ref.text
     assert streaming._response_synthesizer._llm.last_stats["cached_tokens"] == chunk_tokens(lidx, sids)
 
@@ -162,7 +167,7 @@ def test_chat_stream_and_async_do_not_block(smollm2, corpus):
 
     ticks, done, pieces, chat = asyncio.run(main())
     assert ticks > 5  # the event loop kept running while the model worked
-    assert done.additional_kwargs["lazy_rag"]["cached_tokens"] == len(lidx.records[1].token_ids)
+    assert done.additional_kwargs["lazy_rag"]["cached_tokens"] == chunk_tokens(lidx, [lidx.records[1].id])
     assert "".join(pieces) == reply.message.content == chat.message.content
 
 
@@ -178,6 +183,8 @@ def test_retriever_over_lazy_index_and_registered_chunks(smollm2, corpus):
     [cid] = llm.register([note], ids=["ferry"])
     first = llm.complete(f"{note}\nWhen does the ferry leave?").additional_kwargs["lazy_rag"]
     second = llm.complete(f"Read this: {note}\nHow often?").additional_kwargs["lazy_rag"]
-    n = len(smollm2.tokenizer(note, add_special_tokens=False).input_ids)
+    wrapper = smollm2.default_source.wrapper  # registered text is encoded inside the model's bundled wrapper
+    assert wrapper is not None
+    n = len(smollm2.tokenizer(note, add_special_tokens=False).input_ids) + wrapper.slots
     assert cid == "ferry" and first["chunk_ids"] == second["chunk_ids"] == ["ferry"]
     assert second["cached_tokens"] == n and second["chunk_sources"] == {"pool": 1}
