@@ -152,6 +152,52 @@ def query(
 
 
 @app.command()
+def serve(
+    index_dir: Optional[Path] = typer.Argument(None, help="An index folder: enables retrieval (`\"rag\": {\"top_k\": 4}`) "
+                                                          "and reuse of its chunks' KV wherever their text occurs."),
+    model: Optional[str] = typer.Option(None, help="Model to serve (default: the index's, else smollm2)."),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network "
+                                               "(set --api-key then)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, envvar="LAZY_RAG_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the model's)."),
+    mode: str = typer.Option("lazy", help=f"Default KV reuse mode ({', '.join(MODES)}); a request's 'mode' overrides it."),
+    max_queue: int = typer.Option(64, help="Requests in the engine at once; more are refused with 429 + Retry-After."),
+    max_body_bytes: int = typer.Option(4 << 20, help="Largest request body (413 above)."),
+    max_tokens: int = typer.Option(256, help="Tokens to generate when a request names no max_tokens."),
+    drain_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM."),
+    log_prompts: bool = typer.Option(False, help="Write prompt text to the log (off: only sizes and timings)."),
+):
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
+    /metrics and a web page at /, over cached chunk KV."""
+    _quiet_libraries()
+    logging.getLogger("lazy_rag.server").setLevel(logging.INFO)
+    try:
+        from .server import ServerSettings, serve as run_server
+        from .index import LazyIndex
+        from .llm import LazyLLM
+
+        llm = LazyLLM.from_pretrained(model, device=device) if model else None
+        idx = LazyIndex.load(index_dir, llm=llm, device=device) if index_dir is not None else None
+        llm = idx.llm if idx is not None else (llm or LazyLLM.from_pretrained("smollm2", device=device))
+        name = served_model_name or llm.model_name or "lazy-rag"
+        settings = ServerSettings(model_name=name, api_key=api_key or None, max_queue=max_queue,
+                                  max_body_bytes=max_body_bytes, default_max_tokens=max_tokens, default_mode=mode,
+                                  log_prompts=log_prompts)
+    except LazyRagError as e:
+        _fail(e)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
+                  markup=False, highlight=False)
+    err.print(f"Serving {name} on http://{host}:{port} (OpenAI API at /v1, web page at /)"
+              + (f" over {len(idx.records)} chunks of {index_dir}" if idx is not None else ""),
+              markup=False, highlight=False)
+    run_server(llm, idx, settings, host=host, port=port, drain_timeout=drain_timeout)
+
+
+@app.command()
 def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show an index's chunks, tokens, KV bytes and fingerprint (no model is loaded)."""

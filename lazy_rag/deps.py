@@ -19,6 +19,9 @@ KNOWN = {
                          "llama-index"),
     "langchain_core": ("langchain-core", "The LangChain integration (lazy_rag.integrations.langchain)", "langchain"),
     "matplotlib": ("matplotlib", "The benchmark plots", "test"),
+    "fastapi": ("fastapi", "The server (`lazy-rag serve`)", None),
+    "uvicorn": ("uvicorn", "The server (`lazy-rag serve`)", None),
+    "prometheus_client": ("prometheus-client", "The server's /metrics (`lazy-rag serve`)", None),
 }
 
 

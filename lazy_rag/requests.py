@@ -195,6 +195,12 @@ class GenerationStats:
     chunk_sources: dict = field(default_factory=dict)  # tier -> chunks served from it (pool, host, disk, encoded)
     recovery: str = ""          # Recovery.name() of the request ("" for none)
     recomputed_tokens: int = 0  # chunk tokens recomputed at query time (boundary and selected)
+    encoded_tokens: int = 0     # chunk tokens encoded for this request (no tier held them); in cached_tokens
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV existed before this request (the OpenAI usage's cached_tokens)."""
+        return max(self.cached_tokens - self.encoded_tokens, 0)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -365,7 +365,8 @@ class Engine:
                 sources[tier] = sources.get(tier, 0) + 1
         stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,
                                 ttft_ms=h.ttft_ms, total_ms=(now - h.t0) * 1e3, new_tokens=len(seq.output),
-                                chunk_sources=sources, recovery=seq.recovery.name(), recomputed_tokens=seq.recomputed)
+                                chunk_sources=sources, recovery=seq.recovery.name(), recomputed_tokens=seq.recomputed,
+                                encoded_tokens=seq.encoded_tokens if seq.mode in CHUNK_MODES else 0)
         if len(seq.output) > 1 and h.first_token_time:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,

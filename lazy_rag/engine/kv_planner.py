@@ -62,6 +62,7 @@ class KVPlanner:
     def admit(self, seq: Sequence) -> bool:
         seq.chunk_sources = []
         seq.placed_now = {}
+        seq.encoded_now = 0
         try:
             getattr(self, f"_admit_{seq.mode}")(seq)
         except OutOfPages:
@@ -76,6 +77,7 @@ class KVPlanner:
         for src in seq.chunk_sources:
             self.pm.counters[f"chunk_{src}"] += 1
         seq.chunk_sources_seen = list(seq.chunk_sources)
+        seq.encoded_tokens = seq.encoded_now
         seq.needs_prefill = True
         return True
 
@@ -148,10 +150,12 @@ class KVPlanner:
         if tier == "pool":
             # a hit, unless this request placed it itself in an admission that was then refused
             # for lack of pages (it still came from a lower tier)
-            seq.chunk_sources += seq.placed_by_refused.pop(e.key, ["hits"])
+            sources = seq.placed_by_refused.pop(e.key, ["hits"])
         else:
-            seq.chunk_sources += ["misses", f"from_{tier}"]
-            seq.placed_now[e.key] = ["misses", f"from_{tier}"]
+            sources = seq.placed_now[e.key] = ["misses", f"from_{tier}"]
+        seq.chunk_sources += sources
+        if "from_encoded" in sources:
+            seq.encoded_now += len(ids)
         return e
 
     def _encode_into(self, e, ids, prefix):

@@ -62,6 +62,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.chunk_sources_seen: list[str] = []  # where its chunks came from at its last admission
+        self.encoded_tokens = 0                  # chunk tokens encoded for it (no tier held them), last admission
         self.prefix_hit_tokens = 0               # prefix mode: prompt tokens reused at admission
         self.placed_by_refused: dict = {}        # chunk key -> its sources, placed by a refused admission
         self.selected = 0                        # chunk tokens the selector chose (at the last admission)

@@ -1,0 +1,18 @@
+"""``lazy-rag serve``: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn), with
+documents whose KV is reused at any position, Prometheus metrics and a small web page.
+
+``create_app(llm, index=None, settings)`` gives the ASGI app (for tests or another ASGI server);
+``serve(...)`` runs it under uvicorn with a drain on SIGTERM. Imports FastAPI, uvicorn and
+prometheus-client, which the core runtime does not need.
+"""
+from __future__ import annotations
+
+from ..deps import require
+
+for _module in ("fastapi", "uvicorn", "prometheus_client"):
+    require(_module)
+
+from .app import ServerSettings, create_app  # noqa: E402
+from .run import serve  # noqa: E402
+
+__all__ = ["ServerSettings", "create_app", "serve"]

@@ -1,0 +1,39 @@
+"""``serve``: run the app under uvicorn with a drain on SIGTERM/SIGINT: admission stops at once
+(new requests get 503, /ready turns 503), requests in flight finish within ``drain_timeout``
+seconds, then the process exits 0 (a second Ctrl-C stops at once)."""
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from .app import ServerSettings, create_app
+
+log = logging.getLogger("lazy_rag.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn already stops listening and waits for open connections on a signal; this also
+    tells the app to refuse new requests on connections that stay open (keep-alive)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            log.info("signal %s: draining (no new requests; %s s for those in flight)", sig,
+                     self.config.timeout_graceful_shutdown)
+            self._on_exit()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal after its shutdown, so the process would die of it
+        # (exit -15, or a KeyboardInterrupt traceback for Ctrl-C); a drained stop is a clean exit
+        self._captured_signals.clear()
+
+
+def serve(llm, index=None, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
+          drain_timeout: float = 30.0, log_level: str = "info") -> None:
+    app = create_app(llm, index, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+                            access_log=False, server_header=False)
+    DrainingServer(config, app.state.server.start_draining).run()

@@ -1,0 +1,100 @@
+"""Real HTTP servers on 127.0.0.1 for the server tests: the app under uvicorn in a thread, on a
+port the OS picks, over the session's SmolLM2 (and an index of the examples corpus)."""
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunningServer:
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.state = app.state.server  # LazyRagServer
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            if time.time() > deadline:
+                raise RuntimeError("the test server did not start in 30 s")
+            time.sleep(0.02)
+
+    @property
+    def model(self) -> str:
+        return self.state.settings.model_name
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """The engine's stats once no request is in flight (fails after ``timeout``)."""
+        deadline = time.time() + timeout
+        while True:
+            stats = self.state.llm.stats()
+            if self.state.driver.in_flight == 0 and stats["requests_running"] == 0 and \
+                    stats["requests_waiting"] == 0:
+                return stats
+            if time.time() > deadline:
+                raise AssertionError(f"requests still in flight after {timeout} s: {stats}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="session")
+def corpus_index(smollm2, tmp_path_factory):
+    """The README's examples corpus, indexed with the session's SmolLM2."""
+    from lazy_rag import LazyIndex
+
+    out = tmp_path_factory.mktemp("server-index") / "index"
+    idx, _ = LazyIndex.build([str(ROOT / "examples" / "corpus")], out, llm=smollm2, progress=False)
+    return idx
+
+
+@pytest.fixture
+def start_server():
+    """``start_server(llm, index=None, **settings)`` -> a RunningServer, stopped after the test."""
+    from lazy_rag.server import ServerSettings, create_app
+
+    running = []
+
+    def start(llm, index=None, **settings):
+        settings.setdefault("model_name", "smollm2")
+        s = RunningServer(create_app(llm, index, ServerSettings(**settings)))
+        running.append(s)
+        return s
+
+    yield start
+    for s in running:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, corpus_index):
+    """One server over SmolLM2 and the corpus index, shared by a module's tests."""
+    from lazy_rag.server import ServerSettings, create_app
+
+    s = RunningServer(create_app(smollm2, corpus_index, ServerSettings(model_name="smollm2")))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def no_server_errors(caplog):
+    """Fails the test if the server logged an error (a traceback) while it ran."""
+    caplog.set_level(logging.WARNING)
+    yield
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad, "the server logged errors: " + "; ".join(r.getMessage() for r in bad)
