@@ -69,7 +69,10 @@ def index(
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
     repair: bool = typer.Option(False, help="Rebuild the chunk table and vectors from SOURCES without reading the "
-                                            "old ones (after `lazy-rag verify` reports damage); intact KV is reused."),
+                                            "old ones (after `lazy-rag verify` reports damage); intact KV is reused, "
+                                            "and files indexed from other sources are read again where they were."),
+    drop_missing: bool = typer.Option(False, help="Drop the chunks of indexed files that are gone, wherever they were "
+                                                  "indexed from (default: only those gone from SOURCES)."),
     wait_lock: float = typer.Option(0.0, help="Seconds to wait for another process writing the same --out."),
     wrapper: str = typer.Option("auto", help="Chunk wrapper every chunk is encoded inside: auto (an existing index's, "
                                              "else the model's bundled one), none, a bundled name (`lazy-rag models`) "
@@ -84,7 +87,7 @@ def index(
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=True, precompute_kv=precompute,
                                    boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
-                                   wait_lock=wait_lock, wrapper=wrapper)
+                                   drop_missing=drop_missing, wait_lock=wait_lock, wrapper=wrapper)
     except LazyRagError as e:
         _fail(e)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"

@@ -146,6 +146,19 @@ def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
     return path
 
 
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _under_roots(source: str, roots: Sequence[str]) -> bool:
+    """``source`` (a resolved file path) is one of ``roots`` or inside one of them."""
+    return any(source == r or source.startswith(r.rstrip("/") + "/") for r in roots)
+
+
 def _chunk_id(source: str, ordinal: int, text: str) -> str:
     return hashlib.sha256(f"{source}\0{ordinal}\0{text}".encode()).hexdigest()[:20]
 
@@ -256,7 +269,7 @@ class LazyIndex:
               chunk_overlap: int = 32, shared_prefix: bool = False, system_prompt: str | None = None,
               kv_dtype: str = "auto", progress: bool = True, device: str = "auto", precompute_kv: bool = True,
               boundary_recompute: int = 0, recovery: Recovery | str | None = None,
-              instruction: str = DEFAULT_INSTRUCTION, repair: bool = False,
+              instruction: str = DEFAULT_INSTRUCTION, repair: bool = False, drop_missing: bool = False,
               wait_lock: float = 0.0, wrapper="auto") -> tuple["LazyIndex", BuildReport]:
         """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
 
@@ -271,13 +284,23 @@ class LazyIndex:
         A file indexed before that is now empty or unreadable loses its chunks (it is named in
         ``report.skipped_files``). ``repair=True`` rebuilds the chunk table and vectors from the
         sources without reading the old ones (after damage), reusing every KV file whose stored
-        token ids match. ``wait_lock``: seconds to wait for another writer of ``out``.
+        token ids match; files the index holds from sources not named here are read again at their
+        recorded paths, and one that cannot be read stops the repair (naming it) unless
+        ``drop_missing``. ``drop_missing=True`` drops the chunks of indexed files that are gone,
+        wherever they were indexed from (by default an update drops only files gone from the
+        sources it names). ``wait_lock``: seconds to wait for another writer of ``out``.
         ``wrapper``: the chunk wrapper every chunk is encoded inside (a bundled name, a file from
         `lazy-rag tune`, or "none"); "auto" keeps an existing index's and otherwise takes the model's
         bundled wrapper, if it has one."""
         files, skipped = discover_files(sources)
         docs, report = [], BuildReport(skipped=skipped)
         for f in files:
+            name = os.fsencode(f)
+            if not _is_utf8(name):  # a chunk table, a manifest and a terminal hold text: the path must be text
+                why = "file name is not UTF-8 (rename the file)"
+                report.skipped[why] += 1
+                report.skipped_files.append((name.decode("utf-8", "backslashreplace"), why))
+                continue
             text, why = read_text(f)
             if text is None:
                 report.skipped[why] += 1
@@ -292,7 +315,8 @@ class LazyIndex:
                                chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
                                kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
                                precompute_kv=precompute_kv, boundary_recompute=boundary_recompute, recovery=recovery,
-                               instruction=instruction, repair=repair, wait_lock=wait_lock, wrapper=wrapper,
+                               instruction=instruction, repair=repair, drop_missing=drop_missing,
+                               wait_lock=wait_lock, wrapper=wrapper,
                                unreadable={path for path, _ in report.skipped_files})
 
     @classmethod
@@ -358,6 +382,40 @@ class LazyIndex:
                                      "then run `lazy-rag index` again.") from e
 
     @staticmethod
+    def _reread_other_roots(old: dict, given: set[str], roots: list[str], report: BuildReport, unreadable: set,
+                            drop_missing: bool) -> list:
+        """For --repair (which cannot trust the old chunk table): the documents of the files the
+        index holds from sources not named on this command line, read again at their recorded
+        paths, so that the repair keeps them. One still there but no longer text is dropped, as by
+        any re-index (added to ``unreadable``); one that cannot be read at all (moved, deleted, an
+        unmounted disk) stops the repair before anything is written, naming it, unless
+        ``drop_missing``: its chunks could only be rebuilt from the file."""
+        docs, missing = [], []
+        for source in old["files"]:
+            if source in given or not Path(source).is_absolute() or _under_roots(source, roots):
+                continue  # read already, an id of in-memory texts, or gone from a folder named again
+            text, why = read_text(Path(source))
+            if text is not None:
+                docs.append((source, text, {"file_path": source}))
+            elif why.startswith("unreadable"):
+                missing.append((source, why))
+            else:
+                report.skipped[why] += 1
+                report.skipped_files.append((source, why))
+                unreadable.add(source)
+        if missing and not drop_missing:
+            named = "; ".join(f"{path} ({why})" for path, why in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise LazyIndexError(
+                f"--repair rebuilds the index from its source files, and {len(missing)} file(s) it holds from "
+                f"sources not named here cannot be read at their recorded paths: {named}{more}. Nothing was "
+                "changed. Put them back (or mount their disk) and run the repair again, or add --drop-missing to "
+                "drop their chunks from the index.")
+        for source, why in missing:
+            report.skipped_files.append((source, why))
+        return docs
+
+    @staticmethod
     def _live_kv_paths(out: Path) -> set[Path]:
         try:
             manifest = LazyIndex._read_manifest(out)
@@ -373,7 +431,7 @@ class LazyIndex:
                       chunk_overlap=32, shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True,
                       device="auto", report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
                       boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True,
-                      repair=False, unreadable=frozenset(), wrapper="auto"):
+                      repair=False, drop_missing=False, unreadable=frozenset(), wrapper="auto"):
         t0 = time.perf_counter()
         report = report or BuildReport()
         if llm is None:
@@ -418,6 +476,10 @@ class LazyIndex:
                 recs = cls._read_records(out, old)
                 old_vectors = cls._read_vectors(out, old, len(recs)) if old.get("vectors_file") else None
                 old_records = {r.id: (r, i) for i, r in enumerate(recs)}
+        if repair and old is not None and roots is not None:
+            unreadable = set(unreadable)
+            docs = list(docs) + cls._reread_other_roots(old, {d[0] for d in docs}, roots, report, unreadable,
+                                                        drop_missing)
         # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
         keep_ids, new_records = [], []
         seen_sources = set()
@@ -445,12 +507,12 @@ class LazyIndex:
                     report.files_removed += 1
                     log.warning("%s can no longer be read as text; its chunks were removed from the index.", source)
                     continue
-                if repair:
+                if repair:  # gone from a folder named again, or (--drop-missing) from anywhere
                     report.files_removed += 1
-                    log.warning("--repair re-indexes only the sources given: %s was dropped.", source)
+                    log.warning("--repair: %s cannot be read; its chunks were dropped.", source)
                     continue
-                under_root = roots is not None and any(source.startswith(r.rstrip("/") + "/") or source == r for r in roots)
-                if under_root and not Path(source).exists():
+                is_file = roots is not None and Path(source).is_absolute()  # not a from_texts id
+                if is_file and (drop_missing or _under_roots(source, roots)) and not Path(source).exists():
                     report.files_removed += 1  # vanished from a folder we were asked to index again
                     continue
                 keep_ids.extend(entry["chunk_ids"])

@@ -154,6 +154,68 @@ def test_a_damaged_chunk_table_is_an_error_and_kv_is_never_repaired_from_it(inde
     assert verify_index(out)["ok"]
 
 
+def chunk_table(out: Path) -> list:
+    """The committed chunk records (sorted), as stored."""
+    m = json.loads((out / "manifest.json").read_text())
+    return sorted((out / m["chunks_file"]).read_text().splitlines())
+
+
+def test_repair_keeps_files_indexed_from_other_sources_and_refuses_to_drop_unreadable_ones(index_copy, smollm2,
+                                                                                          embedder, tmp_path):
+    src, out = index_copy
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "harbour.md").write_text("The harbour wall of Port Sallow was finished in 1899 after four winters.")
+    opts = dict(llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+    LazyIndex.build([other], out, **opts)  # an update naming only the new folder keeps the first one's files
+    table, kv_mtimes = chunk_table(out), kv_files(out, mtime)
+    assert {json.loads(r)["source"].rsplit("/", 1)[1] for r in table} == {"lighthouse.md", "bakery.md", "harbour.md"}
+
+    def damage_vectors():
+        vf = out / json.loads((out / "manifest.json").read_text())["vectors_file"]
+        vf.write_bytes(vf.read_bytes()[:-40] + bytes(40))
+
+    damage_vectors()
+    _, rep = LazyIndex.build([other], out, **opts, repair=True)  # names only one of the two sources
+    assert chunk_table(out) == table and verify_index(out)["ok"]
+    assert rep.kv_bytes_written == 0 and kv_files(out, mtime) == kv_mtimes  # every KV file reused
+    assert rep.files_removed == 0 and rep.skipped_files == []
+    # a file of the source not named is gone: the repair cannot rebuild its chunks; it says so and changes nothing
+    (src / "bakery.md").unlink()
+    damage_vectors()
+    def files():  # every index file but the lock (its text names the last holder)
+        return sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file() and p.name != ".lock")
+
+    before = files()
+    gone = str((src / "bakery.md").resolve())
+    with pytest.raises(LazyIndexError, match=rf"1 file\(s\) .* not named here .*{re.escape(gone)} \(unreadable.*"
+                                             r"Nothing was changed.*--drop-missing"):
+        LazyIndex.build([other], out, **opts, repair=True)
+    assert files() == before
+    res = CliRunner().invoke(app, ["index", str(other), "--out", str(out), "--repair", "--chunk-size", "24",
+                                   "--chunk-overlap", "0"])
+    assert res.exit_code == 2 and "--drop-missing" in res.output and "Traceback" not in res.output, res.output
+    index, rep = LazyIndex.build([other], out, **opts, repair=True, drop_missing=True)
+    assert rep.files_removed == 1 and [p for p, _ in rep.skipped_files] == [gone]
+    assert chunk_table(out) == [r for r in table if json.loads(r)["source"] != gone] and verify_index(out)["ok"]
+    assert answer(out, smollm2, embedder)  # and it serves
+
+
+def test_drop_missing_drops_files_gone_from_sources_not_named(index_copy, smollm2, embedder, tmp_path):
+    src, out = index_copy
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "harbour.md").write_text("The harbour wall of Port Sallow was finished in 1899 after four winters.")
+    opts = dict(llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+    (src / "bakery.md").unlink()
+    index, rep = LazyIndex.build([other], out, **opts)  # by default a file outside the sources named is kept
+    assert rep.files_removed == 0 and any(r.source.endswith("bakery.md") for r in index.records)
+    index, rep = LazyIndex.build([other], out, **opts, drop_missing=True)
+    assert rep.files_removed == 1 and not any(r.source.endswith("bakery.md") for r in index.records)
+    assert {r.source.rsplit("/", 1)[1] for r in index.records} == {"lighthouse.md", "harbour.md"}
+    assert verify_index(out)["ok"] and verify_index(out)["stray_kv_files"] == 0
+
+
 def test_a_source_emptied_or_made_binary_loses_its_chunks_and_is_named(index_copy, smollm2, embedder):
     src, out = index_copy
     (src / "bakery.md").write_bytes(b"\x00\x01binary now")
