@@ -120,7 +120,9 @@ def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list
     nbytes = 0
     for s in range(0, len(records), ENCODE_BATCH):
         batch = records[s:s + ENCODE_BATCH]
-        kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper)
+        # not cached in the engine's memory tiers: the KV goes to disk, and a build must not hold a
+        # corpus's KV in memory (queries read it from the files)
+        kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False)
         for r, kv in zip(batch, kvs):
             nbytes += store.write(r.id, r.token_ids, kv)
             written.append(store.path(r.id))

@@ -81,6 +81,18 @@ def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpu
     assert len(list(out.glob("chunks-*.jsonl"))) == 1
 
 
+def test_a_build_holds_no_chunk_kv_in_memory(corpus, tmp_path, smollm2, embedder):
+    """The KV goes to disk only: a build leaves neither the engine's pool nor its host tier
+    holding it (so a build's memory does not grow with the corpus's KV)."""
+    eng = smollm2.engine
+    eng.clear_cache()
+    index, report = LazyIndex.build([corpus], tmp_path / "idx", llm=smollm2, embedder=embedder, chunk_size=48,
+                                    chunk_overlap=0, progress=False)
+    assert report.kv_bytes_written > 0 and eng.stats()["pages_in_use"] == 0 and eng.tiers.host.bytes == 0
+    res = index.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=2)
+    assert res.stats["chunk_sources"] == {"disk": 2}  # a query reads them from the files
+
+
 def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2, embedder, monkeypatch):
     index, _, out = built
     before = json.loads((out / "manifest.json").read_text())

@@ -57,7 +57,8 @@ class ChunkTiers:
         self.counters: Counter = Counter()
         self._stream = None
 
-    def _to_host(self, kv: ChunkKV) -> ChunkKV:
+    def to_host(self, kv: ChunkKV) -> ChunkKV:
+        """A host copy of ``kv`` (pinned on a CUDA machine), not kept in the tier."""
         k, v = kv.k.detach().to("cpu"), kv.v.detach().to("cpu")
         if self.pin:
             k, v = k.pin_memory(), v.pin_memory()
@@ -85,7 +86,7 @@ class ChunkTiers:
             return None, None
         self.counters["disk_hits"] += 1
         self.counters["bytes_from_disk"] += kv.nbytes
-        kv = self._to_host(kv)
+        kv = self.to_host(kv)
         self.host.put(key, kv)
         return kv, "disk"
 
@@ -94,7 +95,7 @@ class ChunkTiers:
         """Freshly encoded KV: into the host tier, and written back to the request's store."""
         self.counters["encoded"] += 1
         self.counters["encoded_tokens"] += kv.num_tokens
-        kv = self._to_host(kv)
+        kv = self.to_host(kv)
         self.host.put(key, kv)
         if store is not None and chunk_id is not None:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)

@@ -252,10 +252,13 @@ class Engine:
             it.close()
 
     # -- chunk encoding (index builds) ----------------------------------------------------------
-    def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = (), wrapper=None) -> list[ChunkKV]:
+    def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = (), wrapper=None,
+                      cache: bool = True) -> list[ChunkKV]:
         """Each chunk's position-free KV on the host (keys unrotated), encoded after
         ``shared_prefix`` and inside ``wrapper`` (its slots' KV included), many chunks per forward.
-        Encoded chunks stay cached in the pool."""
+        Encoded chunks stay cached in the pool and the host tier, unless ``cache=False``: an
+        index build, which writes the KV to disk and would otherwise hold its whole corpus's KV in
+        memory up to the pool's and the host tier's budgets (6 GiB by default on a CPU)."""
         prefix = tuple(int(t) for t in shared_prefix)
         with self.lock, torch.inference_mode():  # the lock also guards the host's wrapper table
             chunks = [self.host.wrap_chunk(ids, wrapper) for ids in chunks]
@@ -268,17 +271,17 @@ class Engine:
                 batch: list[int] = []
                 for i, ids in enumerate(chunks):
                     if batch and sum(len(chunks[j]) for j in batch) + len(ids) > budget:
-                        self._encode_batch(chunks, batch, prefix, pre, out)
+                        self._encode_batch(chunks, batch, prefix, pre, out, cache)
                         batch = []
                     batch.append(i)
                 if batch:
-                    self._encode_batch(chunks, batch, prefix, pre, out)
+                    self._encode_batch(chunks, batch, prefix, pre, out, cache)
             finally:
                 if pre is not None:
                     self.pm.release(pre)
         return out
 
-    def _encode_batch(self, chunks, batch, prefix, pre, out) -> None:
+    def _encode_batch(self, chunks, batch, prefix, pre, out, cache: bool) -> None:
         p = len(prefix)
         cached = [Run(0, p, tuple(pre.pages), 0)] if pre is not None else []
         jobs, owned = [], []
@@ -295,11 +298,11 @@ class Engine:
             raise
         for i, pages, kv in zip(batch, owned, kvs):
             key = chunk_key(chunks[i], prefix)
-            if self.pm.lookup(key) is None:  # keep it: the next query over this chunk is a pool hit
+            if cache and self.pm.lookup(key) is None:  # keep it: the next query over this chunk is a pool hit
                 self.pm.release(self.pm.adopt(key, pages, len(chunks[i])))
             else:
                 self.pm.free(pages)
-            out[i] = self.tiers.keep(key, kv, chunks[i], None, None)
+            out[i] = self.tiers.keep(key, kv, chunks[i], None, None) if cache else self.tiers.to_host(kv)
 
     def clear_cache(self) -> None:
         """Forget every cached chunk and prefix page not in use, and the host tier: the next

@@ -16,7 +16,7 @@ table gives rot_shift = the chunk's start in a request); private pages at their 
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -45,6 +45,10 @@ class PagePool:
         self.v = alloc(shape, dtype=dtype, device=self.device)
         self._free: deque[int] = deque(range(num_pages))
         self._used = bytearray(num_pages)  # 1 while allocated: catches double frees at once
+        # CPU: a freed page is handed out again first, so the memory committed stays that of the
+        # most pages ever in use at once; handed out in order, a long run (an index build that
+        # frees every batch) would touch, and commit, the whole budget
+        self._reuse_first = self.device.type == "cpu"
 
     # -- sizing ---------------------------------------------------------------------------------
     @staticmethod
@@ -82,11 +86,16 @@ class PagePool:
         return pages
 
     def free(self, pages) -> None:
+        pages = list(pages)
+        twice = [p for p in pages if not self._used[p]] or [p for p, n in Counter(pages).items() if n > 1]
+        if twice:  # checked before any is freed: a bad call changes nothing
+            raise RuntimeError(f"page {twice[0]} freed twice")
         for p in pages:
-            if not self._used[p]:
-                raise RuntimeError(f"page {p} freed twice")
             self._used[p] = 0
-            self._free.append(p)
+        if self._reuse_first:
+            self._free.extendleft(reversed(pages))  # the first freed is handed out first
+        else:
+            self._free.extend(pages)
 
     def is_used(self, page: int) -> bool:
         return bool(self._used[page])

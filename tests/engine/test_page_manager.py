@@ -32,6 +32,29 @@ def test_double_free_and_over_allocation_raise():
         pool.free(p[:1])
 
 
+def test_a_double_free_inside_one_call_changes_nothing():
+    pool = small_pool(num_pages=4)
+    p = pool.alloc(2)
+    with pytest.raises(RuntimeError, match=f"page {p[0]} freed twice"):
+        pool.free([p[0], p[1], p[0]])
+    assert pool.num_free == 2 and pool.is_used(p[0]) and pool.is_used(p[1])
+
+
+def test_cpu_pool_hands_freed_pages_out_first():
+    """A long run that allocates and frees (an index build, batch after batch) touches only as
+    many pages as it ever holds at once: CPU pool memory is committed as pages are written."""
+    pool = small_pool(num_pages=64)
+    touched = set()
+    for _ in range(50):
+        pages = pool.alloc(5)
+        touched.update(pages)
+        pool.free(pages)
+    assert len(touched) == 5
+    held = pool.alloc(3)
+    pool.free(held[1:])
+    assert pool.alloc(2) == held[1:]  # the first freed is handed out first
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
 def test_referenced_entries_are_never_evicted(policy):
     bm = PageManager(small_pool(num_pages=6), policy)

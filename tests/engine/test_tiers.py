@@ -62,3 +62,19 @@ def test_a_chunk_encoded_for_one_source_is_a_pool_hit_for_another(tmp_path, toke
     second = llm.generate(segs, max_new_tokens=1, source=b)
     assert first.stats.chunk_sources == {"encoded": 1} and second.stats.chunk_sources == {"pool": 1}
     assert (tmp_path / "a" / "kv" / "x.safetensors").exists()
+
+
+def test_encoding_for_an_index_build_keeps_nothing_in_memory(tokenizer):
+    """encode_chunks(cache=False): the KV comes back (the build writes it to disk), and neither the
+    pool nor the host tier keeps it, however many chunks pass through."""
+    llm = LazyLLM(tiny_model("llama"), tokenizer, page_size=4, num_pages=64)
+    eng = llm.engine
+    chunks = [list(range(100 + 13 * i, 113 + 13 * i)) for i in range(40)]  # 40 x 13 tokens > the pool
+    kept = eng.encode_chunks(chunks[:2])
+    assert eng.stats()["pages_in_use"] > 0 and eng.tiers.host.bytes > 0  # the default keeps them
+    eng.clear_cache()
+    built = [kv for i in range(0, len(chunks), 4) for kv in eng.encode_chunks(chunks[i:i + 4], cache=False)]
+    assert eng.stats()["pages_in_use"] == 0 and eng.tiers.host.bytes == 0 and len(eng.tiers.host) == 0
+    assert [kv.num_tokens for kv in built] == [13] * len(chunks)
+    for a, b in zip(kept, built[:2]):  # the same KV either way
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
