@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from lazy_rag.chat import DEFAULT_INSTRUCTION, build_rag_segments
+from lazy_rag.chat import DEFAULT_INSTRUCTION, build_rag_segments, render_messages
 from lazy_rag.errors import LazyRagError
 from lazy_rag.requests import ChunkSource
 from lazy_rag.segments import Chunk, Segment
@@ -116,11 +116,7 @@ class LazyRuntime:
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``(role, content)`` pairs with the model's chat template."""
-        msgs = [{"role": r, "content": c} for r, c in messages]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
-        return text + ("assistant: " if add_generation_prompt else "")
+        return render_messages(self.tokenizer, messages, add_generation_prompt)
 
     # -- planning -------------------------------------------------------------------------------
     def plan_prompt(self, prompt: str, chunk_ids: Sequence[str] | None = None, reuse: bool = True) -> Plan:

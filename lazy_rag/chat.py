@@ -15,6 +15,16 @@ DEFAULT_INSTRUCTION = (
 _SENTINEL = "@@LAZY_RAG_USER_TURN@@"
 
 
+def render_messages(tokenizer, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    """``(role, content)`` pairs rendered with the model's chat template (a plain "role: content"
+    transcript for a tokenizer without one)."""
+    msgs = [{"role": r, "content": c} for r, c in messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+
 def _template_parts(tokenizer, system_prompt: str | None) -> tuple[str, str]:
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -120,7 +120,7 @@ class LazyRagServer:
         except LazyRagError as e:  # a bad request the runtime found (too long, bad recovery, ...)
             raise bad(str(e)) from None
 
-    def finished(self, req: GenerationRequest, rid: str, result, prepared) -> None:
+    def finished(self, req: GenerationRequest, rid: str, result) -> None:
         st = result.stats
         self.metrics.observe(st)
         text = f" prompt={req.messages or req.prompt!r}" if self.settings.log_prompts else ""
@@ -137,7 +137,7 @@ def usage(result) -> dict:
 
 
 def lazy_rag_extra(result, prepared) -> dict:
-    """lazy-rag's own response field: how the prompt was served, and the retrieved sources."""
+    """lazy-rag's own response field: how the prompt was served (retrieved sources go in ``sources``)."""
     st = result.stats
     return {"mode": st.mode, "recovery": st.recovery, "ttft_ms": round(st.ttft_ms, 2),
             "total_ms": round(st.total_ms, 2), "cached_tokens": st.cached_tokens, "reused_tokens": st.reused_tokens,
@@ -243,7 +243,7 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
         finally:
             watch.cancel()
         result = ticket.handle.result
-        server.finished(req, rid, result, prepared)
+        server.finished(req, rid, result)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": result.finish_reason, "logprobs": None}
@@ -282,7 +282,7 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
             yield "data: [DONE]\n\n"
             return
         result = ticket.handle.result
-        server.finished(req, rid, result, prepared)
+        server.finished(req, rid, result)
         last = {**chunk, "choices": [choice(None, result.finish_reason)], "lazy_rag": lazy_rag_extra(result, prepared)}
         if req.rag_top_k:
             last["sources"] = prepared.sources

@@ -14,10 +14,10 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..errors import LazyRagError
+from ..errors import LazyRagError, RequestFailedError
 
 log = logging.getLogger("lazy_rag.server")
 
@@ -39,9 +39,7 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent: int = 0
-    cancelled: bool = False
     finished: bool = False
-    submitted_at: float = field(default_factory=time.perf_counter)
 
 
 class EngineDriver:
@@ -97,7 +95,6 @@ class EngineDriver:
         which frees its KV pages."""
         if ticket.finished:
             return
-        ticket.cancelled = True
         with self._guard:
             self._cancel.append(ticket)
         self._wake.set()
@@ -185,8 +182,6 @@ class EngineDriver:
             t.loop.call_soon_threadsafe(t.queue.put_nowait, None)
 
     def _fail_all(self, why: str) -> None:
-        from ..errors import RequestFailedError
-
         with self._guard:
             tickets = list(self._tickets.values())
         for t in tickets:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..chat import render_messages
 from ..errors import LazyRagError
 from ..requests import ChunkSource, Recovery
 from ..segments import Chunk, Segment
@@ -31,14 +32,6 @@ class PreparedPrompt:
     matched_chunks: list[str] = field(default_factory=list)  # index chunks found in the prompt
 
 
-def render_chat(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text of a conversation, through the model's chat template."""
-    msgs = [{"role": r, "content": c} for r, c in messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
-
-
 def document_segments(documents: Sequence[Document]) -> list[Segment]:
     """The documents block: a header, then each document as a cached chunk, blank lines between."""
     segs: list[Segment] = [DOCUMENTS_HEADER]
@@ -53,7 +46,7 @@ def document_segments(documents: Sequence[Document]) -> list[Segment]:
 def chat_with_documents(tokenizer, messages: Sequence[tuple[str, str]], documents: Sequence[Document]) -> list[Segment]:
     """The conversation with the documents block at the start of the last user turn (where RAG
     templates put retrieved context), so the question follows the chunks."""
-    rendered = render_chat(tokenizer, [*messages[:-1], (messages[-1][0], _SENTINEL)])
+    rendered = render_messages(tokenizer, [*messages[:-1], (messages[-1][0], _SENTINEL)])
     head, tail = rendered.split(_SENTINEL)
     return [head, *document_segments(documents), messages[-1][1] + tail]
 
@@ -83,7 +76,7 @@ class PromptBuilder:
             segs = (chat_with_documents(tok, req.messages, req.documents) if req.kind == "chat"
                     else completion_with_documents(req.prompt, req.documents))
             return PreparedPrompt(segs, None, req.recovery)
-        text = render_chat(tok, req.messages) if req.kind == "chat" else req.prompt
+        text = render_messages(tok, req.messages) if req.kind == "chat" else req.prompt
         if self.matcher is None:
             return PreparedPrompt([text], None, req.recovery)
         with self.llm.lock:  # the tokenizer is not safe to share between threads

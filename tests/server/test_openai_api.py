@@ -7,7 +7,8 @@ import uuid
 import httpx
 import pytest
 
-from lazy_rag.server.prompts import Document, chat_with_documents, render_chat
+from lazy_rag.chat import render_messages
+from lazy_rag.server.prompts import Document, chat_with_documents
 
 QUESTION = "In what year was the Marrow Point Lighthouse completed?"
 MAX = 12
@@ -27,7 +28,7 @@ def client(served):
 
 def test_chat_sync_and_stream_equal_in_process(served, client, smollm2, no_server_errors):
     messages = [{"role": "system", "content": "Reply briefly."}, {"role": "user", "content": "Name a colour."}]
-    want = in_process(smollm2, [render_chat(smollm2.tokenizer, [(m["role"], m["content"]) for m in messages])])
+    want = in_process(smollm2, [render_messages(smollm2.tokenizer, [(m["role"], m["content"]) for m in messages])])
     r = client.chat.completions.create(model=served.model, messages=messages, max_tokens=MAX, temperature=0)
     assert r.choices[0].message.content == want
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -70,7 +71,7 @@ def test_completions_and_async_client(served, smollm2, no_server_errors):
     r1, r2, streamed = asyncio.run(main())
     assert r1.choices[0].text == want == streamed
     assert r2.choices[0].message.content == in_process(
-        smollm2, [render_chat(smollm2.tokenizer, [("user", "Name a colour.")])])
+        smollm2, [render_messages(smollm2.tokenizer, [("user", "Name a colour.")])])
 
 
 def test_documents_are_reused_in_another_order(served, client, smollm2, no_server_errors):
@@ -111,7 +112,7 @@ def test_indexed_text_in_a_message_is_served_from_its_kv(served, client, corpus_
     r = client.chat.completions.create(model=served.model, messages=messages, max_tokens=MAX, temperature=0)
     assert r.model_extra["lazy_rag"]["matched_chunks"] == [chunk.id]
     assert r.usage.prompt_tokens_details.cached_tokens >= len(chunk.token_ids)
-    plan = served.state.builder.matcher.split(render_chat(smollm2.tokenizer, [("user", messages[0]["content"])]))
+    plan = served.state.builder.matcher.split(render_messages(smollm2.tokenizer, [("user", messages[0]["content"])]))
     want = smollm2.generate(plan.segments, max_new_tokens=MAX, source=corpus_index.chunk_source).text
     assert r.choices[0].message.content == want
 
