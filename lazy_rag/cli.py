@@ -391,6 +391,11 @@ def eval_squad(
     progress: str = typer.Option("auto", help="auto (a bar on a terminal, else lines), bar, lines or none."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for torch (1 avoids oversubscription on a "
                                                      "machine shared with other work; default: torch's)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Answers so far, rewritten after every batch (default: "
+                                                         "WORK_DIR/checkpoints/<run signature>.json); removed once "
+                                                         "the results are written."),
+    resume: bool = typer.Option(True, help="Go on from the checkpoint of an interrupted run with the same model, "
+                                           "data, settings and code (--no-resume: start over)."),
 ):
     """Quality of KV reuse (and recovery options) against full re-encoding, with paired intervals."""
     _quiet_libraries()
@@ -406,13 +411,14 @@ def eval_squad(
                           gold_positions=_eval_list(gold_position) if gold_position else None,
                           prompts=_eval_list(prompt), max_new_tokens=max_new_tokens, retrieval_file=retrieval,
                           ttft_n=ttft_n, batch_size=batch_size, bootstrap=bootstrap, device=device, dtype=dtype,
-                          work_dir=work_dir, progress=progress)
+                          work_dir=work_dir, progress=progress, checkpoint=checkpoint, resume=resume)
     try:
         run = run_eval(options)
     except LazyRagError as e:
         _fail(e)
     paths = write_report(run, results, quality_md if quality_md and str(quality_md) else None,
                          command=_eval_command_line(), plot=plot, stem=name)
+    run.discard_checkpoint()
     print(markdown_tables(run))
     for what, path in paths.items():
         out.print(f"{what} -> {path}")

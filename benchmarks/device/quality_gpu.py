@@ -10,8 +10,14 @@ On the GPU machine (real weights staged as in benchmarks/device/README.md):
 Here, with the run that came back:
 
     python benchmarks/device/quality_gpu.py --report PATH/NAME.run.pkl --model-name qwen2.5-0.5b
+
+A call that hits the device's time limit leaves ``NAME.partial.run.pkl`` (the run so far,
+rewritten every minute: ``--report`` takes it too, with n = the questions answered), and the
+answers' checkpoint under ~/.cache/lazy-rag/eval/checkpoints on the machine, so the same command
+in the next call (while the machine is warm) goes on where the last one stopped.
 """
 import argparse
+import dataclasses
 import os
 import pickle
 import shlex
@@ -60,15 +66,24 @@ def main() -> None:
                           ks=tuple(int(k) for k in a.k.split(",")), gold_positions=tuple(a.gold_position.split(",")),
                           retrieval_file=a.retrieval, ttft_n=a.ttft_n, batch_size=a.batch_size, device=a.device,
                           dtype=a.dtype, progress="lines")
-    run = run_eval(options)
-    command = "python3 " + shlex.join(sys.argv)
-    a.out.mkdir(parents=True, exist_ok=True)
     from lazy_rag.quality.report import markdown_tables, run_stem
 
-    stem = a.name or run_stem(run)
+    command = "python3 " + shlex.join(sys.argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    def save(run, suffix: str) -> str:
+        stem = a.name or run_stem(run)
+        tmp = a.out / f".{stem}{suffix}.run.pkl.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"run": dataclasses.replace(run, checkpoint=None), "command": command, "stem": stem}, f)
+        os.replace(tmp, a.out / f"{stem}{suffix}.run.pkl")
+        return stem
+
+    run = run_eval(options, on_partial=lambda partial: save(partial, ".partial"))
+    stem = save(run, "")
     write_report(run, a.out, None, command=command, plot=False, stem=stem)
-    with open(a.out / f"{stem}.run.pkl", "wb") as f:
-        pickle.dump({"run": run, "command": command, "stem": stem}, f)
+    (a.out / f"{stem}.partial.run.pkl").unlink(missing_ok=True)
+    run.discard_checkpoint()
     print(markdown_tables(run))
 
 

@@ -17,6 +17,7 @@ from itertools import product
 from pathlib import Path
 
 from ..errors import LazyRagError
+from .checkpoint import Checkpoint, code_digest, signature_digest
 from .configs import Config, parse_configs
 from .data import Dataset, cache_dir, load_dataset, passages_hash
 from ..progress import Progress
@@ -53,6 +54,8 @@ class EvalOptions:
     dtype: str = "auto"
     work_dir: Path | None = None          # where the cached indexes live
     progress: str = "auto"
+    checkpoint: Path | None = None        # answers so far (default: in work_dir, named by the run's signature)
+    resume: bool = True                   # start from the checkpoint's answers (False: overwrite it)
 
     def check(self) -> None:
         if self.task not in TASKS:
@@ -94,6 +97,11 @@ class EvalRun:
     records: list[dict]                     # one per setting and configuration
     answers: list[dict]                     # one per setting, configuration and question
     settings: list[Setting] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None    # the answers on disk until the results are written
+
+    def discard_checkpoint(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.remove()
 
 
 def index_folder(work_dir: Path, task: str, dataset_tag: str, runtime: Runtime, prompt: Prompt, options: dict,
@@ -183,11 +191,13 @@ class _Evaluation:
                        item.chunk_ids, config.mode, max_new_tokens, config.generate_options)
 
     # -- the two passes -------------------------------------------------------------------------------
-    def quality_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, list[dict]]:
-        """Per configuration, one row per item (same order): prediction, scores, KL vs full."""
-        rows: dict[str, list[dict]] = {c.name: [] for c in self.configs}
+    def quality_pass(self, setting: Setting, items: list[TaskItem], rows: dict[str, list[dict]],
+                     after_block=lambda: None) -> dict[str, list[dict]]:
+        """Per configuration, one row per item (same order): prediction, scores, KL vs full.
+        ``rows`` holds the answers of a checkpoint (the first items); the pass goes on from there
+        and calls ``after_block`` after every engine batch."""
         block = self.o.batch_size
-        for start in range(0, len(items), block):
+        for start in range(len(rows["full"]), len(items), block):
             chunk = items[start:start + block]
             requests = [self.request(setting, c, it, self.o.max_new_tokens) for c in self.configs for it in chunk]
             answers = self.runtime.answer(requests)
@@ -207,6 +217,7 @@ class _Evaluation:
             done_full = rows["full"]
             f1 = 100 * sum(r["f1"] for r in done_full) / len(done_full)
             self.progress.advance(len(requests), note=f"{setting.label()}: full F1 {f1:.1f} over {len(done_full)}")
+            after_block()
         return rows
 
     def ttft_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, list[float]]:
@@ -271,29 +282,40 @@ class _Evaluation:
             out.append(rec)
         return out
 
-    def run(self) -> EvalRun:
-        try:
-            settings = self.settings()
-            total = sum(len(items) * len(self.configs) + min(self.o.ttft_n, len(items)) * len(self.configs)
-                        for _, items in settings)
-            self.progress.close()
-            self.progress = Progress(total, "eval", style=self.o.progress)
-            for setting, _ in settings:  # open every index first: its messages come before the progress lines
-                for c in self.configs:
-                    self.index_for(setting.prompt, c)
-            records, answers = [], []
-            for setting, items in settings:
-                t0 = time.perf_counter()
-                rows = self.quality_pass(setting, items)
-                seconds = time.perf_counter() - t0
-                ttft = self.ttft_pass(setting, items)
-                records += self.summarise(setting, rows, ttft, seconds)
-                keys = {"task": self.o.task, "dataset": self.dataset_tag, "split": self.o.split,
-                        "prompt": setting.prompt.name, "k": setting.k, "gold_position": setting.gold_position,
-                        "subset": setting.subset}
-                answers += [{**keys, **row} for c in self.configs for row in rows[c.name]]
-        finally:
-            self.progress.close()
+    def signature(self, settings: list[tuple[Setting, list[TaskItem]]]) -> dict:
+        """Everything a run's answers depend on: resumed answers must be the ones this run would give."""
+        return {"code": code_digest(), "model": self.runtime.fingerprint_id, "dtype": self.runtime.dtype,
+                "data": self.data_hash,
+                "configs": [c.name for c in self.configs], "max_new_tokens": self.o.max_new_tokens,
+                "settings": [[s.label(), [[it.question.id, list(it.chunk_ids)] for it in items]]
+                             for s, items in settings]}
+
+    def checkpoint(self, settings) -> Checkpoint:
+        signature = self.signature(settings)
+        path = self.o.checkpoint or self.work_dir / "checkpoints" / f"{signature_digest(signature)}.json"
+        ckpt = Checkpoint(path, signature)
+        if not self.o.resume:
+            return ckpt
+        done = ckpt.load()
+        if done:
+            self.progress.say(f"resuming from {path}: {done} answers done")
+        return ckpt
+
+    def result(self, settings, state: dict) -> EvalRun:
+        """The run's records from ``state`` (label -> rows, seconds, ttft): every setting done so far,
+        and the one under way with the questions it has answered (a partial run has smaller n)."""
+        records, answers, done = [], [], []
+        for setting, _ in settings:
+            s = state.get(setting.label())
+            if not s or not s["rows"]["full"]:
+                continue
+            rows = s["rows"]
+            records += self.summarise(setting, rows, s.get("ttft") or {}, s["seconds"])
+            keys = {"task": self.o.task, "dataset": self.dataset_tag, "split": self.o.split,
+                    "prompt": setting.prompt.name, "k": setting.k, "gold_position": setting.gold_position,
+                    "subset": setting.subset}
+            answers += [{**keys, **row} for c in self.configs for row in rows[c.name]]
+            done.append(setting)
         meta = {"model": self.runtime.model_name, "device": self.runtime.device,
                 "device_name": self.runtime.device_name(), "dtype": self.runtime.dtype,
                 "data_file": str(self.dataset.path), "data_hash": self.data_hash,
@@ -302,12 +324,60 @@ class _Evaluation:
         for r in records:
             r.update({k: meta[k] for k in ("model", "device", "device_name", "dtype", "data_hash", "retrieval_file",
                                             "max_new_tokens")})
-        return EvalRun(self.o, meta, records, answers, [s for s, _ in settings])
+        return EvalRun(self.o, meta, records, answers, done)
+
+    def run(self, on_partial=None, partial_every_s: float = 60.0) -> EvalRun:
+        """``on_partial(EvalRun)``, if given, receives the run so far every ``partial_every_s``
+        seconds (at the end of an engine batch), so a run stopped from outside leaves its numbers."""
+        try:
+            settings = self.settings()
+            ckpt = self.checkpoint(settings)
+            total = sum(len(items) * len(self.configs) + min(self.o.ttft_n, len(items)) * len(self.configs)
+                        for _, items in settings)
+            self.progress.close()
+            self.progress = Progress(total, "eval", style=self.o.progress)
+            self.progress.advance(ckpt.answers() + sum(len(t) for s in ckpt.state.values()
+                                                       for t in (s.get("ttft") or {}).values()))
+            for setting, _ in settings:  # open every index first: its messages come before the progress lines
+                for c in self.configs:
+                    self.index_for(setting.prompt, c)
+            last_partial = time.monotonic()
+
+            def saved():
+                nonlocal last_partial
+                ckpt.save()
+                if on_partial is not None and time.monotonic() - last_partial >= partial_every_s:
+                    on_partial(self.result(settings, ckpt.state))
+                    last_partial = time.monotonic()
+
+            for setting, items in settings:
+                s = ckpt.state.setdefault(setting.label(), {"rows": {c.name: [] for c in self.configs},
+                                                            "seconds": 0.0, "ttft": None})
+                if len(s["rows"]["full"]) < len(items):
+                    t0 = time.perf_counter() - s["seconds"]
+
+                    def after_block(s=s, t0=t0):
+                        s["seconds"] = time.perf_counter() - t0
+                        saved()
+
+                    self.quality_pass(setting, items, s["rows"], after_block)
+                if s["ttft"] is None:
+                    s["ttft"] = self.ttft_pass(setting, items)
+                    saved()
+        finally:
+            self.progress.close()
+        run = self.result(settings, ckpt.state)
+        run.checkpoint = ckpt  # removed by the caller once the results are written
+        return run
 
 
-def run_eval(options: EvalOptions, runtime: Runtime | None = None) -> EvalRun:
-    """Run every setting and configuration of ``options``; see the module docstring."""
-    return _Evaluation(options, runtime).run()
+def run_eval(options: EvalOptions, runtime: Runtime | None = None, on_partial=None,
+             partial_every_s: float = 60.0) -> EvalRun:
+    """Run every setting and configuration of ``options``; see the module docstring. Answers are
+    checkpointed after every engine batch and a run of the same signature resumes from them
+    (``options.checkpoint``, ``options.resume``); ``on_partial`` receives the run so far every
+    ``partial_every_s`` seconds."""
+    return _Evaluation(options, runtime).run(on_partial, partial_every_s)
 
 
 def precompute_retrieval(out: Path, *, dataset: str = "squad", data: Path | None = None, fetch: bool = False,
