@@ -37,10 +37,29 @@ def discover_files(sources) -> tuple[list[Path], Counter]:
     return files, skipped
 
 
+READ_ATTEMPTS = 5  # reads of one file that may disagree (it is being written) before the last is taken
+
+
+def _read_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def read_text(path: Path) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason) for binary / non-UTF-8 / empty files."""
+    """(text, None) or (None, reason) for binary / non-UTF-8 / empty files.
+
+    The file is read until two reads in a row agree (at most ``READ_ATTEMPTS``): a write that lands
+    while it is read does not yield a torn text, half one version and half the next. The caller
+    chunks, hashes and records exactly the text returned, so what changes later is seen by the
+    next run; a file that never holds still is taken as last read (``LazyIndex.build`` reports
+    it as changed)."""
+    data = None
     try:
-        data = path.read_bytes()
+        for _ in range(READ_ATTEMPTS):
+            again = _read_bytes(path)
+            if again == data:
+                break
+            data = again
     except OSError as e:  # unreadable, or gone while indexing
         return None, f"unreadable ({e.strerror or type(e).__name__})"
     if b"\x00" in data[:8192]:

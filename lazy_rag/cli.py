@@ -97,6 +97,9 @@ def index(
         out.print(f"  skipped {path}: {why}", markup=False, highlight=False)
     if len(rep.skipped_files) > 20:
         out.print(f"  ... and {len(rep.skipped_files) - 20} more")
+    for path in rep.changed_files:
+        out.print(f"  {path} changed while it was indexed: the index holds the text read; run `lazy-rag index` "
+                  "again to index the new version.", markup=False, highlight=False)
     w = idx.wrapper
     out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
               f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}"

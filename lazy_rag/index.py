@@ -161,6 +161,15 @@ def _under_roots(source: str, roots: Sequence[str]) -> bool:
     return any(source == r or source.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+def _stamp(path) -> tuple | None:
+    """What changes when a file is written or replaced (None: gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def _chunk_id(source: str, ordinal: int, text: str) -> str:
     return hashlib.sha256(f"{source}\0{ordinal}\0{text}".encode()).hexdigest()[:20]
 
@@ -209,6 +218,8 @@ class BuildReport:
     files_removed: int = 0
     skipped: Counter = field(default_factory=Counter)
     skipped_files: list = field(default_factory=list)   # (path, why) of files that could not be read
+    # files that changed after they were read: the index holds the text read, the next run re-indexes them
+    changed_files: list = field(default_factory=list)
     chunks_added: int = 0
     chunks_total: int = 0
     tokens_total: int = 0
@@ -284,7 +295,9 @@ class LazyIndex:
         ``progress``: True (a bar on a terminal, else a plain line every 30 s or 5%), False, or
         a style: "bar", "lines", "none".
         A file indexed before that is now empty or unreadable loses its chunks (it is named in
-        ``report.skipped_files``). ``repair=True`` rebuilds the chunk table and vectors from the
+        ``report.skipped_files``). Each file's chunks, KV and recorded sha256 are one read of it
+        (``chunking.read_text``); one written after that read is named in ``report.changed_files``,
+        and the next run re-indexes it. ``repair=True`` rebuilds the chunk table and vectors from the
         sources without reading the old ones (after damage), reusing every KV file whose stored
         token ids match; files the index holds from sources not named here are read again at their
         recorded paths, and one that cannot be read stops the repair (naming it) unless
@@ -295,7 +308,7 @@ class LazyIndex:
         `lazy-rag tune`, or "none"); "auto" keeps an existing index's and otherwise takes the model's
         bundled wrapper, if it has one."""
         files, skipped = discover_files(sources)
-        docs, report = [], BuildReport(skipped=skipped)
+        docs, report, stamps = [], BuildReport(skipped=skipped), {}
         for f in files:
             name = os.fsencode(f)
             if not _is_utf8(name):  # a chunk table, a manifest and a terminal hold text: the path must be text
@@ -303,6 +316,7 @@ class LazyIndex:
                 report.skipped[why] += 1
                 report.skipped_files.append((name.decode("utf-8", "backslashreplace"), why))
                 continue
+            stamps[str(f)] = _stamp(f)  # before the read: a write after it shows at the end
             text, why = read_text(f)
             if text is None:
                 report.skipped[why] += 1
@@ -313,13 +327,21 @@ class LazyIndex:
             raise LazyRagError(f"None of the {len(files)} files could be read as UTF-8 text "
                                f"(skipped: {dict(report.skipped)}).")
         roots = [str(Path(s).expanduser().resolve()) for s in sources]
-        return cls._build_docs(docs, out, llm, embedder, model=model, chunk_size=chunk_size,
-                               chunk_overlap=chunk_overlap, shared_prefix=shared_prefix, system_prompt=system_prompt,
-                               kv_dtype=kv_dtype, progress=progress, device=device, report=report, roots=roots,
-                               precompute_kv=precompute_kv, boundary_recompute=boundary_recompute, recovery=recovery,
-                               instruction=instruction, repair=repair, drop_missing=drop_missing,
-                               wait_lock=wait_lock, wrapper=wrapper,
-                               unreadable={path for path, _ in report.skipped_files})
+        index, report = cls._build_docs(
+            docs, out, llm, embedder, model=model, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
+            shared_prefix=shared_prefix, system_prompt=system_prompt, kv_dtype=kv_dtype, progress=progress,
+            device=device, report=report, roots=roots, precompute_kv=precompute_kv,
+            boundary_recompute=boundary_recompute, recovery=recovery, instruction=instruction, repair=repair,
+            drop_missing=drop_missing, wait_lock=wait_lock, wrapper=wrapper,
+            unreadable={path for path, _ in report.skipped_files})
+        # Each file's chunks, KV and recorded sha256 are one read of it. One written since (by
+        # then or while the build ran) is named: the next run sees its new sha256 and re-indexes it.
+        for source, text, _ in docs:
+            if _stamp(source) != stamps[source] and read_text(Path(source))[0] != text:
+                report.changed_files.append(source)
+                log.warning("%s changed while it was indexed: the index holds the text read; run `lazy-rag "
+                            "index` again to index the new version.", source)
+        return index, report
 
     @classmethod
     def from_texts(cls, texts: Iterable[str], out, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,

@@ -1,8 +1,9 @@
-"""Hostile input to index builds (issue 25): a source file that changes while it is indexed, one
-that vanishes between discovery and reading, file names with a newline, odd Unicode or bytes
-that are not UTF-8, and a long file of one line (no sentence ends, or one base64-like word).
-Each ends in an index whose stored chunks are exactly what was read, or in a clean skip that
-names the file, never a traceback."""
+"""Hostile input to index builds (issue 25): a source file that another program writes while it
+is indexed (during the read, or after it while the build runs), one that vanishes between
+discovery and reading, file names with a newline, odd Unicode or bytes that are not UTF-8, and a
+long file of one line (no sentence ends, or one base64-like word). Each ends in an index whose
+stored chunks are exactly one read of each file (a changed file named, and re-indexed by the next
+run), or in a clean skip that names the file, never a traceback."""
 import hashlib
 import json
 import os
@@ -34,38 +35,110 @@ def records_of(index, name):
     return [r for r in index.records if Path(r.source).name == name]
 
 
-def test_a_file_changing_while_indexed_stores_exactly_what_was_read_and_a_reindex_notices(tmp_path, smollm2,
-                                                                                          embedder, monkeypatch):
+# what another program writes into tower.md while lazy-rag reads it (same size, longer, shorter, renamed over)
+WRITES = {"rewritten": FIRST.replace("1871", "1872").replace("1902", "1903"),
+          "appended": FIRST + ADDED,
+          "truncated": "The Marrow Point Lighthouse was torn down.",
+          "replaced": "The Marrow Point Lighthouse is now a museum, open daily."}
+
+
+def write(path, mode, text):
+    if mode == "replaced":  # an editor's save: a new file renamed over the old one
+        tmp = path.with_name(".tower.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    else:  # in place: the reader's open file sees the new bytes
+        with open(path, "r+" if mode == "rewritten" else "a" if mode == "appended" else "w") as f:
+            f.write(text[len(FIRST):] if mode == "appended" else text)
+
+
+def check_stored(index, src, smollm2, name, text):
+    """The index holds ``text`` as the file's one version: chunks, their token ids, the KV (verify
+    checks each KV file against its chunk's token ids) and the recorded sha256."""
+    recs = records_of(index, name)
+    assert "".join(r.text for r in recs).replace(" ", "") == text.replace(" ", "")
+    for r in recs:
+        assert r.token_ids == smollm2.tokenizer(r.text, add_special_tokens=False).input_ids
+    entry = index.manifest["files"][str((src / name).resolve())]
+    assert entry["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert verify_index(index.path)["ok"]
+
+
+@pytest.mark.parametrize("mode", list(WRITES))
+def test_a_write_during_the_read_never_tears_a_chunk(tmp_path, smollm2, embedder, monkeypatch, mode):
+    """Another program writes the file while the build is half-way through reading it (and after
+    the build took the file's stat): the stored chunks are one whole version, never half the old
+    text and half the new, and nothing is reported changed since the index holds what is there."""
     src = tmp_path / "docs"
     src.mkdir()
-    (src / "tower.md").write_text(FIRST)
+    tower = src / "tower.md"
+    tower.write_text(FIRST)
+    (src / "other.md").write_text("The Kestrel Street Bakery opened in 1923.")
+    import lazy_rag.chunking as chunking
+
+    real, reads = chunking._read_bytes, []
+
+    def torn(path):  # the first read of tower.md: up to "1871", then the write, then the rest of the open file
+        if path.name != "tower.md" or reads:
+            return real(path)
+        with open(path, "rb", buffering=0) as f:  # unbuffered: the rest is read after the write
+            head = f.read(FIRST.index("1871") + 4)
+            write(path, mode, WRITES[mode])
+            reads.append(head + f.read())
+        return reads[0]
+
+    monkeypatch.setattr(chunking, "_read_bytes", torn)
+    index, report = build(src, tmp_path / "idx", smollm2, embedder)
+    monkeypatch.undo()
+    assert reads and (reads[0] not in (FIRST.encode(), WRITES[mode].encode())) == (mode in ("rewritten",
+                                                                                            "truncated"))
+    check_stored(index, src, smollm2, "tower.md", WRITES[mode])
+    assert report.changed_files == []
+    _, report = build(src, tmp_path / "idx", smollm2, embedder)
+    assert (report.files_unchanged, report.files_indexed) == (2, 0)
+
+
+@pytest.mark.parametrize("mode", ["appended", "truncated"])
+def test_a_file_written_after_it_was_read_is_named_and_the_next_run_reindexes_it(tmp_path, smollm2, embedder,
+                                                                                 monkeypatch, mode):
+    """`lazy-rag index` reads the file, then another program writes it while the build embeds and
+    encodes: the index holds the version read, the run names the file, the next run re-indexes it."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    tower = src / "tower.md"
+    tower.write_text(FIRST)
     (src / "other.md").write_text("The Kestrel Street Bakery opened in 1923.")
     import lazy_rag.index as index_mod
 
-    real_read, read = index_mod.read_text, {}
+    real_read, read = index_mod.read_text, []
 
-    def read_then_written(path):  # another program appends right after the build read the file
+    def read_then_written(path):
         text, why = real_read(path)
-        if path.name == "tower.md":
-            read["text"] = text
-            with open(path, "a") as f:
-                f.write(ADDED)
+        if path.name == "tower.md" and not read:
+            read.append(text)
+            write(path, mode, WRITES[mode])
         return text, why
 
     monkeypatch.setattr(index_mod, "read_text", read_then_written)
-    index, _ = build(src, tmp_path / "idx", smollm2, embedder)
+    monkeypatch.setattr(index_mod.LazyLLM, "from_pretrained", lambda *a, **k: smollm2)
+    monkeypatch.setattr(index_mod, "Embedder", lambda *a, **k: embedder)
+    res = CliRunner().invoke(app, ["index", str(src), "--out", str(tmp_path / "idx"), "--chunk-size", "64",
+                                   "--chunk-overlap", "0"])
     monkeypatch.undo()
-    assert read["text"] == FIRST and (src / "tower.md").read_text() == FIRST + ADDED
-    [rec] = records_of(index, "tower.md")
-    assert rec.text == FIRST and rec.token_ids == smollm2.tokenizer(FIRST, add_special_tokens=False).input_ids
-    entry = index.manifest["files"][str((src / "tower.md").resolve())]
-    assert entry["sha256"] == hashlib.sha256(FIRST.encode()).hexdigest()  # the bytes read, not the bytes now
-    assert verify_index(tmp_path / "idx")["ok"]
-    # the next run sees the file as changed and indexes what it holds now; the other file is untouched
+    assert res.exit_code == 0, res.output
+    assert read == [FIRST] and tower.read_text() == WRITES[mode]
+    assert f"{tower.resolve()} changed while it was indexed" in res.output.replace("\n", "")
+    index = LazyIndex.load(tmp_path / "idx", llm=smollm2, embedder=embedder)
+    check_stored(index, src, smollm2, "tower.md", FIRST)
     index, report = build(src, tmp_path / "idx", smollm2, embedder)
-    assert (report.files_indexed, report.files_unchanged) == (1, 1)
-    assert " ".join(r.text for r in records_of(index, "tower.md")) == FIRST + ADDED
-    assert verify_index(tmp_path / "idx")["ok"] and verify_index(tmp_path / "idx")["stray_kv_files"] == 0
+    assert report.changed_files == [] and report.files_unchanged == 1
+    if mode == "appended":
+        assert report.files_indexed == 1
+        check_stored(index, src, smollm2, "tower.md", FIRST + ADDED)
+    else:
+        assert report.files_indexed == 1 and report.files_removed == 0  # shorter text, fewer tokens
+        check_stored(index, src, smollm2, "tower.md", WRITES["truncated"])
+    assert verify_index(tmp_path / "idx")["stray_kv_files"] == 0
 
 
 def test_a_file_deleted_between_discovery_and_reading_is_named_and_the_rest_indexed(tmp_path, smollm2, embedder,
@@ -135,3 +208,4 @@ def test_a_long_file_of_one_line_is_split_within_the_chunk_size(tmp_path, smollm
         stored = "".join(r.text for r in records_of(index, name))
         assert stored.replace(" ", "") == text.replace(" ", "")  # every character, in order, no overlap
     assert verify_index(tmp_path / "idx")["ok"]
+
