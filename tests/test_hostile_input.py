@@ -7,6 +7,8 @@ run), or in a clean skip that names the file, never a traceback."""
 import hashlib
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from typer.testing import CliRunner
 from lazy_rag import LazyIndex
 from lazy_rag.cli import app
 from lazy_rag.embedder import Embedder
-from lazy_rag.index import verify_index
+from lazy_rag.errors import LazyIndexError
+from lazy_rag.index import describe_index, kv_subdir, verify_index
 
 FIRST = "The Marrow Point Lighthouse was completed in 1871. Its lamp burned whale oil until 1902."
 ADDED = " A later keeper painted the tower red and white in 1955."
@@ -209,3 +212,145 @@ def test_a_long_file_of_one_line_is_split_within_the_chunk_size(tmp_path, smollm
         assert stored.replace(" ", "") == text.replace(" ", "")  # every character, in order, no overlap
     assert verify_index(tmp_path / "idx")["ok"]
 
+
+# -- an index folder from an untrusted source ---------------------------------------------------------
+
+class Unpickled(AssertionError):
+    pass
+
+
+@pytest.fixture()
+def no_unpickling(monkeypatch):
+    """Every way to unpickle (pickle's functions and Unpickler, torch.load, numpy.load) refused and
+    recorded while the test runs; the list of what was called is returned."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    calls = []
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            calls.append(name)
+            raise Unpickled(f"{name} called on the index load path")
+        return refused
+
+    class RefusedUnpickler(pickle.Unpickler):  # a class still, so that modules may subclass it
+        def __init__(self, *args, **kwargs):
+            refuse("pickle.Unpickler")()
+
+    for name in ("load", "loads", "_load", "_loads"):
+        monkeypatch.setattr(pickle, name, refuse(f"pickle.{name}"))
+    monkeypatch.setattr(pickle, "Unpickler", RefusedUnpickler)
+    monkeypatch.setattr(torch, "load", refuse("torch.load"))
+    monkeypatch.setattr(np, "load", refuse("numpy.load"))
+    return calls
+
+
+class Payload:
+    """Unpickling this creates ``marker``: proof that a file was unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.fixture(scope="module")
+def clean_index(tmp_path_factory, smollm2, embedder):
+    out = tmp_path_factory.mktemp("untrusted") / "idx"
+    src = out.parent / "docs"
+    src.mkdir()
+    (src / "tower.md").write_text(FIRST)
+    (src / "bakery.md").write_text("The Kestrel Street Bakery opened in 1923.")
+    index, _ = build(src, out, smollm2, embedder)
+    smollm2.engine.clear_cache()
+    return out, index.query("When was the lighthouse completed?", top_k=2, max_new_tokens=4).answer
+
+
+def test_loading_and_querying_an_index_unpickles_nothing(clean_index, smollm2, no_unpickling):
+    """The whole default load path: the model and the embedder by the names the manifest holds,
+    the manifest, chunk table, vectors, wrapper and KV files, a query, verify and describe."""
+    out, want = clean_index
+    smollm2.engine.clear_cache()
+    index = LazyIndex.load(out, device="cpu")  # no model or embedder given: the manifest's names
+    assert index.query("When was the lighthouse completed?", top_k=2, max_new_tokens=4).answer == want
+    assert verify_index(out)["ok"] and describe_index(out)["chunks"] == 2
+    assert no_unpickling == []
+
+
+@pytest.mark.parametrize("target", ["manifest", "chunks_file", "vectors_file", "wrapper_file", "kv"])
+def test_an_index_file_replaced_by_a_pickle_is_never_unpickled(clean_index, smollm2, embedder, tmp_path,
+                                                               no_unpickling, target):
+    """A crafted index: one file replaced by a pickle (torch.save's zip for the safetensors files)
+    whose unpickling would create a file, the manifest's checksum updated to match (a forgery, not
+    damage). A table or the manifest is a clean error naming the file; a KV file is recomputed;
+    nothing is unpickled."""
+    import pickle
+
+    import torch
+
+    clean, want = clean_index
+    out = tmp_path / "idx"
+    shutil.copytree(clean, out)
+    marker = tmp_path / "unpickled"
+    manifest = json.loads((out / "manifest.json").read_text())
+    if target == "manifest":
+        victim = out / "manifest.json"
+    elif target == "kv":
+        victim = next((out / kv_subdir(manifest["wrapper"])).glob("*.safetensors"))
+    else:
+        victim = out / manifest[target]
+    if victim.suffix == ".safetensors":
+        torch.save({"k": Payload(marker)}, victim)
+    else:
+        victim.write_bytes(pickle.dumps(Payload(marker)))
+    if target in manifest.get("checksums", {}):
+        manifest["checksums"][target] = hashlib.sha256(victim.read_bytes()).hexdigest()
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    smollm2.engine.clear_cache()
+    if target == "kv":
+        index = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+        assert index.query("When was the lighthouse completed?", top_k=2, max_new_tokens=4).answer == want
+        assert verify_index(out)["ok"]  # the query wrote the recomputed KV in its place
+    else:
+        with pytest.raises(LazyIndexError, match=re.escape(victim.name)):
+            LazyIndex.load(out, llm=smollm2, embedder=embedder)
+        if target != "manifest":
+            assert not verify_index(out)["ok"]
+    assert no_unpickling == [] and not marker.exists()
+
+
+def test_the_load_path_has_no_unpickling_code():
+    """The source of the load and query path (lazy_rag/*.py, lazy_rag/engine/) neither imports a
+    pickle-based loader nor calls torch.load without weights_only=True, numpy's allow_pickle or
+    eval/exec: the dynamic tests above cover the paths they run, this covers the rest."""
+    import ast
+
+    import lazy_rag
+
+    root = Path(lazy_rag.__file__).parent
+    found = []
+    for path in sorted(root.glob("*.py")) + sorted((root / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{where} imports {n}" for n in names
+                          if n and n.split(".")[0] in ("pickle", "_pickle", "cPickle", "dill", "shelve", "joblib",
+                                                       "marshal", "cloudpickle")]
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            kwargs = {k.arg: k.value for k in node.keywords}
+            if name in ("eval", "exec") and isinstance(func, ast.Name):
+                found.append(f"{where} calls {name}()")
+            if name == "load" and isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "torch" and \
+                    not (isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True):
+                found.append(f"{where} calls torch.load without weights_only=True")
+            if isinstance(kwargs.get("allow_pickle"), ast.Constant) and kwargs["allow_pickle"].value is True:
+                found.append(f"{where} passes allow_pickle=True")
+    assert found == []
