@@ -159,7 +159,9 @@ class Engine:
         kept, rows = [], []
         for seq in seqs:
             try:
-                rows.append(self.runner.run([seq]))
+                # a copy: a CUDA-graph decode returns its graph's output buffer, which the next
+                # request's replay of the same graph overwrites
+                rows.append(self.runner.run([seq]).clone())
                 kept.append(seq)
             except Exception as e:
                 self._fail(seq, e)

@@ -88,7 +88,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
         """Compute every sequence's ``compute_pos`` tokens; returns fp32 logits [len(seqs), vocab]
-        of each sequence's last new token."""
+        of each sequence's last new token (after a CUDA-graph decode, a view of the graph's output
+        buffer: valid until the next ``run``)."""
         if self.graphs is not None and is_decode_step(seqs):
             out = self.graphs.run(seqs)
             if out is not None:

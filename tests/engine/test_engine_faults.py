@@ -6,6 +6,7 @@ soak: hundreds of random requests over a tight pool with aborts and injected fau
 import random
 
 import pytest
+import torch
 
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.errors import RequestFailedError
@@ -43,11 +44,30 @@ def run_all(eng, specs):
     return handles
 
 
-@pytest.mark.parametrize("fault", ["store", "forward", "oom", "too_large"])
+def reuse_output_buffers(eng):
+    """Make the runner return logits the way a CUDA-graph decode does, on any device: in a buffer
+    that its next run overwrites (one per shape, as one graph per batch shape)."""
+    run, buffers = eng.runner.run, {}
+
+    def run_into_buffer(seqs):
+        out = run(seqs)
+        buf = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
+        return buf.copy_(out)
+
+    eng.runner.run = run_into_buffer
+
+
+@pytest.mark.parametrize("fault", ["store", "forward", "forward_reused_outputs", "oom", "too_large"])
 def test_a_fault_fails_only_its_request(llm, fault):
+    """``forward_reused_outputs``: after a batch's forward fails, the engine runs its requests one
+    by one; on CUDA their decodes replay one graph whose output buffer each replay overwrites
+    (the CPU test reproduces that), so each request's logits must be kept before the next runs."""
     reqs = workload(6, seed=7)
     want = solo_tokens(llm, reqs)
     eng = engine(llm)
+    if fault == "forward_reused_outputs":
+        reuse_output_buffers(eng)
+        fault = "forward"
     specs = [dict(segments=s, mode="lazy", max_new_tokens=m) for s, m in reqs]
     bad = 2
     pool_tokens = eng.pool.num_pages * eng.pool.page_size
