@@ -18,8 +18,14 @@ tokenizer), 5,000 requests, a 40-page pool of 4-token pages: about a minute on 2
 ``--model smollm2``: the real bundled model, with its bundled chunk wrapper (~15x slower per
 request; its wrapped chunks need a larger pool: --pages 80).
 
+``--device cuda``: the same soak through the engine's CUDA path (Triton kernels, CUDA-graph
+decode); GPU memory is checked too (allocated bytes at the end against the end of the first
+tenth, and the peak). A machine without the bundled model wheels takes the tokenizer from a
+folder (``--tokenizer``, or $LAZY_RAG_TEST_TOKENIZER as for tests/gpu_parity.sh).
+
     python benchmarks/reliability_soak.py          # adds a record to benchmarks/results/reliability_soak.json
     python benchmarks/reliability_soak.py --model smollm2 --requests 1000 --distinct 60 --pages 80
+    python benchmarks/reliability_soak.py --device cuda --tokenizer .gpu/tokenizer
 """
 import argparse
 import json
@@ -86,20 +92,33 @@ class RssSampler(threading.Thread):
         return max(self.peak, rss_bytes())
 
 
-def load(model: str) -> LazyLLM:
+def load(model: str, device: str, tokenizer: str | None) -> LazyLLM:
     if model == "tiny":
         # the tests' engine model (head_dim 32), with SmolLM2's tokenizer; no EOS: every request
         # generates exactly its max_new_tokens, so every decode path is exercised
-        tok = LazyLLM.from_pretrained("smollm2", device="cpu", wrapper="none").tokenizer
-        llm = small_llm(tiny_model("llama", "llama3", seed=3, hidden_size=128), tok)
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        else:
+            tok = LazyLLM.from_pretrained("smollm2", device="cpu", wrapper="none").tokenizer
+        llm = small_llm(tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device), tok)
         llm.eos_ids = set()
         return llm
-    return LazyLLM.from_pretrained(model, device="cpu")
+    return LazyLLM.from_pretrained(model, device=device)
+
+
+def cuda_allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="tiny (the tests' random model) or a bundled name, e.g. smollm2")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--tokenizer", default=os.environ.get("LAZY_RAG_TEST_TOKENIZER"),
+                   help="a tokenizer folder for the tiny model (default: the bundled SmolLM2's; "
+                        "$LAZY_RAG_TEST_TOKENIZER)")
     p.add_argument("--requests", type=int, default=5000, help="requests submitted in all")
     p.add_argument("--distinct", type=int, default=300, help="distinct requests they are drawn from")
     p.add_argument("--chunks", type=int, default=12, help="distinct chunks the requests share")
@@ -115,9 +134,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "reliability_soak.json")
     a = p.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: torch {torch.__version__} sees no CUDA device here")
     torch.set_num_threads(a.threads)
     t_start = time.perf_counter()
-    llm = load(a.model)
+    llm = load(a.model, a.device, a.tokenizer)
     requests = with_random_modes(workload(a.distinct, seed=a.seed, num_chunks=a.chunks), seed=a.seed)
     t0 = time.perf_counter()
     roomy = Engine(llm.host, EngineConfig(num_pages=600, page_size=a.page_size, max_num_seqs=8,
@@ -134,12 +155,21 @@ def main() -> None:
     sampler = RssSampler(a.sample_s)
     sampler.start()
     rss_start = rss_bytes()
-    rss_after_warmup = []
+    rss_after_warmup, cuda_after_warmup, graphs_after_warmup = [], [], []
+
+    def graphs_captured() -> int:  # CUDA-graph decode: one graph (and its buffers) per batch shape
+        return len(eng.runner.graphs.graphs) if eng.runner.graphs is not None else 0
+
+
     tenth = max(1, a.requests // a.wave // 10)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
     def on_wave(counts):
         if counts.waves == tenth:
             rss_after_warmup.append(rss_bytes())
+            cuda_after_warmup.append(cuda_allocated())
+            graphs_after_warmup.append(graphs_captured())
         if counts.waves % 50 == 0:
             print(f"[soak] {counts.submitted}/{a.requests} requests: {counts.finished} finished, "
                   f"{counts.aborted} aborted, {counts.failed_injected} failed as injected, "
@@ -151,14 +181,23 @@ def main() -> None:
     soak_s = time.perf_counter() - t0
     rss_end = rss_bytes()
     rss_peak_sampled = sampler.stop()
+    cuda_end = cuda_allocated()
     host = eng.tiers.host
     host_evictions, host_bytes_end = host.evictions, host.bytes
     leaks = page_leaks(eng)
     warm = rss_after_warmup[0] if rss_after_warmup else rss_start
     mib = 2 ** 20
+    on_cuda = llm.device.type == "cuda"
+    cuda = {"cuda_allocated_after_first_tenth_mib": round((cuda_after_warmup or [0])[0] / mib, 1),
+            "cuda_allocated_end_mib": round(cuda_end / mib, 1),
+            "cuda_allocated_growth_after_first_tenth_mib": round((cuda_end - (cuda_after_warmup or [0])[0]) / mib, 1),
+            "cuda_peak_allocated_mib": round(torch.cuda.max_memory_allocated() / mib, 1),
+            "cuda_graphs_after_first_tenth": (graphs_after_warmup or [0])[0], "cuda_graphs_end": graphs_captured()} \
+        if on_cuda else {}
     record = {
         "benchmark": "reliability_soak", "mode": "random requests, aborts, injected faults, tight pool",
-        "device": "cpu", "model": a.model, "python": platform.python_version(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(llm.device) if on_cuda else "cpu", "model": a.model,
+        "python": platform.python_version(), "torch": torch.__version__,
         "threads": a.threads, "seed": a.seed, "requests": a.requests, "distinct_requests": a.distinct,
         "chunks": a.chunks, "pool_pages": a.pages, "page_size_tokens": a.page_size, "max_num_seqs": a.max_num_seqs,
         "wave": a.wave, "abort_rate": a.abort_rate, "fault_rate": a.fault_rate,
@@ -173,7 +212,7 @@ def main() -> None:
         "rss_start_mib": round(rss_start / mib, 1), "rss_after_first_tenth_mib": round(warm / mib, 1),
         "rss_end_mib": round(rss_end / mib, 1), "rss_peak_sampled_mib": round(rss_peak_sampled / mib, 1),
         "rss_growth_after_first_tenth_mib": round((rss_end - warm) / mib, 1),
-        "vm_hwm_mib": round(peak_rss_bytes() / mib, 1),
+        "vm_hwm_mib": round(peak_rss_bytes() / mib, 1), **cuda,
         "reference_s": round(reference_s, 1), "soak_s": round(soak_s, 1),
         "requests_per_s": round(counts.submitted / soak_s, 1),
         "wall_s": round(time.perf_counter() - t_start, 1), "problems": json.dumps(counts.examples),
@@ -184,13 +223,17 @@ def main() -> None:
     a.out.write_text(json.dumps(old + [record], indent=1) + "\n")  # runs accumulate (tiny model, SmolLM2)
     ok = (counts.mismatched == counts.failed_unexpected == counts.faults_not_raised == counts.host_bound_violations
           == 0 and not any(leaks.values()))
+    print(f"{record['device']}, model {a.model}, record appended to {a.out}")
     print("| requests | finished (= uninterrupted) | aborted | failed as injected | unexpected failures | "
-          "page leaks | host tier over bound | RSS peak MiB | RSS growth after 1st tenth MiB | s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "page leaks | host tier over bound | RSS peak MiB | RSS growth after 1st tenth MiB | s |"
+          + (" GPU allocated growth after 1st tenth MiB | GPU peak MiB |" if on_cuda else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if on_cuda else ""))
     print(f"| {counts.submitted} | {counts.finished} ({counts.finished - counts.mismatched}) | {counts.aborted} | "
           f"{counts.failed_injected} | {counts.failed_unexpected + counts.faults_not_raised} | "
           f"{sum(leaks.values())} | {counts.host_bound_violations} | {rss_peak_sampled / mib:.0f} | "
-          f"{(rss_end - warm) / mib:+.1f} | {soak_s:.0f} |")
+          f"{(rss_end - warm) / mib:+.1f} | {soak_s:.0f} |"
+          + (f" {cuda['cuda_allocated_growth_after_first_tenth_mib']:+.1f} | {cuda['cuda_peak_allocated_mib']:.0f} |"
+             if on_cuda else ""))
     if counts.examples:
         print("problems:", *counts.examples, sep="\n  ")
     sys.exit(0 if ok else 1)
