@@ -197,13 +197,20 @@ def resolve_model_path(name_or_path: str) -> Path | str:
     return name_or_path  # a hub id: works where the hub is reachable
 
 
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer of a model, without its weights (a bundled name, GGUF, folder or hub id)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(name_or_path)))
+
+
 def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto"):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_model_path(name_or_path)
     check_supported(AutoConfig.from_pretrained(str(path)))
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
     return model, tok
