@@ -8,6 +8,7 @@ checked before any model work.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import LazyRagError
 from ..requests import MODES
-from .driver import DrainingError, EngineDriver, QueueFullError
+from .driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
 from .limits import BodySizeLimit
 from .metrics import RequestCounter, ServerMetrics
 from .prompts import PromptBuilder
@@ -63,8 +64,10 @@ class LazyRagServer:
     def __init__(self, llm, index=None, settings: ServerSettings | None = None):
         self.llm, self.index = llm, index
         self.settings = settings or ServerSettings()
-        self.driver = EngineDriver(llm.engine, self.settings.max_queue)  # the engine is built here: /ready
-        self.builder = PromptBuilder(llm, index)
+        source = None if index is None else index.chunk_source
+        self.driver = EngineDriver(llm.engine, self.settings.max_queue, source)  # the engine is built here: /ready
+        # the builder's own tokenizer: the engine decodes with the original during steps
+        self.builder = PromptBuilder(copy.deepcopy(llm.tokenizer), index)
         self.metrics = ServerMetrics(self.driver)
         self.started = int(time.time())
 
@@ -106,15 +109,17 @@ class LazyRagServer:
         try:
             # retrieval embeds the question and span matching tokenizes: off the event loop
             prepared = await asyncio.to_thread(self.builder.build, req, mode)
-            ticket = await self.driver.submit(prepared.segments, mode=mode,
+            ticket = await self.driver.submit(prepared.segments, uses_index=prepared.uses_index, mode=mode,
                                               max_new_tokens=s.max_tokens or self.settings.default_max_tokens,
                                               temperature=s.temperature, top_p=s.top_p, stop=list(s.stop),
-                                              seed=s.seed, source=prepared.source, recovery=prepared.recovery)
+                                              seed=s.seed, recovery=prepared.recovery)
             return prepared, ticket
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except DrainingError as e:
             raise APIError(503, str(e), type="server_error", code="draining", headers={"Retry-After": "5"})
+        except EngineUnavailableError as e:
+            raise unavailable(e)
         except APIError:
             raise
         except LazyRagError as e:  # a bad request the runtime found (too long, bad recovery, ...)
@@ -127,6 +132,19 @@ class LazyRagServer:
         log.info("%s %s mode=%s prompt_tokens=%d cached=%d new=%d ttft_ms=%.1f total_ms=%.1f finish=%s%s", rid,
                  req.kind, st.mode, st.prompt_tokens, st.cached_tokens, st.new_tokens, st.ttft_ms, st.total_ms,
                  result.finish_reason, text)
+
+
+def unavailable(e: EngineUnavailableError) -> APIError:
+    return APIError(503, str(e), type="server_error", code="engine_unavailable")
+
+
+def failed(e: LazyRagError) -> APIError:
+    """A request that failed inside the engine, after admission."""
+    if isinstance(e, EngineUnavailableError):
+        return unavailable(e)
+    if isinstance(e, ClientGoneError):  # nobody reads this answer; 499 as nginx logs it, for the metrics
+        return APIError(499, str(e), type="server_error", code="client_closed_request")
+    return APIError(500, str(e), type="server_error", code="request_failed")
 
 
 def usage(result) -> dict:
@@ -198,6 +216,8 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
     async def ready():
         if server.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not server.driver.alive:
+            return JSONResponse({"status": "engine_unavailable"}, status_code=503)
         return {"status": "ready", "model": server.settings.model_name}
 
     @app.get("/metrics")
@@ -214,7 +234,7 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
         server.check_auth(request)
         return {"object": "list", "data": [{"id": server.settings.model_name, "object": "model",
                                             "created": server.started, "owned_by": "lazy-rag",
-                                            "max_model_len": llm.context_window}]}
+                                            "max_model_len": server.llm.context_window}]}
 
     # -- generation -----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -239,10 +259,10 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
         try:
             text = "".join([p async for p in server.driver.pieces(ticket)])
         except LazyRagError as e:
-            raise APIError(500, str(e), type="server_error", code="request_failed") from None
+            raise failed(e) from None
         finally:
             watch.cancel()
-        result = ticket.handle.result
+        result = ticket.result
         server.finished(req, rid, result)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -278,10 +298,10 @@ def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastA
             async for piece in server.driver.pieces(ticket):
                 yield _sse({**chunk, "choices": [choice(piece, None)]})
         except LazyRagError as e:  # failed inside the engine after the headers went out
-            yield _sse(APIError(500, str(e), type="server_error", code="request_failed").body())
+            yield _sse(failed(e).body())
             yield "data: [DONE]\n\n"
             return
-        result = ticket.handle.result
+        result = ticket.result
         server.finished(req, rid, result)
         last = {**chunk, "choices": [choice(None, result.finish_reason)], "lazy_rag": lazy_rag_extra(result, prepared)}
         if req.rag_top_k:

@@ -1,11 +1,17 @@
 """Prometheus metrics of one server (its own registry, so two apps in one process, as in the
 tests, never share counters): requests by endpoint and status, TTFT and latency histograms,
 token counters, and the engine's state read at scrape time (queue depth, pool pages, chunk hits
-per tier)."""
+per tier: the driver's ``stats``, asked of the engine process when the engine runs there)."""
 from __future__ import annotations
+
+import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..errors import LazyRagError
+
+log = logging.getLogger("lazy_rag.server")
 
 # seconds: a CPU answer takes seconds, a GPU TTFT tens of milliseconds
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -18,10 +24,17 @@ class EngineCollector:
         self.driver = driver
 
     def collect(self):
-        s = self.driver.engine.stats()
+        g = GaugeMetricFamily("lazy_rag_engine_up", "1 while the engine runs (0: its process died; /ready is 503).")
+        g.add_metric([], int(self.driver.alive))
+        yield g
         g = GaugeMetricFamily("lazy_rag_queue_depth", "Requests admitted and not finished (waiting or running).")
         g.add_metric([], self.driver.in_flight)
         yield g
+        try:
+            s = self.driver.stats()
+        except LazyRagError as e:  # the engine is gone or busy past the timeout: its gauges are left out
+            log.warning("metrics without the engine's counters: %s", e)
+            return
         g = GaugeMetricFamily("lazy_rag_requests_running", "Requests the engine is running now.")
         g.add_metric([], s["requests_running"])
         yield g

@@ -1,11 +1,14 @@
-"""From a parsed request to the engine's prompt: segments, where their chunks' KV lives, and
-the retrieved sources. Three ways a request's documents become cached chunks:
+"""From a parsed request to the engine's prompt: token-id segments, whether their chunks are the
+served index's, and the retrieved sources. Three ways a request's documents become cached chunks:
 
 - transparent: the rendered prompt is searched for the served index's chunks (``ChunkMatcher``);
   a chunk found verbatim is read from its stored KV instead of being computed;
 - explicit: ``documents`` in the body become ``Chunk`` segments; the engine encodes each once and
   keeps its KV by content hash in its bounded memory tiers, for any later position;
 - retrieval: ``rag`` retrieves for the last user message and prompts as ``lazy-rag query`` does.
+
+Everything is tokenized here, in the HTTP process's worker threads, so the engine (often in its
+own process) takes token ids and never tokenizes; documents' ids are remembered by content.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ from typing import Sequence
 
 from ..chat import render_messages
 from ..errors import LazyRagError
-from ..requests import ChunkSource, Recovery
+from ..requests import Recovery
 from ..segments import Chunk, Segment
 from .protocol import APIError, Document, GenerationRequest, bad
+from .tokens import DocumentTokens, tokenize_segments
 
 DOCUMENTS_HEADER = "Documents:\n\n"
 _SENTINEL = "@@LAZY_RAG_LAST_USER_TURN@@"
@@ -25,8 +29,11 @@ _SENTINEL = "@@LAZY_RAG_LAST_USER_TURN@@"
 
 @dataclass
 class PreparedPrompt:
+    """``segments``: token ids and ``Chunk``s of ids. ``uses_index``: its chunks are the served
+    index's (their KV is read from its store), else the engine's own chunk cache serves them."""
+
     segments: list[Segment]
-    source: ChunkSource | None = None
+    uses_index: bool = False
     recovery: Recovery | str | None = None
     sources: list[dict] = field(default_factory=list)   # retrieved chunks (rag), for the response
     matched_chunks: list[str] = field(default_factory=list)  # index chunks found in the prompt
@@ -56,35 +63,44 @@ def completion_with_documents(prompt: str, documents: Sequence[Document]) -> lis
 
 
 class PromptBuilder:
-    """Builds prompts for one served model and, optionally, one index."""
+    """Builds prompts for one served model and, optionally, one index. ``tokenizer`` is this
+    builder's own: the engine decodes with its tokenizer during steps without this builder's lock
+    (the HTTP process's copy when the engine runs elsewhere, a copy of the engine's otherwise)."""
 
-    def __init__(self, llm, index=None):
-        self.llm, self.index = llm, index
+    def __init__(self, tokenizer, index=None):
+        self.tokenizer, self.index = tokenizer, index
+        self._lock = threading.Lock()           # the tokenizer is not safe to share between threads
         self._embedder_lock = threading.Lock()  # the embedder's tokenizer is not thread-safe either
+        self.documents = DocumentTokens(tokenizer)
         self.matcher = None
         if index is not None:
             from ..span_match import ChunkMatcher
 
             self.matcher = ChunkMatcher.from_index(index)
+            self.matcher.tokenizer = tokenizer  # the same vocabulary; this builder's lock guards it
 
     def build(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
-        """Blocking (retrieval embeds, span matching tokenizes): call it from a worker thread."""
-        tok = self.llm.tokenizer
-        if req.rag_top_k:
-            return self._retrieval(req, mode)
+        """Blocking (retrieval embeds, span matching and tokenizing take milliseconds): call it
+        from a worker thread."""
+        prepared = self._retrieval(req, mode) if req.rag_top_k else self._plan(req, mode)
+        with self._lock:
+            prepared.segments = tokenize_segments(self.tokenizer, prepared.segments, self.documents)
+        return prepared
+
+    def _plan(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
+        tok = self.tokenizer
         if req.documents:
             segs = (chat_with_documents(tok, req.messages, req.documents) if req.kind == "chat"
                     else completion_with_documents(req.prompt, req.documents))
-            return PreparedPrompt(segs, None, req.recovery)
+            return PreparedPrompt(segs, False, req.recovery)
         text = render_messages(tok, req.messages) if req.kind == "chat" else req.prompt
         if self.matcher is None:
-            return PreparedPrompt([text], None, req.recovery)
-        with self.llm.lock:  # the tokenizer is not safe to share between threads
+            return PreparedPrompt([text], False, req.recovery)
+        with self._lock:
             m = self.matcher.split(text)
-        source = self.index.chunk_source if m.uses_index else None
         recovery = req.recovery if req.recovery is not None else (
             self.index.query_recovery(mode) if m.uses_index else None)
-        return PreparedPrompt(m.segments, source, recovery, matched_chunks=list(m.chunk_ids))
+        return PreparedPrompt(m.segments, m.uses_index, recovery, matched_chunks=list(m.chunk_ids))
 
     def _retrieval(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
         if self.index is None:
@@ -100,4 +116,4 @@ class PromptBuilder:
             raise bad(str(e), "rag") from None
         sources = [{"chunk_id": s.chunk_id, "source": s.source, "score": round(s.score, 4), "text": s.text}
                    for s in found]
-        return PreparedPrompt(segs, self.index.chunk_source, self.index.query_recovery(mode, req.recovery), sources)
+        return PreparedPrompt(segs, True, self.index.query_recovery(mode, req.recovery), sources)

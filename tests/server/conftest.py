@@ -40,7 +40,7 @@ class RunningServer:
         """The engine's stats once no request is in flight (fails after ``timeout``)."""
         deadline = time.time() + timeout
         while True:
-            stats = self.state.llm.stats()
+            stats = self.state.driver.stats()
             if self.state.driver.in_flight == 0 and stats["requests_running"] == 0 and \
                     stats["requests_waiting"] == 0:
                 return stats

@@ -142,7 +142,7 @@ def test_client_disconnect_frees_the_request(start_server, smollm2, no_server_er
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]  # a few events, then hang up
             assert any(line.startswith("data: ") for line in got)
-            assert s.state.driver.in_flight == 1 and s.state.llm.stats()["pages_private"] > 0
+            assert s.state.driver.in_flight == 1 and s.state.driver.stats()["pages_private"] > 0
     after = s.wait_idle(timeout=30)
     assert after["pages_private"] == before["pages_private"] == 0
     assert after["requests_running"] == 0 and s.state.driver.in_flight == 0
