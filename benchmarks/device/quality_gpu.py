@@ -31,6 +31,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", type=Path, help="Write the records, plot and QUALITY.md section of a saved run.")
     p.add_argument("--model-name", help="With --report: the model's name in the report (the run names its file).")
+    p.add_argument("--torch", default="2.11.0+cu130", help="With --report: the torch version of a run whose records "
+                                                           "do not name it (the GPU image's).")
     p.add_argument("--model", default="qwen2.5-0.5b")
     p.add_argument("--data", type=Path)
     p.add_argument("--retrieval", type=Path)
@@ -53,6 +55,8 @@ def main() -> None:
     if a.report:
         with open(a.report, "rb") as f:
             saved = pickle.load(f)
+        for r in saved["run"].records:  # runs saved before the records named their versions: the GPU image's
+            r.setdefault("torch", a.torch)
         if a.model_name:
             saved["run"].meta["model"] = a.model_name
             for r in saved["run"].records:

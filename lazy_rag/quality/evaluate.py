@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
 
+import torch
+import transformers
+
 from ..errors import LazyRagError
 from .checkpoint import Checkpoint, code_digest, signature_digest
 from .configs import Config, parse_configs
@@ -320,10 +323,11 @@ class _Evaluation:
                 "device_name": self.runtime.device_name(), "dtype": self.runtime.dtype,
                 "data_file": str(self.dataset.path), "data_hash": self.data_hash,
                 "retrieval_file": str(self.o.retrieval_file) if self.o.retrieval_file else None,
-                "max_new_tokens": self.o.max_new_tokens, "configs": [c.name for c in self.configs]}
-        for r in records:
+                "max_new_tokens": self.o.max_new_tokens, "configs": [c.name for c in self.configs],
+                "torch": torch.__version__, "transformers": transformers.__version__}
+        for r in records:  # the versions of the machine that ran it (a report may be written elsewhere)
             r.update({k: meta[k] for k in ("model", "device", "device_name", "dtype", "data_hash", "retrieval_file",
-                                            "max_new_tokens")})
+                                            "max_new_tokens", "torch", "transformers")})
         return EvalRun(self.o, meta, records, answers, done)
 
     def run(self, on_partial=None, partial_every_s: float = 60.0) -> EvalRun:

@@ -1,13 +1,15 @@
 """What a run leaves behind: JSON records, per-question answers, a QUALITY.md section, a plot.
 
 Records (``benchmarks/results/<stem>.json``) are a flat list, one per setting and configuration;
-answers (``<stem>_answers.jsonl``) one line per setting, configuration and question. The
+answers (``<stem>_answers.jsonl.gz``, gzip: a run of 1000 questions x 6 configurations is ~4 MB
+as text) one line per setting, configuration and question. The
 QUALITY.md section of a run replaces an earlier section with the same title (same task, data,
 model, device, sample and settings); every other section stays.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import math
 import re
@@ -104,8 +106,14 @@ def section_title(run: EvalRun) -> str:
     o, m, r0 = run.options, run.meta, run.records[0]
     task = {"open": "open retrieval", "bridge": "bridge (sentence chunks)"}[o.task]
     return (f"## {task}, {r0['dataset']} {o.split}: {m['model']} ({m['dtype']}, {m['device_name']}), "
-            f"n={o.n}, seed={o.seed}" + (f", k={'/'.join(map(str, o.ks))}, gold {'/'.join(o.gold_positions)}"
+            f"n={_n_text(run)}, seed={o.seed}" + (f", k={'/'.join(map(str, o.ks))}, gold {'/'.join(o.gold_positions)}"
                                          if o.task == "open" else ""))
+
+
+def _n_text(run: EvalRun) -> str:
+    """The sample size; a run stopped early (a partial run) says how far it got."""
+    done = min(r["n"] for r in run.records)
+    return str(run.options.n) if done >= run.options.n else f"{done} of {run.options.n} (stopped early)"
 
 
 def markdown_section(run: EvalRun, command: str | None, date: str) -> str:
@@ -114,11 +122,13 @@ def markdown_section(run: EvalRun, command: str | None, date: str) -> str:
     if command:
         lines += [f"Command: `{command}`", ""]
     ttft_n = max(r["ttft_n"] for r in run.records)
-    lines += [f"Model {m['model']}, {m['dtype']}, on {m['device']} ({m['device_name']}); torch {run.records[0].get('torch', torch.__version__)}. "
+    lines += [f"Model {m['model']}, {m['dtype']}, on {m['device']} ({m['device_name']}); torch {run.records[0].get('torch', torch.__version__)}"
+              + (f", transformers {run.records[0]['transformers']}" if run.records[0].get("transformers") else "") + ". "
               f"Data {Path(m['data_file']).name} (passages hash {m['data_hash'][:12]})"
               + (f", retrieval from {Path(m['retrieval_file']).name}" if m["retrieval_file"] else "")
-              + f". {o.bootstrap} paired bootstrap resamples; TTFT over {ttft_n} questions per setting, one request "
-              f"at a time; at most {o.max_new_tokens} new tokens.", ""]
+              + f". {o.bootstrap} paired bootstrap resamples; "
+              + (f"TTFT over {ttft_n} questions per setting, one request at a time" if ttft_n else "no TTFT pass")
+              + f"; at most {o.max_new_tokens} new tokens.", ""]
     return "\n".join(lines) + "\n" + markdown_tables(run)
 
 
@@ -178,9 +188,10 @@ def write_report(run: EvalRun, results_dir: Path, quality_md: Path | None = None
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or run_stem(run)
-    paths = {"records": results_dir / f"{stem}.json", "answers": results_dir / f"{stem}_answers.jsonl"}
+    paths = {"records": results_dir / f"{stem}.json", "answers": results_dir / f"{stem}_answers.jsonl.gz"}
     paths["records"].write_text(json.dumps(run.records, indent=1) + "\n")
-    paths["answers"].write_text("".join(json.dumps(a, ensure_ascii=False) + "\n" for a in run.answers))
+    text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in run.answers)
+    paths["answers"].write_bytes(gzip.compress(text.encode(), mtime=0))  # mtime 0: the same run, the same bytes
     if plot:
         png = plot_quality_vs_ttft(run, results_dir / f"{stem}.png")
         if png:

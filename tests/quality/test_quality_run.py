@@ -1,6 +1,7 @@
 """Evaluation runs with the bundled SmolLM2 on a small SQuAD-format file: structure, pairing,
 the data-keyed index cache, the retrieval file and the bridge task. SmolLM2's answers are poor:
 nothing here asserts a score."""
+import gzip
 import json
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def test_open_retrieval_run_pairs_every_config_with_full_and_writes_the_report(r
             "em", "contains", "f1_delta_vs_full", "f1_delta_ci_low", "f1_delta_ci_high", "agreement_with_full_pct",
             "kl_vs_full_first_token", "ttft_ms_mean", "ttft_n", "date"}
     assert all(want <= set(r) for r in records)
-    assert len(paths["answers"].read_text().splitlines()) == len(run.answers)
+    assert len(gzip.decompress(paths["answers"].read_bytes()).decode().splitlines()) == len(run.answers)
     assert paths["plot"].stat().st_size > 0
     text = md.read_text()
     assert text.count("## open retrieval") == 1 and "| lazy+sink |" in text and "`lazy-rag eval squad --test`" in text
