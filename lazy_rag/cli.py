@@ -175,32 +175,34 @@ def serve(
     max_tokens: int = typer.Option(256, help="Tokens to generate when a request names no max_tokens."),
     drain_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM."),
     log_prompts: bool = typer.Option(False, help="Write prompt text to the log (off: only sizes and timings)."),
+    engine_process: bool = typer.Option(True, help="Run the engine in its own process (the server's process "
+                                                   "then holds no weights); --no-engine-process runs it in a "
+                                                   "thread of the server's process."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
     /metrics and a web page at /, over cached chunk KV."""
     _quiet_libraries()
     logging.getLogger("lazy_rag.server").setLevel(logging.INFO)
     try:
-        from .server import ServerSettings, serve as run_server
-        from .index import LazyIndex
-        from .llm import LazyLLM
+        from .server import EngineSpec, ServerSettings, create_app
+        from .server.run import run_app
 
-        llm = LazyLLM.from_pretrained(model, device=device) if model else None
-        idx = LazyIndex.load(index_dir, llm=llm, device=device) if index_dir is not None else None
-        llm = idx.llm if idx is not None else (llm or LazyLLM.from_pretrained("smollm2", device=device))
-        name = served_model_name or llm.model_name or "lazy-rag"
+        spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir))
+        name = served_model_name or spec.model_name
         settings = ServerSettings(model_name=name, api_key=api_key or None, max_queue=max_queue,
                                   max_body_bytes=max_body_bytes, default_max_tokens=max_tokens, default_mode=mode,
-                                  log_prompts=log_prompts)
+                                  log_prompts=log_prompts, engine_process=engine_process)
+        app = create_app(spec, None, settings)  # loads the model (in the engine process) and the index
     except LazyRagError as e:
         _fail(e)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
                   markup=False, highlight=False)
+    idx = app.state.server.index
     err.print(f"Serving {name} on http://{host}:{port} (OpenAI API at /v1, web page at /)"
               + (f" over {len(idx.records)} chunks of {index_dir}" if idx is not None else ""),
               markup=False, highlight=False)
-    run_server(llm, idx, settings, host=host, port=port, drain_timeout=drain_timeout)
+    run_app(app, host=host, port=port, drain_timeout=drain_timeout)
 
 
 @app.command()

@@ -1,5 +1,6 @@
-"""The HTTP app (FastAPI): the OpenAI routes over one ``LazyLLM`` (and optionally one
-``LazyIndex``), health and readiness, Prometheus metrics, and the web page.
+"""The HTTP app (FastAPI): the OpenAI routes over one model (and optionally one index), health
+and readiness, Prometheus metrics, and the web page. The engine runs in its own process
+(``ProcessDriver``, the default) or in a thread of this one (``EngineDriver``).
 
 Every error a client sees is an OpenAI error object with a status code; a bug is a 500 whose body
 says only that (the traceback goes to the server log). The body-size limit and the API key are
@@ -26,10 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import LazyRagError
 from ..requests import MODES
 from .driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
+from .engine_process import ProcessDriver
+from .engine_spec import EngineSpec
 from .limits import BodySizeLimit
 from .metrics import RequestCounter, ServerMetrics
 from .prompts import PromptBuilder
 from .protocol import APIError, GenerationRequest, bad, parse_chat, parse_completion
+from .remote_model import RemoteModel
 
 log = logging.getLogger("lazy_rag.server")
 STATIC = Path(__file__).parent / "static"
@@ -39,7 +43,14 @@ STATIC = Path(__file__).parent / "static"
 class ServerSettings:
     """``api_key``: required as ``Authorization: Bearer`` on /v1/* when set. ``max_queue``:
     requests in the engine at once (more get 429). ``max_body_bytes``: larger bodies get 413.
-    ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text."""
+    ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text.
+    ``engine_process``: run the engine in its own process (``ProcessDriver``), else in a thread
+    of the server's process. On by default, by measurement: the event loop's work (JSON bodies,
+    tokenizing, SSE events) then no longer takes the interpreter lock from the engine's
+    host-side step work (the GIL is what held the H100 at 0.81x); on the 2-core CPU machine the
+    load test's saturated HTTP/in-process ratio was at or above 0.99 in every run with it and
+    0.79-1.08 without (BENCHMARKS.md, "Server"). What it costs: a second interpreter (startup, a
+    few hundred MB) and, for a loaded ``LazyLLM``, a second copy of its weights."""
 
     model_name: str = "lazy-rag"
     api_key: str | None = None
@@ -48,6 +59,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     default_mode: str = "lazy"
     log_prompts: bool = False
+    engine_process: bool = True
 
     def __post_init__(self):
         if self.default_mode not in MODES:
@@ -59,15 +71,19 @@ class ServerSettings:
 
 
 class LazyRagServer:
-    """What the routes share: the model, the engine driver, the prompt builder, the metrics."""
+    """What the routes share: the model (``llm``: a ``LazyLLM``, or a ``RemoteModel`` when the
+    engine runs in its own process), the engine driver, the prompt builder, the metrics.
 
-    def __init__(self, llm, index=None, settings: ServerSettings | None = None):
-        self.llm, self.index = llm, index
+    ``model``: a loaded ``LazyLLM`` (with ``index`` a ``LazyIndex`` over it) or an ``EngineSpec``
+    (its ``index_dir`` names the index). With ``settings.engine_process`` the engine process loads
+    the model from the spec (``EngineSpec.from_llm`` for a loaded one: a second copy of its
+    weights, there) and this process keeps only the tokenizer and the index's metadata and
+    embedder; otherwise the engine runs here. Either way the engine exists once this returns."""
+
+    def __init__(self, model, index=None, settings: ServerSettings | None = None):
         self.settings = settings or ServerSettings()
-        source = None if index is None else index.chunk_source
-        self.driver = EngineDriver(llm.engine, self.settings.max_queue, source)  # the engine is built here: /ready
-        # the builder's own tokenizer: the engine decodes with the original during steps
-        self.builder = PromptBuilder(copy.deepcopy(llm.tokenizer), index)
+        self.driver, self.llm, self.index, tokenizer = open_engine(model, index, self.settings)
+        self.builder = PromptBuilder(tokenizer, self.index)
         self.metrics = ServerMetrics(self.driver)
         self.started = int(time.time())
 
@@ -94,6 +110,7 @@ class LazyRagServer:
     def info(self) -> dict:
         return {"model": self.settings.model_name, "modes": list(MODES), "default_mode": self.settings.default_mode,
                 "context_window": self.llm.context_window, "device": str(self.llm.device),
+                "engine_process": self.driver.engine_pid,
                 "index": None if self.index is None else {"path": str(self.index.path),
                                                           "chunks": len(self.index.records)}}
 
@@ -134,6 +151,31 @@ class LazyRagServer:
                  result.finish_reason, text)
 
 
+def open_engine(model, index, settings: ServerSettings):
+    """(driver, model, index, the prompt builder's tokenizer) for a ``LazyLLM`` or an ``EngineSpec``."""
+    if isinstance(model, EngineSpec) and index is not None:
+        raise LazyRagError("With an EngineSpec, name the index in it (EngineSpec(index_dir=...)), not as the "
+                           "index argument.")
+    if not settings.engine_process:
+        if isinstance(model, EngineSpec):
+            model, index = model.load()
+        source = None if index is None else index.chunk_source
+        # the builder's own tokenizer: the engine decodes with the original during steps
+        return EngineDriver(model.engine, settings.max_queue, source), model, index, copy.deepcopy(model.tokenizer)
+    spec = model if isinstance(model, EngineSpec) else EngineSpec.from_llm(model, index)
+    driver = ProcessDriver(spec, settings.max_queue)
+    try:
+        if isinstance(model, EngineSpec):  # this process loads no weights: the tokenizer and the index only
+            remote = RemoteModel(spec.load_tokenizer(), driver.info)
+            index = spec.load_index(remote) if spec.index_dir else None
+        else:  # loaded already (its index too); the caller may still generate with its tokenizer
+            remote = RemoteModel(copy.deepcopy(model.tokenizer), driver.info)
+        return driver, remote, index, remote.tokenizer
+    except BaseException:
+        driver.close()
+        raise
+
+
 def unavailable(e: EngineUnavailableError) -> APIError:
     return APIError(503, str(e), type="server_error", code="engine_unavailable")
 
@@ -168,8 +210,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(llm, index=None, settings: ServerSettings | None = None) -> FastAPI:
-    server = LazyRagServer(llm, index, settings)
+def create_app(model, index=None, settings: ServerSettings | None = None) -> FastAPI:
+    """``model``: a loaded ``LazyLLM`` (``index``: a ``LazyIndex`` over it) or an ``EngineSpec``
+    (see ``LazyRagServer``)."""
+    server = LazyRagServer(model, index, settings)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,6 +1,7 @@
 """``serve``: run the app under uvicorn with a drain on SIGTERM/SIGINT: admission stops at once
 (new requests get 503, /ready turns 503), requests in flight finish within ``drain_timeout``
-seconds, then the process exits 0 (a second Ctrl-C stops at once)."""
+seconds, then the engine process is stopped and the process exits 0 (a second Ctrl-C stops at
+once)."""
 from __future__ import annotations
 
 import logging
@@ -31,9 +32,21 @@ class DrainingServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(llm, index=None, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
+def serve(model, index=None, settings: ServerSettings | None = None, host: str = "127.0.0.1", port: int = 8000,
           drain_timeout: float = 30.0, log_level: str = "info") -> None:
-    app = create_app(llm, index, settings)
+    """``model``: an ``EngineSpec`` (what `lazy-rag serve` passes: with the engine in its own
+    process, this one never loads the weights) or a loaded ``LazyLLM`` (see ``create_app``).
+    Raises ``LazyRagError`` before serving when the model or index cannot be loaded; the engine
+    process exits with the server (after the drain)."""
+    run_app(create_app(model, index, settings), host, port, drain_timeout, log_level)
+
+
+def run_app(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+            log_level: str = "info") -> None:
+    """Serve an app from ``create_app`` until SIGTERM/SIGINT (then drain)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
                             access_log=False, server_header=False)
-    DrainingServer(config, app.state.server.start_draining).run()
+    try:
+        DrainingServer(config, app.state.server.start_draining).run()
+    finally:  # the lifespan's shutdown stops the engine; not when uvicorn never started (port taken)
+        app.state.server.driver.close()

@@ -1,5 +1,7 @@
 """Real HTTP servers on 127.0.0.1 for the server tests: the app under uvicorn in a thread, on a
-port the OS picks, over the session's SmolLM2 (and an index of the examples corpus)."""
+port the OS picks, over the session's SmolLM2 (and an index of the examples corpus). The engine
+runs in its own process (the default; it loads its own SmolLM2) unless a test asks for
+``engine_process=False``."""
 import logging
 import socket
 import threading
@@ -37,7 +39,8 @@ class RunningServer:
         return self.state.settings.model_name
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
-        """The engine's stats once no request is in flight (fails after ``timeout``)."""
+        """The engine's stats (from the engine process when it runs in one) once no request is in
+        flight (fails after ``timeout``)."""
         deadline = time.time() + timeout
         while True:
             stats = self.state.driver.stats()
@@ -65,7 +68,8 @@ def corpus_index(smollm2, tmp_path_factory):
 
 @pytest.fixture
 def start_server():
-    """``start_server(llm, index=None, **settings)`` -> a RunningServer, stopped after the test."""
+    """``start_server(llm, index=None, **settings)`` -> a RunningServer, stopped after the test
+    (``llm``: a ``LazyLLM`` or an ``EngineSpec``)."""
     from lazy_rag.server import ServerSettings, create_app
 
     running = []
@@ -82,11 +86,14 @@ def start_server():
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, corpus_index):
-    """One server over SmolLM2 and the corpus index, shared by a module's tests."""
-    from lazy_rag.server import ServerSettings, create_app
+def served(corpus_index):
+    """One server over SmolLM2 and the corpus index, shared by a module's tests, built as `lazy-rag
+    serve` builds it: from an EngineSpec, the engine process loading the model and this process
+    only the tokenizer and the index (for retrieval and span matching)."""
+    from lazy_rag.server import EngineSpec, ServerSettings, create_app
 
-    s = RunningServer(create_app(smollm2, corpus_index, ServerSettings(model_name="smollm2")))
+    spec = EngineSpec(model="smollm2", device="cpu", index_dir=str(corpus_index.path))
+    s = RunningServer(create_app(spec, None, ServerSettings(model_name="smollm2")))
     yield s
     s.stop()
 

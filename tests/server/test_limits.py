@@ -2,6 +2,7 @@
 client that disconnects mid-stream freeing its KV, and a drain on SIGTERM. No case may log a
 traceback or show one to the client."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -35,8 +36,10 @@ def assert_error(r, status, param=None):
     return err
 
 
+# The HTTP-layer cases run the engine in the test's process (no engine process to start); the
+# queue, disconnect and drain cases run it in its own process, as `lazy-rag serve` does.
 def test_api_key(start_server, smollm2, no_server_errors):
-    s = start_server(smollm2, api_key="s3cret")
+    s = start_server(smollm2, api_key="s3cret", engine_process=False)
     url = s.base_url
     assert_error(HTTP.post(url + CHAT, json=body()), 401)
     r = HTTP.post(url + CHAT, json=body(), headers={"Authorization": "Bearer wrong"})
@@ -48,7 +51,7 @@ def test_api_key(start_server, smollm2, no_server_errors):
 
 
 def test_body_size_limit(start_server, smollm2, no_server_errors):
-    s = start_server(smollm2, max_body_bytes=4096)
+    s = start_server(smollm2, max_body_bytes=4096, engine_process=False)
     big = body(documents=["x " * 5000])
     err = assert_error(HTTP.post(s.base_url + CHAT, json=big), 413)
     assert "4096" in err["message"]
@@ -90,8 +93,11 @@ BAD = [
 ]
 
 
-def test_bad_fields_are_400s(start_server, smollm2, no_server_errors):
-    s = start_server(smollm2)
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in_process", "engine_process"])
+def test_bad_fields_are_400s(start_server, smollm2, engine_process, no_server_errors):
+    """The engine's refusals (a prompt over the context window, a bad recovery) are 400s from
+    either driver: the engine process sends its exceptions back."""
+    s = start_server(smollm2, engine_process=engine_process)
     for over, param in BAD:
         b = body(**over)
         r = HTTP.post(s.base_url + CHAT, json=b)
@@ -130,8 +136,10 @@ def test_bounded_queue_answers_429_under_a_flood(start_server, smollm2, no_serve
     s.wait_idle()
 
 
-def test_client_disconnect_frees_the_request(start_server, smollm2, no_server_errors):
-    s = start_server(smollm2)
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine_process", "in_process"])
+def test_client_disconnect_frees_the_request(start_server, smollm2, engine_process, no_server_errors):
+    """The engine's counters come from the driver: asked of the engine process when it runs in one."""
+    s = start_server(smollm2, engine_process=engine_process)
     before = s.wait_idle()
     # a prompt the model continues for a long time (counting), so the request is still running
     # when its client goes away
@@ -156,7 +164,7 @@ def test_client_disconnect_frees_the_request(start_server, smollm2, no_server_er
 
 def test_sigterm_drains_and_exits_0(tmp_path):
     """`lazy-rag serve` in its own process: SIGTERM while a stream is in flight stops admission
-    (503), lets the stream finish, and exits 0 without a traceback."""
+    (503), lets the stream finish, and exits 0 without a traceback; its engine process exits too."""
     import socket
 
     with socket.socket() as sock:
@@ -176,6 +184,8 @@ def test_sigterm_drains_and_exits_0(tmp_path):
                 pass
             assert proc.poll() is None and time.time() < deadline, "the server did not start"
             time.sleep(0.2)
+        engine_pid = HTTP.get(url + "/info").json()["engine_process"]
+        assert engine_pid and engine_pid != proc.pid
         events = []
         with httpx.Client(timeout=120) as c:
             with c.stream("POST", url + "/v1/completions", json={"model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,",
@@ -195,6 +205,8 @@ def test_sigterm_drains_and_exits_0(tmp_path):
         finish = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]
         assert finish["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
+        with pytest.raises(ProcessLookupError):  # gone, and reaped by the server
+            os.kill(engine_pid, 0)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,159 @@
+"""The engine process (vLLM V1's "engine core"): it loads the model, the engine and the index
+from an ``EngineSpec`` and steps the engine, talking to the HTTP process over one pipe.
+
+In: ("submit", id, token segments, uses_index, options), ("abort", id), ("stats", token),
+("shutdown",). Out: ("ready", info) or ("failed", error) once; then ("events", [(id, kind,
+payload), ...]) at most twice per loop turn (admissions before the step, the step's output after
+it), so the pipe carries one message per step, not one per token per request; and ("stats",
+token, Engine.stats()) on request. Event kinds: admitted, rejected (the exception), pieces (the
+step's new text pieces), done (the ``GenerationResult``), failed (the message), aborted.
+
+The HTTP process owns this process's lifetime: SIGINT (a terminal's Ctrl-C reaches the whole
+process group) and SIGTERM (a service manager may signal every process of the service) are
+ignored, so that the server can drain first; "shutdown" or the pipe closing (the server died)
+ends it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+
+from ..errors import LazyRagError, RequestFailedError
+
+log = logging.getLogger("lazy_rag.server.engine")
+
+
+def portable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (to be raised in the HTTP process), else its type and text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        cls = LazyRagError if isinstance(e, LazyRagError) else RuntimeError
+        return cls(f"{type(e).__name__}: {e}")
+
+
+def main(conn, spec) -> None:
+    """The child process's entry point (``multiprocessing`` spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s [lazy-rag engine] %(name)s: %(message)s")
+    try:
+        llm, index = spec.load(retrieve=False)
+        engine = llm.engine  # allocates the KV pool: a model that does not fit fails here, not later
+        info = {"model_name": llm.model_name, "context_window": llm.context_window, "device": str(llm.device),
+                "dtype": str(llm.dtype).removeprefix("torch."), "vocab_rows": llm.host.parts.vocab_rows,
+                # what the HTTP process's LazyIndex.load checks against the index (it has no weights)
+                "fingerprint": llm.fingerprint if index is not None else None, "pid": os.getpid()}
+    except Exception as e:
+        if not isinstance(e, LazyRagError):  # a bug or an environment problem: the traceback helps
+            log.exception("the engine process could not load the model")
+        _send(conn, ("failed", portable(e)))
+        return
+    if _send(conn, ("ready", info)):
+        EngineLoop(engine, conn, index.chunk_source if index is not None else None).run()
+
+
+def _send(conn, msg) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except (OSError, EOFError):  # the HTTP process is gone
+        return False
+
+
+class EngineLoop:
+    """Reads the inbox between steps, steps while there is work, posts each step's output."""
+
+    def __init__(self, engine, conn, index_source=None):
+        self.engine, self.conn, self.index_source = engine, conn, index_source
+        self.handles: dict[int, list] = {}  # request id -> [RequestHandle, pieces already sent]
+        self.events: list[tuple] = []
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            if not self._read_inbox(block=not engine.scheduler.has_work):
+                break
+            if not self._flush():  # admissions go out before the step: the clients' headers do not wait on it
+                break
+            if not engine.scheduler.has_work:
+                continue
+            try:
+                stepped = engine.step()
+            except Exception:  # the engine fails single requests itself; this is a bug: keep serving
+                log.exception("engine step failed")
+                stepped = False
+                self._fail_all("the engine step failed; see the server log")
+            self._collect()
+            if not self._flush():
+                break
+            if not stepped:
+                time.sleep(0.001)  # chunk transfers in flight
+        for h, _ in self.handles.values():
+            engine.abort(h)
+
+    def _read_inbox(self, block: bool) -> bool:
+        """Handle every message waiting (waiting up to 0.5 s for one when idle); False to stop."""
+        try:
+            if not self.conn.poll(0.5 if block else 0):
+                return True
+            while True:
+                if not self._handle(self.conn.recv()):
+                    return False
+                if not self.conn.poll(0):
+                    return True
+        except (EOFError, OSError):  # the HTTP process closed the pipe or died
+            return False
+
+    def _handle(self, msg) -> bool:
+        kind = msg[0]
+        if kind == "submit":
+            _, rid, segments, uses_index, options = msg
+            try:
+                handle = self.engine.submit(segments, source=self.index_source if uses_index else None, **options)
+            except Exception as e:  # a bad request (LazyRagError) or a bug: that request's error
+                if not isinstance(e, LazyRagError):
+                    log.exception("submitting request %s failed", rid)
+                self.events.append((rid, "rejected", portable(e)))
+            else:
+                self.handles[rid] = [handle, 0]
+                self.events.append((rid, "admitted", None))
+        elif kind == "abort":
+            entry = self.handles.pop(msg[1], None)
+            if entry is not None:
+                self.engine.abort(entry[0])  # frees its KV pages
+            self.events.append((msg[1], "aborted", None))
+        elif kind == "stats":
+            return _send(self.conn, ("stats", msg[1], self.engine.stats()))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def _collect(self) -> None:
+        for rid, entry in list(self.handles.items()):
+            h, sent = entry
+            if len(h.pieces) > sent:
+                self.events.append((rid, "pieces", h.pieces[sent:]))
+                entry[1] = len(h.pieces)
+            if h.done:
+                del self.handles[rid]
+                if h.error is not None:
+                    self.events.append((rid, "failed", str(h.error)))
+                else:
+                    self.events.append((rid, "done", h.result))
+
+    def _fail_all(self, why: str) -> None:
+        for rid, (h, _) in self.handles.items():
+            if not h.done:
+                self.engine.abort(h)
+                h.error = RequestFailedError(f"Request {rid} failed: {why}.")
+
+    def _flush(self) -> bool:
+        if not self.events:
+            return True
+        events, self.events = self.events, []
+        return _send(self.conn, ("events", events))
