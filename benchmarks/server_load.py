@@ -4,11 +4,13 @@ Each request is a chat question over k documents drawn Zipf(a) from a pool (expl
 ``documents``: the server encodes each once and reuses its KV at any position). Phase 1 runs the
 requests in this process on the engine directly (a closed loop keeping as many requests in flight
 as there are clients); phase 2 starts the server (``lazy_rag.server.serve``, what `lazy-rag serve`
-runs) as its own process and sends the same requests from concurrent streaming HTTP clients. Each phase runs a
+runs, its engine in its own process unless --no-engine-process) as its own process and sends the
+same requests from concurrent streaming HTTP clients. Each phase runs a
 low-load point (one client, requests one after another: the HTTP overhead on TTFT) and a
 saturated point (all clients at once: throughput). Greedy answers must be equal in both.
 
     python benchmarks/server_load.py                              # CPU, SmolLM2, 50 clients
+    python benchmarks/server_load.py --no-engine-process --out server_load_cpu_thread   # the engine in a thread
     python benchmarks/server_load.py --device cuda --random llama-3.1-8b --tokenizer .gpu/tokenizer \\
         --doc-tokens 2048 --k 5 --clients 64 --out server_load_h100
 
@@ -123,6 +125,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     # not through the `lazy-rag serve` command; the same create_app and uvicorn underneath)
     cmd = [sys.executable, __file__, "--serve-port", str(port), "--device", args.device, "--model", args.model,
            "--clients", str(args.clients)] + (["--kv-gib", str(args.kv_gib)] if args.kv_gib else [])
+    cmd.append("--engine-process" if engine_process(args) else "--no-engine-process")
     if args.random:
         cmd += ["--random", args.random, "--tokenizer", args.tokenizer]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -213,6 +216,25 @@ def engine_options(args) -> dict:
     return {"kv_bytes": int(args.kv_gib * (1 << 30))} if args.kv_gib else {}
 
 
+def engine_spec(args):
+    """What the server loads (in its engine process, or in its own process with
+    --no-engine-process): the same model and engine options as ``load_llm``; a random model is
+    built from the same seed."""
+    from lazy_rag.engine import EngineConfig
+    from lazy_rag.server import EngineSpec
+
+    config = EngineConfig().with_options(**engine_options(args))
+    if args.random:
+        return EngineSpec(random=args.random, tokenizer=args.tokenizer, device=args.device, engine_config=config)
+    return EngineSpec(model=args.model, device=args.device, engine_config=config)
+
+
+def engine_process(args) -> bool:
+    from lazy_rag.server import ServerSettings
+
+    return ServerSettings().engine_process if args.engine_process is None else args.engine_process
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -232,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--out", default="server_load_cpu")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="the server's engine in its own process, or in a thread of the server's process "
+                         "(default: the server's default, ServerSettings.engine_process)")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
     args = ap.parse_args(argv)
     if args.random and not args.tokenizer:
@@ -239,8 +264,9 @@ def main(argv=None) -> int:
     if args.serve_port:
         from lazy_rag.server import ServerSettings, serve
 
-        settings = ServerSettings(model_name="bench", max_queue=max(args.clients, 1) * 2, max_body_bytes=64 << 20)
-        serve(load_llm(args), None, settings, port=args.serve_port, log_level="warning")
+        settings = ServerSettings(model_name="bench", max_queue=max(args.clients, 1) * 2, max_body_bytes=64 << 20,
+                                  engine_process=engine_process(args))
+        serve(engine_spec(args), None, settings, port=args.serve_port, log_level="warning")
         return 0
 
     import torch
@@ -255,7 +281,7 @@ def main(argv=None) -> int:
     base = {"benchmark": "server_load", "device": device, "model": args.random or args.model,
             "docs": args.docs, "doc_tokens": args.doc_tokens, "k": args.k, "zipf_a": args.zipf_a,
             "max_tokens": args.max_tokens, "kv_gib": args.kv_gib, "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+            "server_engine": "process" if engine_process(args) else "in_process", "date": time.strftime("%Y-%m-%d")}
     records = []
     points = [("low_load", low, 1), ("saturated", high, args.clients)]
 
