@@ -17,8 +17,10 @@ from .requests import MODES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RAG over cached, position-free chunk KV (LazyAttention).")
-out = Console()
-err = Console(stderr=True)
+# soft_wrap: messages are never broken at the console's width (80 columns when the output is a
+# log file or a pipe): a path or a command cut in two is useless to copy. Tables still fit the width.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 RECOVERY_HELP = ("Default quality recovery of queries: epicN (recompute each chunk's first N tokens), prophetP / "
