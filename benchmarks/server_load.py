@@ -11,6 +11,7 @@ saturated point (all clients at once: throughput). Greedy answers must be equal 
 
     python benchmarks/server_load.py                              # CPU, SmolLM2, 50 clients
     python benchmarks/server_load.py --no-engine-process --out server_load_cpu_thread   # the engine in a thread
+    python benchmarks/server_load.py --compare-drivers 4 --out server_load_cpu_drivers   # the two, alternating
     python benchmarks/server_load.py --device cuda --random llama-3.1-8b --tokenizer .gpu/tokenizer \\
         --doc-tokens 2048 --k 5 --clients 64 --out server_load_h100
 
@@ -235,6 +236,44 @@ def engine_process(args) -> bool:
     return ServerSettings().engine_process if args.engine_process is None else args.engine_process
 
 
+def compare_drivers(args, docs, points, base: dict) -> list[dict]:
+    """The server's two drivers side by side: both servers up (an idle one costs nothing), each
+    point sent to one then the other, the order alternating per round, so that a machine whose
+    speed drifts (a shared CPU) affects both alike. No in-process phase: it would be common to both."""
+    servers = {}
+    try:
+        for name, flag in (("process", True), ("in_process", False)):
+            servers[name] = start_server(argparse.Namespace(**{**vars(args), "engine_process": flag}))
+        for _, url in servers.values():  # warm-up: every document encoded, every point once
+            asyncio.run(run_http(url, [{"documents": [d], "question": "Warm up."} for d in docs], 8, 2))
+            for _, reqs, clients in points:
+                asyncio.run(run_http(url, reqs, clients, args.max_tokens))
+        records = []
+        for rnd in range(args.compare_drivers):
+            for name in (("process", "in_process") if rnd % 2 == 0 else ("in_process", "process")):
+                for point, reqs, clients in points:
+                    rec, _ = asyncio.run(run_http(servers[name][1], reqs, clients, args.max_tokens))
+                    records.append({**base, "mode": "http", "server_engine": name, "point": point, "round": rnd,
+                                    "clients": clients, "requests": len(reqs), **rec})
+                    print(f"round {rnd} {name} {point}: {rec}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=120)
+    print(f"\n{'point':<10} {'req/s process':>14} {'req/s in-process':>17} {'TTFT p50 ms process / in-process':>34}")
+    runs = list(records)
+    for point, _, _ in points:
+        med = {n: {k: float(np.median([r[k] for r in runs if r["server_engine"] == n and r["point"] == point]))
+                   for k in ("throughput_rps", "ttft_ms_p50")} for n in servers}
+        records.append({**base, "mode": "drivers_compared", "point": point, "rounds": args.compare_drivers,
+                        **{f"{n}_{k}_median": round(v, 3) for n, d in med.items() for k, v in d.items()},
+                        "process_vs_in_process": round(med["process"]["throughput_rps"]
+                                                       / med["in_process"]["throughput_rps"], 4)})
+        print(f"{point:<10} {med['process']['throughput_rps']:>14.2f} {med['in_process']['throughput_rps']:>17.2f} "
+              f"{med['process']['ttft_ms_p50']:>16.1f} / {med['in_process']['ttft_ms_p50']:.1f}")
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -257,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                     help="the server's engine in its own process, or in a thread of the server's process "
                          "(default: the server's default, ServerSettings.engine_process)")
+    ap.add_argument("--compare-drivers", type=int, default=0, metavar="ROUNDS",
+                    help="instead: the server with its engine in its own process against the engine in a thread, "
+                         "ROUNDS alternating rounds of both points (HTTP only)")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
     args = ap.parse_args(argv)
     if args.random and not args.tokenizer:
@@ -272,8 +314,10 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    llm = load_llm(args)
-    docs = build_documents(llm.tokenizer, args.docs, args.doc_tokens, args.seed)
+    # --compare-drivers runs no in-process phase: this process needs the tokenizer only
+    llm = None if args.compare_drivers else load_llm(args)
+    tokenizer = engine_spec(args).load_tokenizer() if llm is None else llm.tokenizer
+    docs = build_documents(tokenizer, args.docs, args.doc_tokens, args.seed)
     low = build_requests(docs, args.low_load_requests, args.k, args.zipf_a, args.seed + 7)
     high = build_requests(docs, args.requests, args.k, args.zipf_a, args.seed)
     device = (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
@@ -284,6 +328,13 @@ def main(argv=None) -> int:
             "server_engine": "process" if engine_process(args) else "in_process", "date": time.strftime("%Y-%m-%d")}
     records = []
     points = [("low_load", low, 1), ("saturated", high, args.clients)]
+    out = Path(args.results_dir) / f"{args.out}.json"
+    if args.compare_drivers:
+        records = compare_drivers(args, docs, points, {k: v for k, v in base.items() if k != "server_engine"})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"-> {out}")
+        return 0
 
     # every document encoded once before timing (both phases then measure reuse, not first encodes);
     # then one unrecorded pass of every point (CUDA graph captures, allocator growth), then the
@@ -336,7 +387,6 @@ def main(argv=None) -> int:
                         "ttft_overhead_ms_p50": round(med["http"]["ttft_ms_p50"] - med["in_process"]["ttft_ms_p50"], 2),
                         "throughput_vs_in_process": round(med["http"]["throughput_rps"]
                                                           / med["in_process"]["throughput_rps"], 4)})
-    out = Path(args.results_dir) / f"{args.out}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")
     print(f"\n{'point':<10} {'clients':>7} {'req':>4} {'TTFT p50 in/http ms':>20} {'TTFT p99 in/http ms':>20} "
