@@ -45,12 +45,14 @@ class ServerSettings:
     requests in the engine at once (more get 429). ``max_body_bytes``: larger bodies get 413.
     ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text.
     ``engine_process``: run the engine in its own process (``ProcessDriver``), else in a thread
-    of the server's process. On by default, by measurement: the event loop's work (JSON bodies,
-    tokenizing, SSE events) then no longer takes the interpreter lock from the engine's
-    host-side step work (the GIL is what held the H100 at 0.81x); on the 2-core CPU machine the
-    load test's saturated HTTP/in-process ratio was at or above 0.99 in every run with it and
-    0.79-1.08 without (BENCHMARKS.md, "Server"). What it costs: a second interpreter (startup, a
-    few hundred MB) and, for a loaded ``LazyLLM``, a second copy of its weights."""
+    of the server's process. On by default. Measured on the 2-core CPU machine (BENCHMARKS.md,
+    "Server"; benchmarks/server_load.py --compare-drivers): the two are equal within the
+    machine's noise (saturated 3.17 vs 3.21 req/s, low load 0.92 vs 0.89, alternating rounds),
+    and with it the load test meets its target (1.05x and 1.02x of in-process at saturation). So
+    it costs nothing measurable there, and it removes what held the H100 at 0.81x: the event
+    loop's work (JSON bodies, SSE events) taking the interpreter lock from the engine's
+    host-side step work. Its costs: a second interpreter (seconds at startup, a few hundred MB)
+    and, for a ``LazyLLM`` the caller loaded, a second copy of its weights."""
 
     model_name: str = "lazy-rag"
     api_key: str | None = None
