@@ -51,7 +51,7 @@ class ServerSettings:
     and with it the load test meets its target (1.05x and 1.02x of in-process at saturation). So
     it costs nothing measurable there, and it removes what held the H100 at 0.81x: the event
     loop's work (JSON bodies, SSE events) taking the interpreter lock from the engine's
-    host-side step work. Its costs: a second interpreter (seconds at startup, a few hundred MB)
+    host-side step work (1.66x with it there). Its costs: a second interpreter (seconds at startup, a few hundred MB)
     and, for a ``LazyLLM`` the caller loaded, a second copy of its weights."""
 
     model_name: str = "lazy-rag"
