@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..errors import LazyRagError, RequestFailedError
+from .engine_worker import step_engine
 
 log = logging.getLogger("lazy_rag.server")
 
@@ -215,12 +216,7 @@ class EngineDriver(Driver):
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            try:
-                stepped = engine.step()
-            except Exception:  # the engine fails single requests itself; this is a bug: keep serving
-                log.exception("engine step failed")
-                stepped = False
-                self._fail_all("the engine step failed; see the server log")
+            stepped = step_engine(engine, self._fail_all)
             self._publish()
             if not stepped:
                 time.sleep(0.001)  # chunk transfers in flight

@@ -65,6 +65,18 @@ def _send(conn, msg) -> bool:
         return False
 
 
+def step_engine(engine, fail_all) -> bool:
+    """One engine step for a server's stepping loop (the engine process's and the in-process
+    driver's); True if it made progress. The engine fails single requests itself, so an exception
+    here is a bug: every request in flight fails with ``fail_all(why)`` and the loop keeps serving."""
+    try:
+        return engine.step()
+    except Exception:
+        log.exception("engine step failed")
+        fail_all("the engine step failed; see the server log")
+        return False
+
+
 class EngineLoop:
     """Reads the inbox between steps, steps while there is work, posts each step's output."""
 
@@ -82,12 +94,7 @@ class EngineLoop:
                 break
             if not engine.scheduler.has_work:
                 continue
-            try:
-                stepped = engine.step()
-            except Exception:  # the engine fails single requests itself; this is a bug: keep serving
-                log.exception("engine step failed")
-                stepped = False
-                self._fail_all("the engine step failed; see the server log")
+            stepped = step_engine(engine, self._fail_all)
             self._collect()
             if not self._flush():
                 break
