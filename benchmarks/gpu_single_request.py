@@ -4,8 +4,10 @@ Llama-3.1-8B shape with random bf16 weights built on the device (the GPU machine
 hub), 5 chunks of 2048 tokens from a pool of 10, a 32-token question, chunk KV already cached
 (resident in the engine's page pool, placed by an earlier request that retrieved the same chunks
 in another order). ``prefix``: a fresh pool in which only that earlier request is cached.
+``--eager`` adds block and lazy with their prefill step run eagerly (the engine's append CUDA
+graphs off, as ``append_graph_tokens=0`` does), in the same run.
 
-    python benchmarks/gpu_single_request.py [--layers 32] [--reps 5]
+    python benchmarks/gpu_single_request.py [--layers 32] [--reps 5] [--eager]
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk-tokens", type=int, default=2048)
     ap.add_argument("--out", default="gpu_single_request")
+    ap.add_argument("--eager", action="store_true", help="also block and lazy without append graphs")
     args = ap.parse_args()
     from lazy_rag import Chunk, LazyLLM
 
@@ -52,7 +55,12 @@ def main():
 
     env = environment()
     records = []
-    for mode in ("full", "prefix", "block", "lazy"):
+    runs = [(m, True) for m in ("full", "prefix", "block", "lazy")]
+    if args.eager:
+        runs += [("block", False), ("lazy", False)]
+    graphs = llm.engine.runner.append_graphs
+    for mode, append_graphs in runs:
+        llm.engine.runner.append_graphs = graphs if append_graphs else None
         times, st = [], None
         for rep in range(args.reps + 1):
             chosen = rng.sample(range(10), 5)
@@ -66,6 +74,7 @@ def main():
             if rep:  # the first is warm-up
                 times.append(st.ttft_ms)
         records.append({"benchmark": "gpu_single_request", "mode": mode, "device": env["device"],
+                        "append_graphs": append_graphs and graphs is not None,
                         "model": f"llama-3.1-8b-shape ({args.layers} layers, random bf16)", "chunks": 5,
                         "chunk_tokens": args.chunk_tokens, "prompt_tokens": st.prompt_tokens,
                         "cached_tokens": st.cached_tokens, "computed_tokens": st.computed_tokens,
@@ -77,7 +86,7 @@ def main():
         r["speedup_vs_full"] = full["ttft_ms"] / r["ttft_ms"]
     path = write_records(RESULTS / f"{args.out}.json", records)
     print(f"\n{env['device']}, torch {env['torch']}, transformers {env['transformers']} -> {path}")
-    print(format_table(records, ["mode", "prompt_tokens", "cached_tokens", "computed_tokens", "chunk_sources",
+    print(format_table(records, ["mode", "append_graphs", "prompt_tokens", "cached_tokens", "computed_tokens", "chunk_sources",
                                  "ttft_ms", "ttft_ms_min", "speedup_vs_full"]))
 
 

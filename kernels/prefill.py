@@ -29,21 +29,26 @@ class PrefillPlan:
     block_m: int             # query tokens per tile
 
 
+def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device) -> int:
+    """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens."""
+    gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    if torch.device(device).type == "cuda":
+        # GPU: 256 (token, head) rows per tile when sequences are long enough to fill them
+        # (H200 sweep, +512 tokens: 256 rows 6.6 ms vs 128 rows 7.0 ms), else 128.
+        rows = 256 if longest * gp >= 256 else 128
+    else:
+        rows = 32
+    return max(1, rows // gp)
+
+
 def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
                  block_m: int | None = None) -> PrefillPlan:
     """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default: 128 or 256 rows of
     (token, head) pairs on the GPU, 32 rows under the interpreter)."""
     ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
-    gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     if block_m is None:
-        # GPU: 256 (token, head) rows per tile when sequences are long enough to fill them
-        # (H200 sweep, +512 tokens: 256 rows 6.6 ms vs 128 rows 7.0 ms), else 128.
         longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
-        if torch.device(device).type == "cuda":
-            rows = 256 if longest * gp >= 256 else 128
-        else:
-            rows = 32
-        block_m = max(1, rows // gp)
+        block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device)
     seq, q0 = [], []
     for b in range(len(ptr) - 1):
         for s in range(ptr[b], ptr[b + 1], block_m):

@@ -26,7 +26,10 @@ class EngineConfig:
     chunk KV below the pool. ``policy``: eviction of unreferenced cached pages; ``gdsf`` by
     default: in the paper's Zipf workload it keeps 0.1-0.4 points more chunk hits than LRU (as
     LFU does) and ties it under uniform popularity (benchmarks/eviction_policy.py), and unlike
-    plain LFU it ages. ``cuda_graphs``: replay decode steps from captured graphs (CUDA only)."""
+    plain LFU it ages. ``cuda_graphs``: replay decode steps, and prefill / append steps of up to
+    ``append_graph_tokens`` new tokens whose attention is the Triton kernels' (lazy, block, short
+    prefix-hit tails), from captured graphs (CUDA only; ``append_graph_tokens=0``: decode only).
+    Each captured append shape holds its activations in the graphs' shared memory pool."""
 
     kv_bytes: int | None = None
     gpu_memory_fraction: float | None = None
@@ -37,10 +40,14 @@ class EngineConfig:
     max_batched_tokens: int = 16384
     policy: str = "gdsf"
     cuda_graphs: bool = True
+    append_graph_tokens: int = 2048
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise LazyRagError(f"Unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
+        if self.append_graph_tokens < 0:
+            raise LazyRagError(f"EngineConfig.append_graph_tokens must be >= 0 (0: no append graphs), got "
+                               f"{self.append_graph_tokens}.")
         for name in ("max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise LazyRagError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}.")

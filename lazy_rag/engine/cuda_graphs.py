@@ -11,16 +11,39 @@ captured once per (batch bucket, pages-per-sequence bucket) and replayed with ne
   (``PagePool.scratch_page``), and the page table is sized ``bucket x pages bucket`` so the
   kernel's split-K grid (sized from ``max_pages`` on the host) is fixed at capture time;
 - graphs share one memory pool: they never run concurrently.
+
+``AppendGraphs`` does the same for prefill / append steps (question and template tokens after
+reused chunks, a few tokens of many requests, decodes mixed in) whose every sequence takes the
+Triton prefill kernel: captured per (token bucket, batch bucket, pages bucket, query tile size),
+the step's tokens padded with tokens of one padding sequence that reads and writes only the
+scratch page, and the kernel's query-tile plan padded with tiles that own no query row. The
+token count varies far more than a decode batch does, so the buckets are coarser (at most ~1.5x
+padding) and the number of graphs is bounded (least recently used dropped). A step longer than
+the largest bucket is GPU-bound anyway and stays eager. Steps with a fresh sequence (full mode,
+a prefix miss), a prefix tail, APE or explicit slot positions stay eager too.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels import PageTable, lazy_decode
-from .page_table import page_rows, write_targets
+from ..kernels import PageTable, PrefillPlan, lazy_decode, lazy_prefill
+from ..kernels.prefill import default_block_m
+from .page_table import attention_path, page_rows, write_targets
 from .sequence import Sequence
+
+# token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
+# below a few hundred tokens, so the padding costs little there)
+TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def token_bucket(n: int, max_tokens: int = TOKEN_BUCKETS[-1]) -> int | None:
+    """The smallest bucket holding n tokens; None above ``max_tokens`` or the largest bucket (the
+    step stays eager)."""
+    b = next((b for b in TOKEN_BUCKETS if n <= b), None)
+    return b if b is not None and n <= max_tokens else None
 
 
 def batch_bucket(n: int) -> int:
@@ -55,7 +78,6 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.page_step = page_step       # pages-per-sequence buckets are multiples of this
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.mempool = None
         self.replays = 0
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
@@ -106,7 +128,7 @@ class DecodeGraphs:
         return torch.tensor(ids + pos + spage + soff + indptr + pid + fill + ppos + fill + plen + fill
                             + shift + fill, dtype=torch.int64)
 
-    def packed_forward(self, buf: torch.Tensor, B: int, P: int) -> torch.Tensor:
+    def packed_forward(self, buf: torch.Tensor, B: int, P: int, num_layers: int | None = None) -> torch.Tensor:
         """The captured computation: decode logits [B, vocab] from a packed input buffer."""
         ids, pos, spage, soff = (buf[i * B:(i + 1) * B] for i in range(4))
         t = buf[4 * B:].to(torch.int32)
@@ -114,7 +136,8 @@ class DecodeGraphs:
         pid, ppos, plen, shift = (rest[i * B * P:(i + 1) * B * P] for i in range(4))
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P)
         attention = DecodeAttention(self.runner, table, pos.to(torch.int32))
-        logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None), virtual=False)
+        logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None), virtual=False,
+                                        num_layers=num_layers)
         return logits
 
     def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int] | None:
@@ -128,20 +151,185 @@ class DecodeGraphs:
         return self._pack(B, P, seqs, tables), B, P
 
     def _capture(self, B: int, P: int) -> _Captured:
-        dev = self.runner.pool.device
-        n = 5 * B + 1 + 4 * B * P
-        buf = torch.zeros(n, dtype=torch.int64, device=dev)
-        buf.copy_(self._pack(B, P, [], []))  # all padding: warm-up touches the scratch page only
-        # warm up outside the capture (Triton compiles and caches its launchers here)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self.packed_forward(buf, B, P)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.packed_forward(buf, B, P)
-        self.mempool = graph.pool()
-        cap = _Captured(graph, buf, out)
+        # all padding: the warm-up touches the scratch page only
+        cap = capture(self.runner, self._pack(B, P, [], []),
+                      lambda buf, num_layers=None: self.packed_forward(buf, B, P, num_layers))
         self.graphs[(B, P)] = cap
+        return cap
+
+
+def capture(runner, padding: torch.Tensor, forward) -> _Captured:
+    """Capture ``forward(buf, num_layers=None)`` over a static device copy of ``padding`` (inputs
+    that touch only the scratch page). Every graph of the runner shares one memory pool (they
+    never run at once)."""
+    dev = runner.pool.device
+    buf = padding.to(dev)
+    # warm up outside the capture: Triton compiles and caches its launchers, cuBLAS picks its
+    # kernels. Every layer launches the same kernels, so one layer (and the head) is enough: a
+    # new shape then costs about one eager step, not two.
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        forward(buf, num_layers=1)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=runner.graph_mempool):
+        out = forward(buf)
+    runner.graph_mempool = graph.pool()
+    return _Captured(graph, buf, out)
+
+
+class AppendAttention:
+    """The captured append step's attention: every sequence through the Triton prefill kernel."""
+
+    def __init__(self, runner, qo, q_pos, table, plan):
+        self.runner, self.qo, self.q_pos, self.table, self.plan = runner, qo, q_pos, table, plan
+
+    def __call__(self, i: int, q, k_stored, v):
+        r = self.runner
+        return lazy_prefill(q, self.qo, self.q_pos, r.pool.k[i], r.pool.v[i], self.table, r.inv_freq,
+                            rope_mode="rotate_q", attention_scaling=r.parts.rope_table.attention_scaling,
+                            sm_scale=r.parts.scaling, plan=self.plan)
+
+
+@dataclass(frozen=True)
+class AppendKey:
+    tokens: int    # token bucket
+    batch: int     # batch bucket (+1 padding sequence in the graph)
+    pages: int     # page entries per sequence (a multiple of page_step)
+    block_m: int   # query tokens per kernel tile
+    virtual: bool  # ids may be chunk-wrapper slots (the wrapper rows are read in the graph)
+
+    @property
+    def seqs(self) -> int:
+        return self.batch + 1
+
+    @property
+    def tiles(self) -> int:
+        """Query tiles of the plan: enough for any split of ``tokens`` over ``seqs`` sequences."""
+        return -(-self.tokens // self.block_m) + self.seqs
+
+    def sizes(self) -> list[int]:
+        T, S, P, NT = self.tokens, self.seqs, self.pages, self.tiles
+        # ids pos key_pos write_page write_slot | last | qo_indptr | indptr | pid ppos plen shift | tiles
+        return [T] * 5 + [self.batch, S + 1, S + 1] + [S * P] * 4 + [NT] * 2
+
+
+class AppendGraphs:
+    """Prefill / append steps replayed from CUDA graphs (module docstring)."""
+
+    def __init__(self, runner, max_batch: int = 256, page_step: int = 32, max_graphs: int = 48,
+                 max_tokens: int = TOKEN_BUCKETS[-1]):
+        self.runner = runner
+        self.max_batch, self.page_step, self.max_graphs = max_batch, page_step, max_graphs
+        self.max_tokens = max_tokens
+        self.graphs: OrderedDict[AppendKey, _Captured] = OrderedDict()
+        self.replays = 0
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Logits [len(seqs), vocab] of the step, or None when it must run eagerly."""
+        packed = self.pack(seqs)
+        if packed is None:
+            return None
+        host, key = packed
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(key)
+        self.graphs.move_to_end(key)
+        cap.buf.copy_(host)
+        cap.graph.replay()
+        self.replays += 1
+        return cap.out[:len(seqs)]
+
+    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AppendKey] | None:
+        """(packed inputs on the host, graph key), or None when the step stays eager."""
+        r = self.runner
+        ps = r.pool.page_size
+        if not seqs or len(seqs) > self.max_batch:
+            return None
+        if any(attention_path(s, True, ps)[0] != "paged" for s in seqs):
+            return None
+        tables = [page_rows(s, ps) for s in seqs]
+        if any(t[4] is not None for t in tables):
+            return None
+        n = sum(len(s.compute_pos) for s in seqs)
+        T = token_bucket(n, self.max_tokens)
+        if T is None:
+            return None
+        shp = r.parts.shape
+        longest = max(len(s.compute_pos) for s in seqs)
+        P = max(1, -(-max(len(t[0]) for t in tables) // self.page_step)) * self.page_step
+        key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, shp.num_heads, shp.num_kv_heads,
+                                                                        r.pool.device),
+                        r.parts.virtual_rows is not None)
+        return self._pack(key, seqs, tables), key
+
+    def _pack(self, key: AppendKey, seqs, tables) -> torch.Tensor:
+        """The step's inputs in one int64 vector (``AppendKey.sizes`` order); with no sequences,
+        all padding."""
+        r = self.runner
+        ps, scratch = r.pool.page_size, r.pool.scratch_page
+        T, S, P, bm = key.tokens, key.seqs, key.pages, key.block_m
+        ids, pos, kpos, wpage, wslot, last, qo = [], [], [], [], [], [], [0]
+        indptr, pid, ppos, plen, shift, tseq, tq0 = [0], [], [], [], [], [], []
+        for b, (seq, (a, c, d, e, _)) in enumerate(zip(seqs, tables)):
+            toks = seq.tokens
+            for p, (page, slot, sh) in zip(seq.compute_pos, write_targets(seq, seq.compute_pos, ps)):
+                ids.append(toks[p])
+                pos.append(p)
+                kpos.append(p - sh)
+                wpage.append(page)
+                wslot.append(slot)
+            last.append(len(ids) - 1)
+            tseq += [b] * len(range(qo[-1], len(ids), bm))
+            tq0 += range(qo[-1], len(ids), bm)
+            qo.append(len(ids))
+            pid += a
+            ppos += c
+            plen += d
+            shift += e
+            indptr.append(len(pid))
+        n = len(ids)
+        last += [0] * (key.batch - len(last))
+        for b in range(len(seqs), S):  # empty sequences, then the padding one (all padding tokens)
+            qo.append(n if b < S - 1 else T)
+            pid.append(scratch)
+            ppos.append(0)
+            plen.append(1)
+            shift.append(0)
+            indptr.append(len(pid))
+        tseq += [S - 1] * len(range(n, T, bm))
+        tq0 += range(n, T, bm)
+        fill_tiles = key.tiles - len(tseq)   # tiles past the padding sequence's end own no row
+        tseq += [S - 1] * fill_tiles
+        tq0 += [T] * fill_tiles
+        pad = T - n
+        fill = [0] * (S * P - len(pid))
+        parts = (ids + [0] * pad, pos + [0] * pad, kpos + [0] * pad, wpage + [scratch] * pad, wslot + [0] * pad,
+                 last, qo, indptr, pid + fill, ppos + fill, plen + fill, shift + fill, tseq, tq0)
+        flat = [v for part in parts for v in part]
+        assert [len(x) for x in parts] == key.sizes()
+        return torch.tensor(flat, dtype=torch.int64)
+
+    def packed_forward(self, buf: torch.Tensor, key: AppendKey, num_layers: int | None = None) -> torch.Tensor:
+        """The captured computation: logits [batch bucket, vocab] from a packed input buffer."""
+        views, at = [], 0
+        for size in key.sizes():
+            views.append(buf[at:at + size])
+            at += size
+        ids, pos, kpos, wpage, wslot, last = views[:6]
+        qo, indptr, pid, ppos, plen, shift, tseq, tq0 = (v.to(torch.int32) for v in views[6:])
+        table = PageTable(indptr, pid, ppos, plen, shift, max_pages=key.pages)
+        plan = PrefillPlan(tseq, tq0, key.block_m)
+        attention = AppendAttention(self.runner, qo, pos.to(torch.int32), table, plan)
+        logits, _ = self.runner.forward(ids, pos, wpage, wslot, attention, key_pos=kpos, logits_rows=last,
+                                        virtual=key.virtual, num_layers=num_layers)
+        return logits
+
+    def _capture(self, key: AppendKey) -> _Captured:
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)   # its memory returns to the shared pool
+        cap = capture(self.runner, self._pack(key, [], []),
+                      lambda buf, num_layers=None: self.packed_forward(buf, key, num_layers))
+        self.graphs[key] = cap
         return cap

@@ -65,7 +65,8 @@ class Engine:
         self.pool = PagePool(shp.num_layers, num_pages, shp.num_kv_heads, page_size, shp.head_dim, dt, dev)
         self.pm = PageManager(self.pool, config.policy)
         self.tiers = tiers or ChunkTiers(config.host_bytes)
-        self.runner = ModelRunner(host.parts, self.pool, config.cuda_graphs, config.max_num_seqs)
+        self.runner = ModelRunner(host.parts, self.pool, config.cuda_graphs, config.max_num_seqs,
+                                  config.append_graph_tokens)
         self.planner = KVPlanner(self.pm, self.tiers, host.rope_table, self.runner)
         self.scheduler = Scheduler(self.planner, config.max_num_seqs, config.max_batched_tokens)
         self.handles: dict[int, RequestHandle] = {}
@@ -315,12 +316,14 @@ class Engine:
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        graphs = self.runner.graphs
+        graphs, append = self.runner.graphs, self.runner.append_graphs
         return {**self.pm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
                 "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
                 "failed_requests": self.num_failed,
                 "requests_waiting": len(self.scheduler.waiting), "requests_running": len(self.scheduler.running),
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
+                "append_graph_replays": append.replays if append else 0,
+                "append_graphs": len(append.graphs) if append else 0,
                 **{k: round(v, 4) for k, v in self.timers.items()},
                 "page_size": self.pool.page_size, "bytes_per_page": self.pool.bytes_per_page}
 

@@ -33,21 +33,25 @@ from ..architecture import ModelParts
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import AppendGraphs, DecodeGraphs
 from .page_pool import PagePool
-from .page_table import (build_table, contiguous_pages, group_rows, is_decode_step, is_fresh, page_rows, slot_map,
-                         table_of_rows, write_targets)
+from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, table_of_rows,
+                         write_targets)
 
 
 class ModelRunner:
-    def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256):
+    def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
+                 max_graph_tokens: int = 2048):
         self.parts, self.pool = parts, pool
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
         self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
-        self.graphs = None
+        self.graphs = self.append_graphs = None
+        self.graph_mempool = None   # one memory pool for every captured graph (they never run at once)
         if cuda_graphs and self.use_kernels:
             self.graphs = DecodeGraphs(self, max_graph_batch)
+            if max_graph_tokens > 0:
+                self.append_graphs = AppendGraphs(self, max_graph_batch, max_tokens=max_graph_tokens)
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
@@ -88,10 +92,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
         """Compute every sequence's ``compute_pos`` tokens; returns fp32 logits [len(seqs), vocab]
-        of each sequence's last new token (after a CUDA-graph decode, a view of the graph's output
+        of each sequence's last new token (after a CUDA-graph step, a view of the graph's output
         buffer: valid until the next ``run``)."""
         if self.graphs is not None and is_decode_step(seqs):
             out = self.graphs.run(seqs)
+            if out is not None:
+                return out
+        if self.append_graphs is not None:
+            out = self.append_graphs.run(seqs)
             if out is not None:
                 return out
         batch = self._pack(seqs)
@@ -191,15 +199,14 @@ class StepAttention:
         self.fresh, self.tails, self.torch_paths, paged, ape = [], [], [], [], []
         for j, seq in enumerate(seqs):
             a, b = batch.spans[j]
-            if is_fresh(seq):
+            path, history = attention_path(seq, kernels, ps)
+            if path == "fresh":
                 self.fresh.append((a, b))
-                continue
-            history = contiguous_pages(seq, ps) if kernels and b - a >= 128 else None
-            if history is not None:
+            elif path == "tail":
                 self.tails.append((a, b, torch.tensor(history, device=dev), seq.num_tokens))
-            elif kernels and getattr(seq, "recovery", None) is not None and seq.recovery.ape:
+            elif path == "ape":
                 ape.append(j)
-            elif kernels:
+            elif path == "paged":
                 paged.append(j)
             else:
                 self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq)))
@@ -219,7 +226,7 @@ class StepAttention:
         self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
     def __call__(self, i: int, q, k_stored, v):
-        pool, p = self.runner.pool, self.runner.parts
+        pool = self.runner.pool
         if self.probe is not None:
             self.probe.record(i, q, self.cos, self.sin)
         if self.paged is not None and self.paged[0] is None:  # every sequence takes the kernels

@@ -128,3 +128,18 @@ def contiguous_pages(seq, page_size: int) -> list[int] | None:
 
 def is_decode_step(seqs) -> bool:
     return all(len(s.compute_pos) == 1 and s.kv_len == s.num_tokens - 1 for s in seqs)
+
+
+def attention_path(seq, kernels: bool, page_size: int) -> tuple[str, list[int] | None]:
+    """Which path computes a sequence's attention in a step (``model_runner``'s docstring): "fresh",
+    "tail" (with its contiguous history pages), "ape", "paged" (the Triton kernels) or "torch"."""
+    if is_fresh(seq):
+        return "fresh", None
+    history = contiguous_pages(seq, page_size) if kernels and len(seq.compute_pos) >= 128 else None
+    if history is not None:
+        return "tail", history
+    if not kernels:
+        return "torch", None
+    if getattr(seq, "recovery", None) is not None and seq.recovery.ape:
+        return "ape", None
+    return "paged", None

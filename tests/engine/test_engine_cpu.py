@@ -134,6 +134,62 @@ def test_decode_graph_inputs_reproduce_the_eager_step(llm):
                                    before[:, i, :, off].contiguous().view(torch.uint8))
 
 
+def _first_prefill_step(eng, reqs, mode):
+    for segs, _ in reqs:
+        eng.submit(segs, mode=mode, max_new_tokens=4)
+    step = eng.scheduler.schedule()
+    for seq in step.prefill:
+        eng.planner.materialize(seq)
+    return step.prefill + step.decode
+
+
+def test_append_graph_inputs_reproduce_the_eager_step(llm):
+    """The CUDA-graph append path minus the capture: a prefill step of lazy requests packed into
+    one buffer (tokens padded to their bucket by a padding sequence on the scratch page, page table
+    and query-tile plan padded) and run through the packed forward (the Triton prefill kernel, in
+    the interpreter here) gives the eager step's logits and writes only the new tokens' slots."""
+    from lazy_rag.engine.cuda_graphs import TOKEN_BUCKETS, AppendGraphs, token_bucket
+    from lazy_rag.engine.page_table import write_targets
+
+    assert [token_bucket(n) for n in (1, 16, 17, 100, 2048)] == [16, 16, 32, 128, 2048]
+    assert token_bucket(TOKEN_BUCKETS[-1] + 1) is None
+    assert all(b / a <= 1.5 for a, b in zip(TOKEN_BUCKETS[1:], TOKEN_BUCKETS[2:]))
+    eng = engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
+    seqs = _first_prefill_step(eng, workload(3, seed=6), "lazy")
+    assert len(seqs) == 3 and all(s.cached_runs for s in seqs)
+    graphs = AppendGraphs(eng.runner, page_step=4)
+    packed = graphs.pack(seqs)
+    assert packed is not None
+    buf, key = packed
+    n = sum(len(s.compute_pos) for s in seqs)
+    assert key.tokens == token_bucket(n) > n and key.batch == 4 and key.pages % 4 == 0
+    pool = eng.pool
+    owned = [p for p in range(pool.num_pages) if pool.is_used(p)]
+    before = pool.k[:, owned].clone()
+    got = graphs.packed_forward(buf.to(pool.device), key)[:len(seqs)]
+    eng.runner.graphs = eng.runner.append_graphs = None
+    eager = eng.runner.run(seqs)
+    assert got.shape == eager.shape and (got - eager).abs().max() < 1e-4
+    slots = {(page, slot) for s in seqs for page, slot, _ in write_targets(s, s.compute_pos, 4)}
+    after = pool.k[:, owned]
+    for i, page in enumerate(owned):  # the padding tokens wrote only the scratch page
+        for off in range(4):
+            if (page, off) not in slots:
+                assert torch.equal(after[:, i, :, off].contiguous().view(torch.uint8),
+                                   before[:, i, :, off].contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix"])
+def test_append_graphs_leave_steps_without_the_kernels_eager(llm, mode):
+    """A fresh sequence (full mode, a prefix miss) runs SDPA, which the append graphs do not hold."""
+    from lazy_rag.engine.cuda_graphs import AppendGraphs
+
+    eng = engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
+    seqs = _first_prefill_step(eng, workload(2, seed=7), mode)
+    assert AppendGraphs(eng.runner, page_step=4).pack(seqs) is None
+    assert AppendGraphs(eng.runner, page_step=4, max_batch=1).pack(seqs[:1] * 2) is None
+
+
 def test_refused_admission_does_not_turn_its_own_placement_into_a_hit(llm):
     """A chunk placed by an admission that then ran out of pages is still cached; when the same
     request is admitted later it must count as the miss (and tier) it was, not as a pool hit."""

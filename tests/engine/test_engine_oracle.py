@@ -125,6 +125,8 @@ def test_real_shape_model_64_concurrent_requests(mode, real_shape_llm):
     assert_oracle_consistent(real_shape_llm, reqs, results, mode, logit_tol=1e-3, tol=1e-4)
     st = real_shape_llm.engine.stats()
     assert st["graph_replays"] > 0 and st["pages_private"] == 0
+    if mode in ("lazy", "block"):  # their prefill steps were replayed from append graphs
+        assert st["append_graph_replays"] > 0
 
 
 @pytest.fixture(scope="module")
