@@ -40,7 +40,7 @@ class EngineConfig:
     max_batched_tokens: int = 16384
     policy: str = "gdsf"
     cuda_graphs: bool = True
-    append_graph_tokens: int = 2048
+    append_graph_tokens: int = 4096
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -36,7 +36,7 @@ from .sequence import Sequence
 
 # token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
 # below a few hundred tokens, so the padding costs little there)
-TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def token_bucket(n: int, max_tokens: int = TOKEN_BUCKETS[-1]) -> int | None:
@@ -247,14 +247,12 @@ class AppendGraphs:
         ps = r.pool.page_size
         if not seqs or len(seqs) > self.max_batch:
             return None
-        if any(attention_path(s, True, ps)[0] != "paged" for s in seqs):
+        n = sum(len(s.compute_pos) for s in seqs)
+        T = token_bucket(n, self.max_tokens)
+        if T is None or any(attention_path(s, True, ps)[0] != "paged" for s in seqs):
             return None
         tables = [page_rows(s, ps) for s in seqs]
         if any(t[4] is not None for t in tables):
-            return None
-        n = sum(len(s.compute_pos) for s in seqs)
-        T = token_bucket(n, self.max_tokens)
-        if T is None:
             return None
         shp = r.parts.shape
         longest = max(len(s.compute_pos) for s in seqs)

@@ -41,7 +41,7 @@ from .page_table import (attention_path, build_table, group_rows, is_decode_step
 
 class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
-                 max_graph_tokens: int = 2048):
+                 max_graph_tokens: int = 4096):
         self.parts, self.pool = parts, pool
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)

@@ -151,7 +151,8 @@ def test_append_graph_inputs_reproduce_the_eager_step(llm):
     from lazy_rag.engine.cuda_graphs import TOKEN_BUCKETS, AppendGraphs, token_bucket
     from lazy_rag.engine.page_table import write_targets
 
-    assert [token_bucket(n) for n in (1, 16, 17, 100, 2048)] == [16, 16, 32, 128, 2048]
+    assert [token_bucket(n) for n in (1, 16, 17, 100, 2048, 2049)] == [16, 16, 32, 128, 2048, 3072]
+    assert token_bucket(100, max_tokens=64) is None
     assert token_bucket(TOKEN_BUCKETS[-1] + 1) is None
     assert all(b / a <= 1.5 for a, b in zip(TOKEN_BUCKETS[1:], TOKEN_BUCKETS[2:]))
     eng = engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
