@@ -75,7 +75,7 @@ class ModelRunner:
                       torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
         x = p.embed_ids(ids, virtual)
         for i, layer in enumerate(p.layers[:depth]):
-            q, k, v = p.project_qkv(layer, layer.input_layernorm(x))
+            q, k, v = p.project_qkv(layer, p.norm(layer.input_layernorm, x))
             if capture:
                 caught[0][i], caught[1][i] = k, v
             k_stored = apply_cos_sin(k, kcos, ksin)
@@ -84,8 +84,8 @@ class ModelRunner:
                 self.pool.v[i][write_page, :, write_slot] = v.to(self.pool.dtype)
             o = attention(i, q, k_stored, v)
             x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = None if logits_rows is None else p.lm_head(p.final_norm(x[logits_rows])).float()
+            x = x + layer.mlp(p.norm(layer.post_attention_layernorm, x))
+        logits = None if logits_rows is None else p.lm_head(p.norm(p.final_norm, x[logits_rows])).float()
         return logits, caught
 
     # -- steps and encodes ------------------------------------------------------------------------

@@ -129,6 +129,33 @@ def test_real_shape_model_64_concurrent_requests(mode, real_shape_llm):
         assert st["append_graph_replays"] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA only (tests/gpu_parity.sh)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rms_norm_rounds_like_every_familys_module(dtype):
+    """ModelParts.norm on CUDA (torch's fused rms_norm, then the module's weight multiply) against
+    each supported family's own RMSNorm module: equal up to the fp32 sum order (a flipped rounding
+    of the normalised value, then of the weight product: <= 2 units in the last place of the
+    output dtype), for hidden states and per-head q/k shapes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from lazy_rag.architecture import ModelParts
+
+    gen = torch.Generator().manual_seed(0)
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
+        for shape in ((1, 4096), (97, 576), (33, 8, 128), (5, 3, 64)):
+            m = cls(shape[-1], eps=1e-6).to("cuda", dtype)
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+            x = (3 * torch.randn(*shape, generator=gen)).to("cuda", dtype)
+            want, got = m(x), ModelParts.norm(m, x)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            ulp = 2 * torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert ((got.float() - want.float()).abs() <= ulp + 1e-30).all(), (cls.__name__, shape, dtype)
+
+
 @pytest.fixture(scope="module")
 def real_shape_llm():
     """Llama-3.1-8B's layer shapes (GQA 32/8, head_dim 128, llama3 RoPE), 2 layers, random fp32
