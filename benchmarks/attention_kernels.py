@@ -1,6 +1,7 @@
 """Benchmark the lazy-RoPE attention kernels on the GPU (Llama-3.1-8B attention shape).
 
-    python benchmarks/attention_kernels.py [--out DIR] [--quick] [--sweep]
+    python benchmarks/attention_kernels.py [--out DIR] [--quick] [--sweep [all|runs]]
+                                           [--only decode|prefill]
 
 Needs a CUDA device and the package installed (`pip install -e .`, as tests/kernels/run_gpu.sh
 does). Shape: Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, llama3 RoPE),
@@ -9,6 +10,10 @@ bf16, page size 64 (one KV head of a page is a 16 KiB contiguous run). Modes per
                   query rotated once per chunk; the default) or rotate_k (unrotated store, keys
                   rotated in the kernel)
   no_rope         the same kernel with rope_mode="none" on the same pages (keys taken as rotated)
+  Prefill modes carry the kernel in their name, both timed on the same inputs: lazy_runs /
+  no_rope_runs = kernels/prefill_runs.py (lazy_prefill's default for rotate_q and none: runs of
+  equal rot_shift, query rotated once per run), lazy_tiles / no_rope_tiles = the tiles kernel of
+  paged_attention.py (lazy_prefill(kernel="tiles"); rotate_k's only kernel). Field `kernel`.
   sdpa_contiguous torch SDPA decode over the same KV laid out contiguously, keys rotated
   block           Block-Attention: fused gather + re-rotate copy, then SDPA
 Cases: decode (each sequence on its own permuted pages), decode_shared and prefill (Zipf-shared
@@ -22,7 +27,7 @@ bytes/copy_bw and flops/matmul_rate over the measured time. Lazy records carry t
 kernel's registers, spills and shared memory. Small cases cycle over several disjoint input sets
 inside one timed call so that the KV does not sit in L2. Times are medians of CUDA-graph replays
 (triton.testing.do_bench_cudagraph). --sweep also times tuning variants (block_n, num_warps,
-num_stages, split_target; block_m for prefill).
+num_stages, split_target; block_m for prefill; for prefill both kernels: runs_sweep_sets).
 Writes benchmarks/results/kernels_<device>.json (or DIR/...): a JSON list of flat records.
 """
 from __future__ import annotations
@@ -39,16 +44,21 @@ PAGE, CHUNK = 64, 2048
 DTYPE_NAME = "bfloat16"
 L2_FLUSH_BYTES = 256 << 20
 HIDE_FRACTION = 0.2      # slot_pos cases: share of each chunk page's slots hidden (recomputed)
-TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "slot_pos", "time_us", "gbps",
-                 "pct_of_copy_bw", "tflops", "pct_of_roofline"]
+TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "kernel", "slot_pos", "time_us",
+                 "gbps", "pct_of_copy_bw", "tflops", "pct_of_roofline"]
+PREFILL_KERNELS = ("runs", "tiles")   # lazy_prefill(kernel=...): the default first
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     ap.add_argument("--quick", action="store_true", help="fewer batches and contexts")
-    ap.add_argument("--sweep", action="store_true",
-                    help="time tuning variants (records with benchmark *_sweep) before the cases")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "runs"),
+                    help="time tuning variants (records with benchmark *_sweep) before the cases; "
+                         "`--sweep runs`: only the runs prefill kernel's")
+    ap.add_argument("--only", choices=("decode", "prefill"),
+                    help="time only these cases (decode: decode, decode_shared and decode_slot_pos; "
+                         "prefill: prefill and prefill_slot_pos)")
     return ap.parse_args(argv)
 
 
@@ -173,6 +183,18 @@ class Recorder:
 
 def lazy_mode(rope_mode):
     return "no_rope" if rope_mode == "none" else "lazy"
+
+
+def prefill_kernels(rope_mode, kernels=PREFILL_KERNELS):
+    """The prefill kernels of `kernels` that serve rope_mode (runs: rotate_q and none)."""
+    from lazy_rag.kernels.prefill_runs import RUNS_ROPE_MODES
+
+    return [k for k in kernels if k != "runs" or rope_mode in RUNS_ROPE_MODES]
+
+
+def prefill_mode(rope_mode, kernel):
+    """lazy_runs, lazy_tiles, no_rope_runs, no_rope_tiles."""
+    return f"{lazy_mode(rope_mode)}_{kernel}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +392,9 @@ def prefill_inputs(shape, B, n_new, cached):
 
 
 def prefill_cases(shape, rec, batches, news, rng, tuning_sets=None,
-                  rope_modes=("rotate_q", "rotate_k", "none")):
+                  rope_modes=("rotate_q", "rotate_k", "none"), kernels=PREFILL_KERNELS):
+    """Every (rope_mode, kernel) of prefill_kernels side by side on the same inputs; with
+    tuning_sets, each set (block_m goes to plan_prefill, the rest to lazy_prefill)."""
     import torch
 
     from lazy_rag.kernels import lazy_prefill, plan_prefill
@@ -385,20 +409,24 @@ def prefill_cases(shape, rec, batches, news, rng, tuning_sets=None,
                         page_size=PAGE, case=f"B{B} +{n_new} / 10k")
             o = torch.empty_like(q)
             for rope_mode in rope_modes:
-                for tun in (tuning_sets or [{}]):
-                    tun = dict(tun)
-                    plan = plan_prefill(qo.cpu(), shape.H, shape.HKV, DEVICE,
-                                        block_m=tun.pop("block_m", None))
-                    try:
-                        t, timer = bench(partial(
-                            lazy_prefill, q, qo, q_pos, case.k_pages, case.v_pages, case.table,
-                            shape.inv_freq, rope_mode=rope_mode, plan=plan, out=o, **tun))
-                    except Exception as exc:  # noqa: BLE001  (e.g. OutOfResources of a variant)
-                        print(f"  prefill {rope_mode} {tun}: {type(exc).__name__}", flush=True)
-                        continue
-                    rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode,
-                                 tuning=json.dumps(dict(tun, block_m=plan.block_m))),
-                            t, timer, nbytes, flops, **kernel_report())
+                for kernel in prefill_kernels(rope_mode, kernels):
+                    for tun in (tuning_sets or [{}]):
+                        tun = dict(tun)
+                        plan = plan_prefill(qo.cpu(), shape.H, shape.HKV, DEVICE,
+                                            block_m=tun.pop("block_m", None), kernel=kernel)
+                        try:
+                            t, timer = bench(partial(
+                                lazy_prefill, q, qo, q_pos, case.k_pages, case.v_pages,
+                                case.table, shape.inv_freq, rope_mode=rope_mode, plan=plan,
+                                out=o, kernel=kernel, **tun))
+                        except Exception as exc:  # noqa: BLE001  (OutOfResources of a variant)
+                            print(f"  prefill {rope_mode} {kernel} {tun}: "
+                                  f"{type(exc).__name__}", flush=True)
+                            continue
+                        rec.add(dict(base, mode=prefill_mode(rope_mode, kernel),
+                                     rope_mode=rope_mode, kernel=kernel,
+                                     tuning=json.dumps(dict(tun, block_m=plan.block_m))),
+                                t, timer, nbytes, flops, **kernel_report())
             del case
             torch.cuda.empty_cache()
 
@@ -425,7 +453,8 @@ def slot_pos_cases(shape, rec, batches, news, rng):
             o = torch.empty_like(q)
             base = dict(benchmark="decode_slot_pos" if decode else "prefill_slot_pos", batch=B,
                         new_tokens=n_new, cached_tokens=cached, page_size=PAGE,
-                        case=f"B{B} +{n_new} / 10k", mode="lazy", rope_mode="rotate_q")
+                        case=f"B{B} +{n_new} / 10k", mode="lazy", rope_mode="rotate_q",
+                        kernel="tiles" if decode else "runs")
             for name, (table, extra_tokens) in tables.items():
                 if decode:
                     fn = partial(lazy_decode, q, case.k_pages, case.v_pages, table, q_pos,
@@ -456,26 +485,62 @@ def check_once(shape):
     errs = {}
     for name, table in (("plain", case.table), ("slot_pos", case.hidden_and_compact(rng)[0])):
         for rope_mode in ("rotate_q", "rotate_k"):
-            o = lazy_prefill(q, qo, q_pos, case.k_pages, case.v_pages, table, shape.inv_freq,
-                             rope_mode=rope_mode)
             r = paged_attention_ref(q, qo, q_pos, case.k_pages, case.v_pages, table,
                                     shape.inv_freq, rope_mode, compute_dtype=torch.float64)
-            err = ((o.double() - r).abs().max() / r.abs().max()).item()
-            errs[f"{name}/{rope_mode}"] = float(f"{err:.3g}")
+            for kernel in prefill_kernels(rope_mode):
+                o = lazy_prefill(q, qo, q_pos, case.k_pages, case.v_pages, table,
+                                 shape.inv_freq, rope_mode=rope_mode, kernel=kernel)
+                err = ((o.double() - r).abs().max() / r.abs().max()).item()
+                errs[f"{name}/{rope_mode}/{kernel}"] = float(f"{err:.3g}")
     return errs
 
 
 # --------------------------------------------------------------------------------------------
 
-def sweep(shape, rec, rng):
-    """Tuning variants: decode (block_n, stages, split_target) and prefill (block_m, block_n,
-    warps, stages)."""
-    sets = [dict(block_n=bn, num_warps=4, num_stages=st, split_target=sp)
-            for bn in (128, 256) for st in (2, 3, 4) for sp in (2, 4, 8)]
-    decode_cases(shape, rec, [32], [8192], tuning_sets=sets, rope_modes=("rotate_q", "none"))
-    psets = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-             for bm in (32, 64) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
-    prefill_cases(shape, rec, [16], [512], rng, tuning_sets=psets, rope_modes=("rotate_q",))
+def runs_sweep_sets(gp, long):
+    """The runs kernel's tuning variants (defaults: 128 rows, block_n 64, 8 warps, 3 stages),
+    pruned by sm_90 compiles (ptxas -v): spill-free are 64 rows x 64 keys (4 or 8 warps) and
+    128 rows x 64 keys x 8 warps; 128 keys per tile spills a little (44-224 bytes), 256 rows
+    spill more (436 bytes at 64 keys, 8 warps), 4 warps at 128 rows spill ~500 bytes and 16
+    warps kilobytes (none of those swept but one 256-row and the 128-key probes).
+    long (+512 tokens, compute-bound): rows (block_m = rows // gp), block_n, warps, stages.
+    Short (+32 tokens, every token in one 128-row tile: latency- and split-bound): block_n,
+    stages, split_target (split-KV programs per SM), and 64-row tiles. One of each with
+    q_rotation="row" (the query rotation without join / permute / reshape)."""
+    def var(rows, bn, w, s, **kw):
+        return dict(block_m=rows // gp, block_n=bn, num_warps=w, num_stages=s, **kw)
+
+    if long:
+        return [var(128, 64, 8, s) for s in (2, 3, 4)] \
+            + [var(64, 64, w, s) for w in (4, 8) for s in (2, 3)] \
+            + [var(128, 128, 8, s) for s in (2, 3)] + [var(64, 128, 8, 2), var(256, 64, 8, 2)] \
+            + [var(128, 64, 8, 3, q_rotation="row")]
+    return [var(128, bn, 8, s, split_target=sp) for bn in (64, 128) for s in (2, 3)
+            for sp in (1, 2, 4)] \
+        + [var(64, 64, 4, 3, split_target=sp) for sp in (1, 2)] \
+        + [var(128, 64, 8, 3, split_target=2, q_rotation="row")]
+
+
+def sweep(shape, rec, rng, what="all"):
+    """Tuning variants, rotate_q: with what="all" decode (block_n, stages, split_target) and the
+    tiles kernel's prefill (block_m, block_n, warps, stages); always the runs kernel's prefill
+    (runs_sweep_sets: B1 and B16, +512 and +32)."""
+    import triton
+
+    if what == "all":
+        sets = [dict(block_n=bn, num_warps=4, num_stages=st, split_target=sp)
+                for bn in (128, 256) for st in (2, 3, 4) for sp in (2, 4, 8)]
+        decode_cases(shape, rec, [32], [8192], tuning_sets=sets,
+                     rope_modes=("rotate_q", "none"))
+        psets = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+                 for bm in (32, 64) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+        prefill_cases(shape, rec, [16], [512], rng, tuning_sets=psets,
+                      rope_modes=("rotate_q",), kernels=("tiles",))
+    gp = triton.next_power_of_2(shape.H // shape.HKV)
+    prefill_cases(shape, rec, [1, 16], [512], rng, tuning_sets=runs_sweep_sets(gp, True),
+                  rope_modes=("rotate_q",), kernels=("runs",))
+    prefill_cases(shape, rec, [1, 16], [32], rng, tuning_sets=runs_sweep_sets(gp, False),
+                  rope_modes=("rotate_q",), kernels=("runs",))
     for r in rec.records:
         r["benchmark"] += "_sweep"
 
@@ -502,14 +567,18 @@ def main(argv=None):
     rec = Recorder(env)
     t0 = time.time()
     if args.sweep:
-        sweep(shape, rec, rng)
+        sweep(shape, rec, rng, args.sweep)
     quick = args.quick
-    decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
-                 [8192] if quick else [2048, 8192, 32768])
-    shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
-    prefill_cases(shape, rec, [1, 16], [32, 512], rng)
-    slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
-    slot_pos_cases(shape, rec, [16], [512], rng)
+    if args.only != "prefill":
+        decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+                     [8192] if quick else [2048, 8192, 32768])
+        shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
+    if args.only != "decode":
+        prefill_cases(shape, rec, [1, 16], [32, 512], rng)
+    if args.only != "prefill":
+        slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
+    if args.only != "decode":
+        slot_pos_cases(shape, rec, [16], [512], rng)
     tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
     path = write_records(args.out / f"kernels_{tag}.json", rec.records)
     print(f"# {len(rec.records)} records in {time.time() - t0:.0f} s -> {path}")

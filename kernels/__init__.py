@@ -12,15 +12,22 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
                 return_lse=False, ...) -> out, or (out, lse) with return_lse=True
                                     (tuning kwargs: block_n, num_warps, num_stages, split_target,
                                     num_splits: see paged_attention.py)
-    plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device) -> PrefillPlan
+    plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device, kernel="runs") -> PrefillPlan
     lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope_mode=...,
-                 plan=..., sm_scale=None, return_lse=False) -> out, or (out, lse)
+                 plan=..., sm_scale=None, return_lse=False, kernel=None) -> out, or (out, lse)
                                     lse [Tq, H] fp32: each query row's natural-log log-sum-exp
                                     of its visible keys' scores sm_scale * q.k, -inf for a row
                                     that sees no key. Calls over disjoint key groups (one page
                                     table each, any sm_scale) merge exactly:
                                     o = sum_g e^(lse_g - m) o_g / sum_g e^(lse_g - m),
                                     m = max_g lse_g (see decode.py)
+                                    kernel: "runs" (prefill_runs.py, the default for rotate_q
+                                    and none: the page list walked as runs of equal rot_shift,
+                                    query rotated once per run and loop-invariant in a plain
+                                    flash-attention loop, causal mask only where a key can be
+                                    invisible) or "tiles" (paged_attention.py, decode's kernel;
+                                    rotate_k's); same results, speed only. Tuning kwargs as
+                                    lazy_decode's; plan_prefill's block_m sets the query rows
     block_gather_rotate(k_pages, v_pages, table, inv_freq, *, rope_mode=...) -> k, v, kv_len
     block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=...)
     copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)

@@ -1,4 +1,13 @@
-"""The one Triton attention kernel behind lazy_decode and lazy_prefill, and its split merge.
+"""The tiles attention kernel: lazy_decode's, and lazy_prefill's for rope_mode="rotate_k" (or
+with kernel="tiles"); its split merge and the split-KV helpers the runs kernel shares.
+
+Prefill with rope_mode "rotate_q" or "none" runs prefill_runs.py by default: there a program
+walks its page list as runs of equal rot_shift with a plain flash-attention inner loop (query
+rotated once per run, loop-invariant; no causal mask where every key is visible; one K=D QK
+dot), because this kernel's per-tile shift handling (below) keeps the query loop-carried and,
+in prefill, made rotate_q 3.6x slower than rope_mode "none" on an H200 (+512 tokens over 10k,
+B16: 20.9 ms vs 5.75 ms). Decode stays here: with one query row its rotate_q costs <= 2% over
+"none" (the uniform scalar branch, MULTI_SHIFT 3).
 
 A program owns (a tile of BLOCK_M query tokens of one sequence) x (one KV head) x (one split of
 that sequence's page list). The G query heads that share the KV head are packed into the rows
@@ -293,13 +302,65 @@ def _slot_pos_args(table: PageTable, page: int, dummy: torch.Tensor):
     return table.slot_pos_row, sp, sp.stride(0)
 
 
+def split_count(device, n_programs: int, n_kv_tiles: int, num_splits: int | None,
+                split_target: float) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) of split-KV over n_kv_tiles tiles per sequence, for
+    n_programs (query tile, KV head) programs: num_splits None picks about split_target programs
+    per SM; at most 64 splits, no more than tiles, and no split left empty by the rounding."""
+    if num_splits is None:
+        target = int(split_target * _num_sms(device))
+        num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_programs)))
+    num_splits = max(1, min(num_splits, n_kv_tiles, 64))
+    tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
+    return triton.cdiv(n_kv_tiles, tiles_per_split), tiles_per_split
+
+
+def split_outputs(q, out, num_splits: int, return_lse: bool):
+    """The attention kernel's output arguments: (out, row_lse, po, po_strides, lse, l_strides).
+    One split (DIRECT) writes `out` (and row_lse, with return_lse) itself; several write fp32
+    per-split partials po [Tq, H, splits, D] and their log2-sum-exps lse [Tq, H, splits] for
+    merge_splits."""
+    Tq, H, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    row_lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device) if return_lse else None
+    if num_splits == 1:
+        po = lse = out  # unused
+        po_strides = (0, 0, 0)
+        l_strides = (0, 0)
+        if return_lse:       # the DIRECT epilogue writes the rows' lse itself
+            lse = row_lse
+            l_strides = (row_lse.stride(0), row_lse.stride(1))
+    else:
+        po = torch.empty(Tq, H, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(Tq, H, num_splits, dtype=torch.float32, device=q.device)
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        l_strides = (lse.stride(0), lse.stride(1))
+    return out, row_lse, po, po_strides, lse, l_strides
+
+
+def merge_splits(po, lse, out, row_lse, num_splits: int) -> None:
+    """_merge_kernel over split_outputs' partials into out (and row_lse when not None)."""
+    Tq, H, D = out.shape
+    # without row_lse the LSE_OUT arguments stay None (specialized away by Triton)
+    lse_out = {}
+    if row_lse is not None:
+        lse_out = dict(LSE_OUT=row_lse, stride_lot=row_lse.stride(0),
+                       stride_loh=row_lse.stride(1), WRITE_LSE=True)
+    _merge_kernel[(Tq, H)](po, po.stride(0), po.stride(1), lse, lse.stride(0), lse.stride(1),
+                           out, out.stride(0), out.stride(1), num_splits,
+                           SP=triton.next_power_of_2(num_splits), D=D, **lse_out)
+
+
 def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *, rope_mode: str,
            attention_scaling: float, sm_scale: float | None, tile_seq, tile_q0, block_m: int,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False):
-    """Shared launcher. q [Tq, H, D]; tile_seq / tile_q0 [num_q_tiles] int32 (sequence and first
-    query row of each query tile); max_tiles_hint: host-side max page entries of a sequence.
+    """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
+    kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
+    [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
+    host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
     num_splits (split-KV programs per sequence; None: about split_target programs per SM).
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
@@ -319,30 +380,10 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     ppt = max(1, block_n // page)
     bn = triton.next_power_of_2(ppt * page)
     n_kv_tiles = max(1, triton.cdiv(max(max_tiles_hint, 1), ppt))
-    n_q_tiles = tile_seq.numel()
-    if num_splits is None:
-        target = int(split_target * _num_sms(q.device))
-        num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_q_tiles * Hkv)))
-    num_splits = max(1, min(num_splits, n_kv_tiles, 64))
-    tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
-    num_splits = triton.cdiv(n_kv_tiles, tiles_per_split)
+    num_splits, tiles_per_split = split_count(q.device, tile_seq.numel() * Hkv, n_kv_tiles,
+                                              num_splits, split_target)
     direct = num_splits == 1
-
-    if out is None:
-        out = torch.empty_like(q)
-    row_lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device) if return_lse else None
-    if direct:
-        po = lse = out  # unused
-        po_strides = (0, 0, 0)
-        l_strides = (0, 0)
-        if return_lse:       # the DIRECT epilogue writes the rows' lse itself
-            lse = row_lse
-            l_strides = (row_lse.stride(0), row_lse.stride(1))
-    else:
-        po = torch.empty(Tq, H, num_splits, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(Tq, H, num_splits, dtype=torch.float32, device=q.device)
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
+    out, row_lse, po, po_strides, lse, l_strides = split_outputs(q, out, num_splits, return_lse)
     scale = D ** -0.5 if sm_scale is None else sm_scale
     rot = table.rot_shift if table.rot_shift is not None else table.page_pos
     slot_row, slot_pos, stride_sp = _slot_pos_args(table, page, table.page_pos)
@@ -353,7 +394,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         # 8 warps, 2 stages.
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
         meta["num_stages"] = num_stages or (3 if rows <= 64 else 2)
-    grid = (n_q_tiles, Hkv, num_splits)
+    grid = (tile_seq.numel(), Hkv, num_splits)
     global LAST_KERNEL
     LAST_KERNEL = _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -372,12 +413,5 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         WRITE_LSE=return_lse and direct, **meta,
     )
     if not direct:
-        # without return_lse the LSE_OUT arguments stay None (specialized away by Triton)
-        lse_out = {}
-        if return_lse:
-            lse_out = dict(LSE_OUT=row_lse, stride_lot=row_lse.stride(0),
-                           stride_loh=row_lse.stride(1), WRITE_LSE=True)
-        _merge_kernel[(Tq, H)](po, po.stride(0), po.stride(1), lse, lse.stride(0), lse.stride(1),
-                               out, out.stride(0), out.stride(1), num_splits,
-                               SP=triton.next_power_of_2(num_splits), D=D, **lse_out)
+        merge_splits(po, lse, out, row_lse, num_splits)
     return (out, row_lse) if return_lse else out

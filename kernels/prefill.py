@@ -7,7 +7,10 @@ positions with rot_shift 0 for rope_mode="rotate_q"); attention to themselves is
 through the visibility rule (key position <= query position).
 
 `plan_prefill` turns qo_indptr into the list of query tiles once per batch shape (host side);
-`lazy_prefill` runs every layer with it.
+`lazy_prefill` runs every layer with it. Two kernels compute it: prefill_runs.py (runs of equal
+rot_shift, a plain flash-attention inner loop: the default for rope_mode "rotate_q" and "none")
+and paged_attention.py's tiles kernel (lazy_decode's, with BLOCK_M query tokens per program: the
+default for "rotate_k", and reachable for every mode with kernel="tiles" for comparison).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import paged_attention
+from . import paged_attention, prefill_runs
 from .decode import copy_into
 from .page_table import DEFAULT_ROPE_MODE, PageTable, use_triton
 from .reference import paged_attention_ref
@@ -27,35 +30,67 @@ class PrefillPlan:
     tile_seq: torch.Tensor   # [num_q_tiles] int32: sequence of each query tile
     tile_q0: torch.Tensor    # [num_q_tiles] int32: first query row of each tile
     block_m: int             # query tokens per tile
+    split_target: float = 2.0  # split-KV programs per SM (plan_split_target)
 
 
-def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device) -> int:
-    """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens."""
+def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
+                    kernel: str = "runs", total: int | None = None) -> int:
+    """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens and
+    all sequences ``total`` (default: longest), for `kernel` ("runs", the default, or "tiles")."""
     gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
-    if torch.device(device).type == "cuda":
-        # GPU: 256 (token, head) rows per tile when sequences are long enough to fill them
+    device = torch.device(device)
+    if device.type != "cuda":
+        rows = 32
+    elif kernel == "tiles":
+        # 256 (token, head) rows per tile when sequences are long enough to fill them
         # (H200 sweep, +512 tokens: 256 rows 6.6 ms vs 128 rows 7.0 ms), else 128.
         rows = 256 if longest * gp >= 256 else 128
     else:
-        rows = 32
+        rows = runs_rows(longest * gp, (total or longest) * gp, num_kv_heads,
+                         paged_attention._num_sms(device))
     return max(1, rows // gp)
 
 
+def plan_split_target(longest: int, num_qo_heads: int, num_kv_heads: int) -> float:
+    """Split-KV programs per SM for the runs kernel: one when every sequence's new tokens fit one
+    128-row tile (+32 tokens on the H100: B1 40.6 us vs 49.3 us at two, B16 306 vs 400 us), else
+    two (the long cases' sweep setting)."""
+    gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    return 1.0 if longest * gp <= 128 else 2.0
+
+
+def runs_rows(longest_rows: int, total_rows: int, num_kv_heads: int, num_sms: int) -> int:
+    """(token, head) rows per query tile of the runs kernel: as many as keep the GPU full of
+    (tile, KV head) programs. H100 sweep (benchmarks/results/kernels_h100_sweep.json, 10k cached,
+    rotate_q): every token of a sequence in one 128-row tile when it fits (+32 tokens: B16 74% of
+    roofline); 256 rows with 16 warps when that still gives >= 4 programs per SM (B16 +512: 51%
+    vs 48% at 128 rows); else 128 rows when >= 2 per SM; else 64 (B1 +512: 40% vs 31% at 128)."""
+    if longest_rows <= 128:
+        return 128
+    programs = lambda rows: -(-total_rows // rows) * num_kv_heads  # noqa: E731
+    if programs(256) >= 4 * num_sms:
+        return 256
+    return 128 if programs(128) >= 2 * num_sms else 64
+
+
 def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
-                 block_m: int | None = None) -> PrefillPlan:
-    """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default: 128 or 256 rows of
-    (token, head) pairs on the GPU, 32 rows under the interpreter)."""
+                 block_m: int | None = None, kernel: str = "runs") -> PrefillPlan:
+    """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default_block_m: on the GPU
+    64-256 (token, head) rows for the runs kernel (runs_rows), 128 or 256 for the tiles kernel;
+    32 rows under the interpreter)."""
     ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
+    longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
     if block_m is None:
-        longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
-        block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device)
+        block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device, kernel,
+                                  total=ptr[-1] - ptr[0] if ptr else 0)
     seq, q0 = [], []
     for b in range(len(ptr) - 1):
         for s in range(ptr[b], ptr[b + 1], block_m):
             seq.append(b)
             q0.append(s)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return PrefillPlan(mk(seq), mk(q0), block_m)
+    return PrefillPlan(mk(seq), mk(q0), block_m,
+                       plan_split_target(longest, num_qo_heads, num_kv_heads))
 
 
 def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
@@ -64,6 +99,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  attention_scaling: float = 1.0, sm_scale: float | None = None,
                  plan: PrefillPlan | None = None, num_splits: int | None = None,
                  out: torch.Tensor | None = None, return_lse: bool = False,
+                 kernel: str | None = None,
                  **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill / append attention.
 
@@ -74,18 +110,40 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
     tuning, return_lse: as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
+    kernel     "runs" (prefill_runs.py: runs of equal rot_shift, the default for rope_mode
+               "rotate_q" and "none"), "tiles" (paged_attention.py: the decode kernel with
+               BLOCK_M rows, the default for "rotate_k"), None: the default for rope_mode.
+               Same results to rounding; the choice is speed only.
     Returns    [Tq, H, D] in q.dtype (written into `out` if given); with return_lse=True,
                (out, lse): lse [Tq, H] fp32, each row's natural-log log-sum-exp of its visible
                scores sm_scale * q.k, -inf for a row that sees no key (as lazy_decode).
     """
+    kernel = prefill_kernel(rope_mode, kernel)
     if not use_triton(q):
         res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
                                   rope_mode, attention_scaling, sm_scale, return_lse=return_lse)
         return copy_into(out, res)
     if plan is None:
-        plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device)
-    return paged_attention.launch(
+        plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
+                            kernel=kernel)
+    if kernel == "runs":
+        tuning.setdefault("split_target", plan.split_target)
+    launch = prefill_runs.launch_runs if kernel == "runs" else paged_attention.launch
+    return launch(
         q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
         num_splits=num_splits, out=out, return_lse=return_lse, **tuning)
+
+
+def prefill_kernel(rope_mode: str, kernel: str | None = None) -> str:
+    """The kernel lazy_prefill runs: `kernel` when given (checked), else "runs" for the rope
+    modes it serves and "tiles" for rotate_k."""
+    if kernel is None:
+        return "runs" if rope_mode in prefill_runs.RUNS_ROPE_MODES else "tiles"
+    if kernel not in ("runs", "tiles"):
+        raise ValueError(f"unknown prefill kernel {kernel!r}: 'runs' or 'tiles'")
+    if kernel == "runs" and rope_mode not in prefill_runs.RUNS_ROPE_MODES:
+        raise ValueError(f"the runs kernel serves rope_mode {prefill_runs.RUNS_ROPE_MODES}, "
+                         f"not {rope_mode!r}: use kernel='tiles'")
+    return kernel

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import PageTable, PrefillPlan, lazy_decode, lazy_prefill
-from ..kernels.prefill import default_block_m
+from ..kernels.prefill import default_block_m, plan_split_target
 from .page_table import attention_path, page_rows, write_targets
 from .sequence import Sequence
 
@@ -199,6 +199,7 @@ class AppendKey:
     pages: int     # page entries per sequence (a multiple of page_step)
     block_m: int   # query tokens per kernel tile
     virtual: bool  # ids may be chunk-wrapper slots (the wrapper rows are read in the graph)
+    split_target: float = 2.0   # the kernel's split-KV programs per SM (the plan's)
 
     @property
     def seqs(self) -> int:
@@ -257,9 +258,9 @@ class AppendGraphs:
         shp = r.parts.shape
         longest = max(len(s.compute_pos) for s in seqs)
         P = max(1, -(-max(len(t[0]) for t in tables) // self.page_step)) * self.page_step
-        key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, shp.num_heads, shp.num_kv_heads,
-                                                                        r.pool.device),
-                        r.parts.virtual_rows is not None)
+        H, Hkv = shp.num_heads, shp.num_kv_heads
+        key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, H, Hkv, r.pool.device, total=n),
+                        r.parts.virtual_rows is not None, plan_split_target(longest, H, Hkv))
         return self._pack(key, seqs, tables), key
 
     def _pack(self, key: AppendKey, seqs, tables) -> torch.Tensor:
@@ -318,7 +319,7 @@ class AppendGraphs:
         ids, pos, kpos, wpage, wslot, last = views[:6]
         qo, indptr, pid, ppos, plen, shift, tseq, tq0 = (v.to(torch.int32) for v in views[6:])
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=key.pages)
-        plan = PrefillPlan(tseq, tq0, key.block_m)
+        plan = PrefillPlan(tseq, tq0, key.block_m, key.split_target)
         attention = AppendAttention(self.runner, qo, pos.to(torch.int32), table, plan)
         logits, _ = self.runner.forward(ids, pos, wpage, wslot, attention, key_pos=kpos, logits_rows=last,
                                         virtual=key.virtual, num_layers=num_layers)

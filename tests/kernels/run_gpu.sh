@@ -3,7 +3,9 @@
 # 1e-2 / 1e-3): test_attention.py (decode, prefill, RoPE scalings, the block copy),
 # test_slot_positions.py (explicit per-slot positions: hidden slots in shared pages, compact
 # private runs, all-hidden sequences), test_lse.py (return_lse: each row's log-sum-exp, the
-# two-group merge and APE's temperature merge) and test_page_copy.py.
+# two-group merge and APE's temperature merge), test_prefill_runs.py (the runs prefill kernel,
+# lazy_prefill's default: run boundaries, split-KV, the mask segmentation) and
+# test_page_copy.py.
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
 # The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail

@@ -147,9 +147,11 @@ def test_block_attention_decode_matches_lazy(rope_mode):
 
 @pytest.mark.parametrize("block_m", [None, 16, 32])
 def test_two_pages_per_tile(block_m):
-    """rotate_q with two pages per KV tile (the GPU's page-64 / 128-key case) where chunk
-    boundaries fall inside tiles: decode (block_m None) and prefill of 64 rows take the uniform
-    scalar branch, prefill of 128 rows the while loop; every score is exact either way."""
+    """The tiles kernel's rotate_q with two pages per KV tile (the GPU's page-64 / 128-key case)
+    where chunk boundaries fall inside tiles: decode (block_m None) and prefill of 64 rows take
+    the uniform scalar branch, prefill of 128 rows the while loop; every score is exact either
+    way. (Prefill through kernel="tiles": the runs kernel, lazy_prefill's default, never puts
+    two shifts in one tile; test_prefill_runs.py.)"""
     dtype = DTYPES[0]
     c = Case(MIXED if block_m is None else PREFILL, CHUNKS, Hkv=2, G=4, D=64, page=16,
              dtype=dtype, seed=21, pos_base=90_000)
@@ -161,7 +163,7 @@ def test_two_pages_per_tile(block_m):
         plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
         out = lazy_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table,
                            inv.to(c.q.device), rope_mode="rotate_q", plan=plan, block_n=32,
-                           out=_poisoned(c))
+                           kernel="tiles", out=_poisoned(c))
     assert rel_err(out, _ref(c, inv, scale, "rotate_q")) < TOL[dtype]
 
 
