@@ -336,14 +336,14 @@ def default_tuning(rows: int, interp: bool, n_programs: int, num_sms: int) -> di
     compiles pointed the same way on block_n): 64 keys per KV tile (one page at the engine's
     page size 64: the PPT == 1 path; 128 keys was 1.1-2x slower everywhere); 256 rows with 16
     warps and 2 stages (B16 +512: 3.79 ms, 51% of roofline); fewer (tile, KV head) programs than
-    SMs, split over the KV, 8 warps and 2 stages (B1 +32: 40.6 us vs 50.2 us with 4 warps);
-    otherwise 4 warps and 3 stages (B16 +32: 306 us vs 372 us with 8). (Split-KV's
+    half the SMs, split over the KV, 8 warps and 2 stages (B1 +32, 8 programs: 40.6 us vs 50.2 us
+    with 4 warps); otherwise 4 warps and 3 stages (B16 +32, 128 programs: 306 us vs 372 us with 8). (Split-KV's
     split_target comes with the plan: prefill.plan_split_target.)"""
     if interp:
         return dict(block_n=32, num_warps=None, num_stages=None)
     if rows >= 256:
         return dict(block_n=64, num_warps=16, num_stages=2)
-    if n_programs < num_sms:
+    if 2 * n_programs < num_sms:
         return dict(block_n=64, num_warps=8, num_stages=2)
     return dict(block_n=64, num_warps=4, num_stages=3)
 
