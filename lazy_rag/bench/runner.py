@@ -202,6 +202,11 @@ class Bench:
 
     def _engine(self, fit: int) -> Engine:
         c = self.cfg
+        # the engine before this one (its pool sized for a whole budget) may still be held by a
+        # reference cycle (runner <-> its graphs): free it before allocating the next pool
+        gc.collect()
+        if self.llm.device.type == "cuda":
+            torch.cuda.empty_cache()
         config = EngineConfig(num_pages=pool_pages(self.llm, self.workload, c.page_size, fit), page_size=c.page_size,
                               max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens)
         return Engine(self.llm.host, config, tiers=self.tiers)
