@@ -24,7 +24,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def classify(name: str) -> str:
     n = name.lower()
-    if "paged_attn" in n or "merge" in n:
+    if "paged_attn" in n or "prefill_runs" in n or "merge" in n:
         return "lazy_kernels_ms"
     if "sdpa" in n or "flash" in n or "attention" in n or "fmha" in n:
         return "sdpa_ms"

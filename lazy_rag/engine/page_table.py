@@ -15,6 +15,16 @@ def page_rows(seq, page_size: int):
     ids, pos, lens, shift, slots = [], [], [], [], []
     any_explicit = False
     for run in seq.cached_runs + seq.private_runs:
+        if run.positions is None and not run.hidden:
+            # the common run (a whole chunk, a request's own tokens): its entries in bulk, no
+            # per-page Python work (a 32-request step of the paper's workload has ~5k entries)
+            n_pages = -(-run.length // page_size)
+            ids += run.pages[:n_pages]
+            pos += range(run.pos, run.pos + run.length, page_size)
+            lens += [page_size] * (n_pages - 1) + [run.length - (n_pages - 1) * page_size] if n_pages else []
+            shift += [run.rot_shift] * n_pages
+            slots += [None] * n_pages
+            continue
         for i, page in enumerate(run.pages):
             first = i * page_size
             n = min(page_size, run.length - first)

@@ -212,3 +212,30 @@ def test_refused_admission_does_not_turn_its_own_placement_into_a_hit(llm):
     assert st.get("chunk_hits", 0) == 0 and st["chunk_misses"] == 2 and st["tier_encoded"] == 2
     eng.planner.release(seq)
     eng.pm.check()
+
+
+def test_page_rows_lists_every_page_of_every_run_in_order():
+    """page_rows' bulk path for plain runs against the page-by-page definition: every page holding
+    a token of the run, at the run's position + i * page_size, with its fill and the run's shift
+    (runs of zero tokens, partial last pages and spare pages beyond the run's length included)."""
+    from types import SimpleNamespace
+
+    from lazy_rag.engine.page_table import page_rows
+    from lazy_rag.engine.sequence import Run
+
+    rng = random.Random(0)
+    for _ in range(500):
+        ps = rng.choice([1, 4, 16, 64])
+        runs, pos = [], 0
+        for _ in range(rng.randint(0, 5)):
+            n = rng.randint(0, 200)
+            pages = tuple(rng.randrange(1000) for _ in range(-(-n // ps) + rng.randint(0, 2)))
+            runs.append(Run(pos, n, pages, rng.choice([0, pos])))
+            pos += n
+        want = ([], [], [], [])
+        for run in runs:
+            for i in range(-(-run.length // ps)):
+                for col, v in zip(want, (run.pages[i], run.pos + i * ps, min(ps, run.length - i * ps), run.rot_shift)):
+                    col.append(v)
+        seq = SimpleNamespace(cached_runs=runs[:len(runs) // 2], private_runs=runs[len(runs) // 2:])
+        assert page_rows(seq, ps) == (*want, None)
