@@ -134,8 +134,9 @@ def test_real_shape_model_64_concurrent_requests(mode, real_shape_llm):
 def test_fused_rms_norm_rounds_like_every_familys_module(dtype):
     """ModelParts.norm on CUDA (torch's fused rms_norm, then the module's weight multiply) against
     each supported family's own RMSNorm module: equal up to the fp32 sum order (a flipped rounding
-    of the normalised value, then of the weight product: <= 2 units in the last place of the
-    output dtype), for hidden states and per-head q/k shapes."""
+    of the normalised value, then of the weight product: <= 2 units in the last place of a 16-bit
+    output; fp32, whose last place is finer than the kernel's rsqrt: <= 8), for hidden states
+    and per-head q/k shapes."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
@@ -152,8 +153,11 @@ def test_fused_rms_norm_rounds_like_every_familys_module(dtype):
             x = (3 * torch.randn(*shape, generator=gen)).to("cuda", dtype)
             want, got = m(x), ModelParts.norm(m, x)
             assert got.dtype == want.dtype and got.shape == want.shape
-            ulp = 2 * torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-            assert ((got.float() - want.float()).abs() <= ulp + 1e-30).all(), (cls.__name__, shape, dtype)
+            # fp32: the fused kernel's own rsqrt and sum order, a few units in the last place
+            units = 2 if dtype != torch.float32 else 8
+            ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            err = ((got.float() - want.float()).abs() / ulp).max().item()
+            assert err <= units, (cls.__name__, shape, dtype, f"{err:.1f} units in the last place")
 
 
 @pytest.fixture(scope="module")
