@@ -81,6 +81,48 @@ def _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype: tl.constexpr, FAST_T
 
 
 @triton.jit
+def _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G: tl.constexpr, GP: tl.constexpr,
+               BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """A query tile's rows (both attention kernels): row r is token r // GP of the tile and
+    query head kvh * G + r % GP. Returns (sequence b, its first query row q0 and query end q_end,
+    each row's token index qi, row_ok, head)."""
+    b = tl.load(TILE_SEQ + tile)
+    q0 = tl.load(TILE_Q0 + tile)
+    q_end = tl.load(QO_INDPTR + b + 1)
+    r = tl.arange(0, ROWS)
+    t = r // GP
+    h = r % GP
+    qi = q0 + t
+    row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
+    return b, q0, q_end, qi, row_ok, kvh * G + h
+
+
+@triton.jit
+def _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh,
+                PO, stride_pot, stride_poh, stride_pos, LSE, stride_lt, stride_lh,
+                D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A program's epilogue (both attention kernels): with DIRECT the normalised output (and,
+    with WRITE_LSE, each row's natural-log lse); else its split's fp32 partial and log2-sum-exp
+    for _merge_kernel."""
+    d = tl.arange(0, D)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if DIRECT:
+        o_off = qi.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(O + o_off, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            # the row's natural-log lse into LSE [Tq, H] (the caller merges key groups by it)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")) * LN2
+            tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:
+        po_off = qi.to(tl.int64)[:, None] * stride_pot + head[:, None] * stride_poh \
+            + split * stride_pos + d[None, :]
+        tl.store(PO + po_off, o, mask=row_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
 def _paged_attn_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
@@ -102,16 +144,7 @@ def _paged_attn_kernel(
     split = tl.program_id(2)
     dtype = K.dtype.element_ty
 
-    b = tl.load(TILE_SEQ + tile)
-    q0 = tl.load(TILE_Q0 + tile)
-    q_end = tl.load(QO_INDPTR + b + 1)
-
-    r = tl.arange(0, ROWS)
-    t = r // GP
-    h = r % GP
-    qi = q0 + t
-    row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
-    head = kvh * G + h
+    b, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP, BLOCK_M, ROWS)
     dh = tl.arange(0, HALF)
     dfull = tl.arange(0, 2 * HALF)
 
@@ -225,22 +258,8 @@ def _paged_attn_kernel(
         acc = tl.dot(p.to(dtype), v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if DIRECT:
-        o_off = qi.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dfull[None, :]
-        tl.store(O + o_off, o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
-            # the row's natural-log lse into LSE [Tq, H] (the caller merges key groups by it)
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")) * LN2
-            tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
-    else:
-        po_off = qi.to(tl.int64)[:, None] * stride_pot + head[:, None] * stride_poh \
-            + split * stride_pos + dfull[None, :]
-        tl.store(PO + po_off, o, mask=row_ok[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-
+    _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
+                stride_poh, stride_pos, LSE, stride_lt, stride_lh, 2 * HALF, DIRECT, WRITE_LSE)
 
 @triton.jit
 def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stride_ot, stride_oh,

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
-from .paged_attention import LN2, merge_splits, split_count, split_outputs
+from .paged_attention import _tile_rows, _write_tile, merge_splits, split_count, split_outputs
 from .rope import cos_sin
 
 BIG = tl.constexpr(2147483647)   # int32 max: "no such entry" for min-reductions
@@ -253,17 +253,8 @@ def _prefill_runs_kernel(
     split = tl.program_id(2)
     dtype = K.dtype.element_ty
 
-    b = tl.load(TILE_SEQ + tile)
-    q0 = tl.load(TILE_Q0 + tile)
-    q_end = tl.load(QO_INDPTR + b + 1)
-
-    # rows: token r // GP of the tile, query head kvh * G + r % GP (as the tiles kernel)
-    r = tl.arange(0, ROWS)
-    t = r // GP
-    h = r % GP
-    qi = q0 + t
-    row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
-    head = kvh * G + h
+    b, q0, q_end, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP,
+                                                BLOCK_M, ROWS)
     d = tl.arange(0, D)
     q_row = qi.to(tl.int64) * stride_qt + head * stride_qh
     qp = tl.load(QPOS + qi, mask=row_ok, other=-1)           # padded rows: never stored
@@ -309,22 +300,8 @@ def _prefill_runs_kernel(
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS)
         e = run_end
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if DIRECT:
-        o_off = qi.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(O + o_off, o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
-            # the row's natural-log lse into LSE [Tq, H] (the caller merges key groups by it)
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")) * LN2
-            tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
-    else:
-        po_off = qi.to(tl.int64)[:, None] * stride_pot + head[:, None] * stride_poh \
-            + split * stride_pos + d[None, :]
-        tl.store(PO + po_off, o, mask=row_ok[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-
+    _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
+                stride_poh, stride_pos, LSE, stride_lt, stride_lh, D, DIRECT, WRITE_LSE)
 
 # rope modes this kernel serves (rotate_k: the tiles kernel)
 RUNS_ROPE_MODES = ("rotate_q", "none")
