@@ -83,14 +83,21 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     if block_m is None:
         block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device, kernel,
                                   total=ptr[-1] - ptr[0] if ptr else 0)
-    seq, q0 = [], []
-    for b in range(len(ptr) - 1):
-        for s in range(ptr[b], ptr[b + 1], block_m):
-            seq.append(b)
-            q0.append(s)
+    seq, q0 = query_tiles(ptr, block_m)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return PrefillPlan(mk(seq), mk(q0), block_m,
                        plan_split_target(longest, num_qo_heads, num_kv_heads))
+
+
+def query_tiles(ptr: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """(sequence, first query row) of every tile of block_m query tokens, sequence by sequence,
+    for the host list qo_indptr ``ptr``."""
+    seq, q0 = [], []
+    for b in range(len(ptr) - 1):
+        starts = range(ptr[b], ptr[b + 1], block_m)
+        seq += [b] * len(starts)
+        q0 += starts
+    return seq, q0
 
 
 def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,

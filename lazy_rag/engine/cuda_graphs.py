@@ -24,14 +24,15 @@ a prefix miss), a prefix tail, APE or explicit slot positions stay eager too.
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels import PageTable, PrefillPlan, lazy_decode, lazy_prefill
-from ..kernels.prefill import default_block_m, plan_split_target
-from .page_table import attention_path, page_rows, write_targets
+from ..kernels import PageTable, PrefillPlan, lazy_decode
+from ..kernels.prefill import default_block_m, plan_split_target, query_tiles
+from .page_table import attention_path, page_rows, step_tokens, write_targets
 from .sequence import Sequence
 
 # token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
@@ -74,7 +75,9 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int = 256, page_step: int = 32):
-        self.runner = runner
+        # a weak reference: the runner owns its graphs, and a cycle would keep a dropped engine's
+        # page pool (gigabytes of GPU memory) alive until the next garbage collection
+        self.runner = weakref.proxy(runner)
         self.max_batch = max_batch
         self.page_step = page_step       # pages-per-sequence buckets are multiples of this
         self.graphs: dict[tuple[int, int], _Captured] = {}
@@ -186,10 +189,7 @@ class AppendAttention:
         self.runner, self.qo, self.q_pos, self.table, self.plan = runner, qo, q_pos, table, plan
 
     def __call__(self, i: int, q, k_stored, v):
-        r = self.runner
-        return lazy_prefill(q, self.qo, self.q_pos, r.pool.k[i], r.pool.v[i], self.table, r.inv_freq,
-                            rope_mode="rotate_q", attention_scaling=r.parts.rope_table.attention_scaling,
-                            sm_scale=r.parts.scaling, plan=self.plan)
+        return self.runner.paged_prefill(i, q, self.qo, self.q_pos, self.table, self.plan)
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,9 @@ class AppendGraphs:
 
     def __init__(self, runner, max_batch: int = 256, page_step: int = 32, max_graphs: int = 48,
                  max_tokens: int = TOKEN_BUCKETS[-1]):
-        self.runner = runner
+        # a weak reference: the runner owns its graphs, and a cycle would keep a dropped engine's
+        # page pool (gigabytes of GPU memory) alive until the next garbage collection
+        self.runner = weakref.proxy(runner)
         self.max_batch, self.page_step, self.max_graphs = max_batch, page_step, max_graphs
         self.max_tokens = max_tokens
         self.graphs: OrderedDict[AppendKey, _Captured] = OrderedDict()
@@ -268,44 +270,28 @@ class AppendGraphs:
         all padding."""
         r = self.runner
         ps, scratch = r.pool.page_size, r.pool.scratch_page
-        T, S, P, bm = key.tokens, key.seqs, key.pages, key.block_m
-        ids, pos, kpos, wpage, wslot, last, qo = [], [], [], [], [], [], [0]
-        indptr, pid, ppos, plen, shift, tseq, tq0 = [0], [], [], [], [], [], []
-        for b, (seq, (a, c, d, e, _)) in enumerate(zip(seqs, tables)):
-            toks = seq.tokens
-            for p, (page, slot, sh) in zip(seq.compute_pos, write_targets(seq, seq.compute_pos, ps)):
-                ids.append(toks[p])
-                pos.append(p)
-                kpos.append(p - sh)
-                wpage.append(page)
-                wslot.append(slot)
-            last.append(len(ids) - 1)
-            tseq += [b] * len(range(qo[-1], len(ids), bm))
-            tq0 += range(qo[-1], len(ids), bm)
-            qo.append(len(ids))
+        T, S, P = key.tokens, key.seqs, key.pages
+        tok = step_tokens(seqs, ps)
+        n = len(tok.ids)
+        last = [b - 1 for _, b in tok.spans] + [0] * (key.batch - len(seqs))
+        # empty sequences, then the padding one (all padding tokens)
+        qo = [0] + [b for _, b in tok.spans] + [n] * (S - 1 - len(seqs)) + [T]
+        indptr, pid, ppos, plen, shift = [0], [], [], [], []
+        # the empty and padding sequences read one scratch-page entry each
+        for a, c, d, e, _ in tables + [([scratch], [0], [1], [0], None)] * (S - len(seqs)):
             pid += a
             ppos += c
             plen += d
             shift += e
             indptr.append(len(pid))
-        n = len(ids)
-        last += [0] * (key.batch - len(last))
-        for b in range(len(seqs), S):  # empty sequences, then the padding one (all padding tokens)
-            qo.append(n if b < S - 1 else T)
-            pid.append(scratch)
-            ppos.append(0)
-            plen.append(1)
-            shift.append(0)
-            indptr.append(len(pid))
-        tseq += [S - 1] * len(range(n, T, bm))
-        tq0 += range(n, T, bm)
+        tseq, tq0 = query_tiles(qo, key.block_m)
         fill_tiles = key.tiles - len(tseq)   # tiles past the padding sequence's end own no row
         tseq += [S - 1] * fill_tiles
         tq0 += [T] * fill_tiles
         pad = T - n
         fill = [0] * (S * P - len(pid))
-        parts = (ids + [0] * pad, pos + [0] * pad, kpos + [0] * pad, wpage + [scratch] * pad, wslot + [0] * pad,
-                 last, qo, indptr, pid + fill, ppos + fill, plen + fill, shift + fill, tseq, tq0)
+        parts = (tok.ids + [0] * pad, tok.pos + [0] * pad, tok.key_pos + [0] * pad, tok.pages + [scratch] * pad,
+                 tok.slots + [0] * pad, last, qo, indptr, pid + fill, ppos + fill, plen + fill, shift + fill, tseq, tq0)
         flat = [v for part in parts for v in part]
         assert [len(x) for x in parts] == key.sizes()
         return torch.tensor(flat, dtype=torch.int64)

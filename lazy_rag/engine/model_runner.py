@@ -35,8 +35,8 @@ from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import AppendGraphs, DecodeGraphs
 from .page_pool import PagePool
-from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, table_of_rows,
-                         write_targets)
+from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,
+                         table_of_rows)
 
 
 class ModelRunner:
@@ -87,6 +87,14 @@ class ModelRunner:
             x = x + layer.mlp(p.norm(layer.post_attention_layernorm, x))
         logits = None if logits_rows is None else p.lm_head(p.norm(p.final_norm, x[logits_rows])).float()
         return logits, caught
+
+    def paged_prefill(self, i: int, q, qo, q_pos, table, plan, **options):
+        """Layer ``i``'s attention of the new tokens q [n, H, D] (unrotated) over their page table,
+        through the Triton prefill kernel (every step's paged sequences, APE's groups, the captured
+        append steps). ``options``: ``sm_scale`` (default the model's), ``out``, ``return_lse``."""
+        options.setdefault("sm_scale", self.parts.scaling)
+        return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq, rope_mode="rotate_q",
+                            attention_scaling=self.parts.rope_table.attention_scaling, plan=plan, **options)
 
     # -- steps and encodes ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,22 +166,11 @@ class ModelRunner:
         return (dk + dv).cpu()
 
     def _pack(self, seqs) -> "PackedBatch":
-        dev, ps = self.pool.device, self.pool.page_size
-        ids, pos, pages, slots, key_pos, spans = [], [], [], [], [], []
-        shifted = False
-        for seq in seqs:
-            a = len(ids)
-            toks = seq.tokens  # a new list per access: take it once (10k-token prompts)
-            ids += [toks[p] for p in seq.compute_pos]
-            pos += seq.compute_pos
-            for p, (page, slot, shift) in zip(seq.compute_pos, write_targets(seq, seq.compute_pos, ps)):
-                pages.append(page)
-                slots.append(slot)
-                key_pos.append(p - shift)
-                shifted |= shift != 0
-            spans.append((a, len(ids)))
-        t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
-        return PackedBatch(t(ids), t(pos), t(pages), t(slots), t(key_pos) if shifted else None, spans)
+        tok = step_tokens(seqs, self.pool.page_size)
+        t = lambda x: torch.tensor(x, device=self.pool.device)  # noqa: E731
+        shifted = tok.key_pos != tok.pos
+        return PackedBatch(t(tok.ids), t(tok.pos), t(tok.pages), t(tok.slots), t(tok.key_pos) if shifted else None,
+                           tok.spans)
 
 
 class PackedBatch:
@@ -252,10 +249,8 @@ class StepAttention:
         return o
 
     def _paged(self, i, q):
-        pool, rope = self.runner.pool, self.runner.parts.rope_table
         _, qo, q_pos, table, plan = self.paged
-        return lazy_prefill(q, qo, q_pos, pool.k[i], pool.v[i], table, self.runner.inv_freq, rope_mode="rotate_q",
-                            attention_scaling=rope.attention_scaling, sm_scale=self.scaling, plan=plan)
+        return self.runner.paged_prefill(i, q, qo, q_pos, table, plan)
 
 
 class ApeKernelGroups:
@@ -281,14 +276,12 @@ class ApeKernelGroups:
         self.temperature, self.log_scale = seq.recovery.ape_temperature, math.log(seq.recovery.ape_scale)
 
     def attend(self, i: int, q):
-        r, pool = self.runner, self.runner.pool
-        rope, scaling = r.parts.rope_table, r.parts.scaling
+        r, scaling = self.runner, self.runner.parts.scaling
         parts = []
         for table, t, ls in zip(self.tables, (self.temperature, 1.0), (self.log_scale, 0.0)):
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # merged before rounding
-            o, lse = lazy_prefill(q, self.qo, self.q_pos, pool.k[i], pool.v[i], table, r.inv_freq, rope_mode="rotate_q",
-                                  attention_scaling=rope.attention_scaling, sm_scale=scaling / t, plan=self.plan,
-                                  out=out, return_lse=True)
+            o, lse = r.paged_prefill(i, q, self.qo, self.q_pos, table, self.plan, sm_scale=scaling / t, out=out,
+                                     return_lse=True)
             parts.append((t * lse + ls, o))
         return merge_by_lse(parts).to(q.dtype)
 

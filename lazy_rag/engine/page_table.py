@@ -3,6 +3,8 @@ pages it attends to, at which logical positions, with which key rotation, and wh
 token's KV is written. Shared by the eager forward and the captured decode graphs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..kernels import HIDDEN_POS, PageTable
 
 
@@ -100,6 +102,35 @@ def write_targets(seq, positions: list[int], page_size: int) -> list[tuple[int, 
                 r += 1
             run, i = runs[r], p - runs[r].pos
         out.append((run.pages[i // page_size], i % page_size, run.rot_shift))
+    return out
+
+
+@dataclass
+class StepTokens:
+    """A step's new tokens on the host, packed in sequence order: ids, logical positions, KV write
+    targets (page, slot), the positions their keys are rotated at (position - rot_shift), and each
+    sequence's [a, b) span of rows."""
+
+    ids: list
+    pos: list
+    pages: list
+    slots: list
+    key_pos: list
+    spans: list
+
+
+def step_tokens(seqs, page_size: int) -> StepTokens:
+    out = StepTokens([], [], [], [], [], [])
+    for seq in seqs:
+        a = len(out.ids)
+        toks = seq.tokens  # a new list per access: take it once (10k-token prompts)
+        out.ids += [toks[p] for p in seq.compute_pos]
+        out.pos += seq.compute_pos
+        for p, (page, slot, shift) in zip(seq.compute_pos, write_targets(seq, seq.compute_pos, page_size)):
+            out.pages.append(page)
+            out.slots.append(slot)
+            out.key_pos.append(p - shift)
+        out.spans.append((a, len(out.ids)))
     return out
 
 
