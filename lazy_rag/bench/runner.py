@@ -202,8 +202,8 @@ class Bench:
 
     def _engine(self, fit: int) -> Engine:
         c = self.cfg
-        # the engine before this one (its pool sized for a whole budget) may still be held by a
-        # reference cycle (runner <-> its graphs): free it before allocating the next pool
+        # the engine before this one (its pool sized for a whole budget) must be gone before the
+        # next pool is allocated: collect anything of it a reference cycle still holds
         gc.collect()
         if self.llm.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -239,3 +239,24 @@ def test_page_rows_lists_every_page_of_every_run_in_order():
                     col.append(v)
         seq = SimpleNamespace(cached_runs=runs[:len(runs) // 2], private_runs=runs[len(runs) // 2:])
         assert page_rows(seq, ps) == (*want, None)
+
+
+def test_a_dropped_runner_is_freed_at_once_despite_its_graphs(llm):
+    """The step graphs refer to their runner weakly: dropping an engine frees its page pool by
+    reference counting, without waiting for a garbage collection (on the GPU, gigabytes)."""
+    import gc
+    import weakref
+
+    from lazy_rag.engine.cuda_graphs import AppendGraphs, DecodeGraphs
+
+    eng = engine(llm, num_pages=16, page_size=4)
+    runner = eng.runner
+    runner.graphs, runner.append_graphs = DecodeGraphs(runner), AppendGraphs(runner)  # as on CUDA
+    assert runner.append_graphs.runner.pool is runner.pool
+    pool = weakref.ref(runner.pool)
+    gc.disable()
+    try:
+        del eng, runner
+        assert pool() is None
+    finally:
+        gc.enable()
