@@ -36,18 +36,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class ChunkKV:
-    """Position-free KV of one chunk: ``k`` (unrotated) and ``v`` of shape [layers, L, kv_heads, head_dim]."""
+    """Position-free KV of one chunk: ``k`` (unrotated) and ``v`` of shape [layers, L, kv_heads, head_dim].
+
+    Quantised KV (``k.dtype == torch.float8_e4m3fn``) carries one scale per (layer, token, kv head)
+    in ``k_scale`` / ``v_scale`` ([layers, L, kv_heads]): the value is ``k.float() * k_scale[..., None]``.
+    Unquantised KV has no scales (None)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.k.shape[1]
 
     @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors to store, by name (``k``, ``v``, and the scales of quantised KV)."""
+        out = {"k": self.k, "v": self.v}
+        if self.k_scale is not None:
+            out["k_scale"], out["v_scale"] = self.k_scale, self.v_scale
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "ChunkKV":
+        return cls(tensors["k"], tensors["v"], tensors.get("k_scale"), tensors.get("v_scale"))
 
 
 def _checksum(t: torch.Tensor) -> str:
