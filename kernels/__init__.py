@@ -30,8 +30,16 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
                                     lazy_decode's; plan_prefill's block_m sets the query rows
     block_gather_rotate(k_pages, v_pages, table, inv_freq, *, rope_mode=...) -> k, v, kv_len
     block_attention_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=...)
-    copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
+    copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq,
+                    k_scale=None, v_scale=None)
                                     Block-Attention's copy inside the engine pool (page_copy.py)
+    fp8 KV (kv_quant.py): float8_e4m3fn pages with one fp16 scale per (token, KV head),
+                                    k_scale / v_scale [num_pages, Hkv, page_size]; lazy_decode,
+                                    lazy_prefill, paged_attention_ref and copy_rotate_run take
+                                    them as keyword arguments and dequantise in registers.
+    FP8, quantize_rows, dequantize_rows, write_kv   the quantisation rule (per-token scale
+                                    fp16(amax / 448), row quantised with the rounded scale) and
+                                    the fused quantise-and-write of new tokens into a layer's pages
     paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path);
                                     paged_attention_ref(..., return_lse=True) -> (out, lse)
     apply_rope, rope_cos_sin, rotate                RoPE helpers (transformers' rotate_half)
@@ -41,6 +49,7 @@ else the torch reference.
 """
 from .block_copy import block_attention_decode, block_gather_rotate
 from .decode import lazy_decode
+from .kv_quant import FP8, dequantize_rows, quantize_rows, write_kv
 from .page_copy import copy_rotate_run
 from .page_table import (DEFAULT_ROPE_MODE, HIDDEN_POS, ROPE_MODES, PageTable, interpreting,
                          use_triton)
@@ -52,5 +61,6 @@ __all__ = [
     "PageTable", "ROPE_MODES", "DEFAULT_ROPE_MODE", "HIDDEN_POS", "lazy_decode", "lazy_prefill",
     "plan_prefill", "PrefillPlan", "block_gather_rotate", "block_attention_decode",
     "paged_attention_ref", "block_gather_rotate_ref", "copy_rotate_run", "copy_rotate_run_ref",
-    "apply_rope", "rope_cos_sin", "rotate", "interpreting", "use_triton",
+    "apply_rope", "rope_cos_sin", "rotate", "interpreting", "use_triton", "FP8", "quantize_rows",
+    "dequantize_rows", "write_kv",
 ]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .kv_quant import FP8
 from .page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, rope_mode_code, use_triton
 from .reference import block_gather_rotate_ref, refuse_slot_pos
 from .rope import apply_rope, cos_sin
@@ -73,8 +74,11 @@ def block_gather_rotate(k_pages: torch.Tensor, v_pages: torch.Tensor, table: Pag
     table order. max_len: T of the output (default table.max_pages * page_size, no host sync).
     A table with explicit slot positions is refused (ValueError).
     Returns k, v [B, Hkv, T, D] (pool dtype; past kv_len zeros if zero_pad else undefined) and
-    kv_len [B] int32.
+    kv_len [B] int32. fp8 pools are refused (the engine's block mode copies with copy_rotate_run,
+    which requantises; this is the benchmarks' baseline).
     """
+    if k_pages.dtype == FP8:
+        raise ValueError("block_gather_rotate takes bf16 / fp16 / fp32 pages, not float8_e4m3fn")
     if not use_triton(k_pages):
         k, v, kv_len, _ = block_gather_rotate_ref(k_pages, v_pages, table, inv_freq, rope_mode,
                                                   attention_scaling, max_len)

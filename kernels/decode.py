@@ -20,12 +20,16 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
                 rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                 sm_scale: float | None = None, num_splits: int | None = None,
                 out: torch.Tensor | None = None, return_lse: bool = False,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention.
 
     q        [B, H, D]   new token's query (unrotated; rope_mode="none": already rotated),
                          H % Hkv == 0
-    k_pages, v_pages     [num_pages, Hkv, page_size, D] pool, same dtype as q
+    k_pages, v_pages     [num_pages, Hkv, page_size, D] pool, same dtype as q; or
+                         float8_e4m3fn pages with their per-token scales:
+    k_scale, v_scale     [num_pages, Hkv, page_size] (fp16) for fp8 pages, else None
+                         (kernels/kv_quant.py: value = page * scale; q in the compute dtype)
     table    PageTable   B sequences (see page_table.py, explicit slot positions included); the
                          new token's own K/V must already be in a page listed for it (it attends
                          to itself)
@@ -48,14 +52,15 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
     if not use_triton(q):
         qo = torch.arange(B + 1, dtype=torch.int32, device=q.device)
         res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq,
-                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse)
+                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
+                                  k_scale=k_scale, v_scale=v_scale)
         return copy_into(out, res)
     ar = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return paged_attention.launch(
         q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=ar[:B], tile_q0=ar[:B],
         block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out,
-        return_lse=return_lse, **tuning)
+        return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, **tuning)
 
 
 def copy_into(out: torch.Tensor | None, res):

@@ -17,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import check_scales, quant_scale, quantize
 from .page_table import interpreting, use_triton
 from .reference import copy_rotate_run_ref
 
 
 @triton.jit
 def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot, shift, INV_FREQ,
-                        NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr):
+                        NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
+                        KS=None, VS=None, ss_l=None, ss_p=None, ss_h=None,
+                        KV_FP8: tl.constexpr = False, SOFT_FP8: tl.constexpr = False):
     pg = tl.program_id(0)                 # source page within the chunk
     lh = tl.program_id(1)                 # layer * NUM_HEADS + head
     layer = (lh // NUM_HEADS).to(tl.int64)
@@ -41,11 +44,28 @@ def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot
     m = ok[:, None]
     k1 = tl.load(K + s_off + dh[None, :], mask=m, other=0.0).to(tl.float32)
     k2 = tl.load(K + s_off + HALF + dh[None, :], mask=m, other=0.0).to(tl.float32)
+    if KV_FP8:   # dequantise (exact), rotate, quantise again with the rotated row's own scale
+        sc_base = layer * ss_l + head * ss_h
+        sc_src = sc_base + src * ss_p + slot
+        sc_dst = sc_base + dst * ss_p + d % PAGE
+        ks = tl.load(KS + sc_src, mask=ok, other=0.0).to(tl.float32)[:, None]
+        k1 = k1 * ks
+        k2 = k2 * ks
     ang = shift * tl.load(INV_FREQ + dh)
     c = tl.cos(ang)[None, :]
     s = tl.sin(ang)[None, :]
-    tl.store(K + d_off + dh[None, :], (k1 * c - k2 * s).to(K.dtype.element_ty), mask=m)
-    tl.store(K + d_off + HALF + dh[None, :], (k2 * c + k1 * s).to(K.dtype.element_ty), mask=m)
+    r1 = k1 * c - k2 * s
+    r2 = k2 * c + k1 * s
+    if KV_FP8:
+        amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
+        rs = quant_scale(amax)
+        tl.store(K + d_off + dh[None, :], quantize(r1, rs[:, None], SOFT_FP8), mask=m)
+        tl.store(K + d_off + HALF + dh[None, :], quantize(r2, rs[:, None], SOFT_FP8), mask=m)
+        tl.store(KS + sc_dst, rs.to(tl.float16), mask=ok)
+        tl.store(VS + sc_dst, tl.load(VS + sc_src, mask=ok, other=0.0), mask=ok)
+    else:
+        tl.store(K + d_off + dh[None, :], r1.to(K.dtype.element_ty), mask=m)
+        tl.store(K + d_off + HALF + dh[None, :], r2.to(K.dtype.element_ty), mask=m)
     v1 = tl.load(V + s_off + dh[None, :], mask=m, other=0.0)
     v2 = tl.load(V + s_off + HALF + dh[None, :], mask=m, other=0.0)
     tl.store(V + d_off + dh[None, :], v1, mask=m)
@@ -53,7 +73,8 @@ def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot
 
 
 def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
-                    dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor) -> None:
+                    dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Copy the first ``n_tokens`` slots of ``src_pages`` (in order) to slots ``first_slot ..``
     of the run ``dst_pages``, every layer, keys rotated by ``shift`` positions (values copied).
 
@@ -62,9 +83,14 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
     src_pages  [ceil(n_tokens / page)] int, dst_pages [m] int (device tensors)
     inv_freq   [D/2] fp32: the model's RoPE frequencies (no attention_scaling: it was applied
                once when the keys were first rotated)
+    k_scale, v_scale  [L, P, Hkv, page] for a float8_e4m3fn pool (kernels/kv_quant.py): each
+               key is dequantised, rotated in fp32 and quantised again with a new scale (a second
+               rounding of the key); values and their scales are copied as they are
     """
+    check_scales(k[0], None if k_scale is None else k_scale[0], "copy_rotate_run k")
     if not use_triton(k):
-        copy_rotate_run_ref(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq)
+        copy_rotate_run_ref(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq,
+                            k_scale, v_scale)
         return
     L, _, H, page, D = k.shape
     assert k.stride(-1) == 1 and v.stride() == k.stride() and D % 2 == 0
@@ -73,7 +99,13 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
         return
     meta = {} if interpreting() and not k.is_cuda else {"num_warps": 4}
     grid = (triton.cdiv(n_tokens, page), L * H)
+    scaled = {}
+    if k_scale is not None:
+        assert v_scale.stride() == k_scale.stride() and k_scale.stride(-1) == 1
+        scaled = dict(KS=k_scale, VS=v_scale, ss_l=k_scale.stride(0), ss_p=k_scale.stride(1),
+                      ss_h=k_scale.stride(2), KV_FP8=True,
+                      SOFT_FP8=interpreting() and not k.is_cuda)
     _copy_rotate_kernel[grid](k, v, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                               src_pages, dst_pages, n_tokens, first_slot, float(shift),
                               inv_freq.to(device=k.device, dtype=torch.float32),
-                              NUM_HEADS=H, PAGE=page, HALF=D // 2, **meta)
+                              NUM_HEADS=H, PAGE=page, HALF=D // 2, **scaled, **meta)

@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import check_scales
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .rope import cos_sin
 
@@ -78,6 +79,18 @@ def _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype: tl.constexpr, FAST_T
     c = c * rope_scale
     s = s * rope_scale
     return (q1 * c - q2 * s).to(dtype), (q2 * c + q1 * s).to(dtype)
+
+
+@triton.jit
+def _scaled_pv(p, v8, vs, dtype: tl.constexpr, SCALE_V_TILE: tl.constexpr):
+    """The P @ V operands for fp8 values with per-key scales vs [BLOCK_N] (fp32): P's column n
+    times vs[n] and v8 converted (exact), since P @ (v8 * vs[:, None]) == (P * vs[None, :]) @ v8:
+    ROWS x BLOCK_N multiplies instead of BLOCK_N x D (16 rows in decode). SCALE_V_TILE (fp16
+    compute): v8 * vs dequantised in registers instead, because p * vs, smaller than p by the
+    scale, would fall into fp16's subnormals."""
+    if SCALE_V_TILE:
+        return p.to(dtype), (v8.to(tl.float32) * vs[:, None]).to(dtype)
+    return (p * vs[None, :]).to(dtype), v8.to(dtype)
 
 
 @triton.jit
@@ -138,11 +151,13 @@ def _paged_attn_kernel(
     ROPE_MODE: tl.constexpr, FAST_TRIG: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr, MULTI_SHIFT: tl.constexpr, HAS_SLOT_POS: tl.constexpr,
     WRITE_LSE: tl.constexpr = False,
+    K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
+    stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    dtype = K.dtype.element_ty
+    dtype = Q.dtype.element_ty      # the compute dtype (the pool's, unless it is fp8)
 
     b, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP, BLOCK_M, ROWS)
     dh = tl.arange(0, HALF)
@@ -212,6 +227,12 @@ def _paged_attn_kernel(
 
         k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_ok[:, None], other=0.0)
         k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
+        if KV_FP8:
+            # e4m3 -> compute dtype is exact; the per-token scales multiply the scores below
+            k1 = k1.to(dtype)
+            k2 = k2.to(dtype)
+            s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
+            ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
         if ROPE_MODE == 1:
             k1f = k1.to(tl.float32)
             k2f = k2.to(tl.float32)
@@ -246,7 +267,10 @@ def _paged_attn_kernel(
                     sel = todo & (sh == su)
                     sc = tl.where(sel[None, :], sc2, sc)
                     todo = todo & (sh != su)
-        sc = sc * qk_scale_log2
+        if KV_FP8:
+            sc = sc * (ks * qk_scale_log2)[None, :]     # column n times k_scale[n]
+        else:
+            sc = sc * qk_scale_log2
         vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
         sc = tl.where(vis, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -255,7 +279,13 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = tl.load(V + v_base + kvh * stride_vh, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(dtype), v, acc=acc, input_precision=DOT_PREC)
+        if KV_FP8:
+            vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
+                         mask=k_ok, other=0.0).to(tl.float32)
+            pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
+        else:
+            pv = p.to(dtype)
+        acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -375,7 +405,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            attention_scaling: float, sm_scale: float | None, tile_seq, tile_q0, block_m: int,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False):
+           num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
     kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
@@ -383,12 +414,14 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
     num_splits (split-KV programs per sequence; None: about split_target programs per SM).
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
-    log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key)."""
+    log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
+    fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
+    q is then in the compute dtype."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
-    assert k_pages.dtype == v_pages.dtype == q.dtype
+    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale)
     mode = rope_mode_code(rope_mode, table)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
@@ -429,8 +462,25 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
-        WRITE_LSE=return_lse and direct, **meta,
+        WRITE_LSE=return_lse and direct, **scaled, **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)
     return (out, row_lse) if return_lse else out
+
+
+def fp8_args(q, k_pages, v_pages, k_scale, v_scale) -> dict:
+    """The attention kernels' fp8 keyword arguments (both kernels): none for pages in q's dtype
+    (the arguments stay None, specialized away: the kernels compile as without them), else the
+    scale tensors, their page and head strides, KV_FP8 and SCALE_V_TILE (fp16 compute)."""
+    check_scales(k_pages, k_scale, "k_pages")
+    check_scales(v_pages, v_scale, "v_pages")
+    if k_scale is None:
+        assert k_pages.dtype == v_pages.dtype == q.dtype
+        return {}
+    assert v_pages.dtype == k_pages.dtype and q.dtype in (torch.float32, torch.float16,
+                                                         torch.bfloat16)
+    return dict(K_SCALE=k_scale, V_SCALE=v_scale, stride_ksp=k_scale.stride(0),
+                stride_ksh=k_scale.stride(1), stride_vsp=v_scale.stride(0),
+                stride_vsh=v_scale.stride(1), KV_FP8=True,
+                SCALE_V_TILE=q.dtype == torch.float16)

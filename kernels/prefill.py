@@ -106,7 +106,8 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  attention_scaling: float = 1.0, sm_scale: float | None = None,
                  plan: PrefillPlan | None = None, num_splits: int | None = None,
                  out: torch.Tensor | None = None, return_lse: bool = False,
-                 kernel: str | None = None,
+                 kernel: str | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None,
                  **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill / append attention.
 
@@ -115,7 +116,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     qo_indptr  [B+1] int32 sequence b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1
     q_pos      [Tq] int32  logical position of every new token
     k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
-    tuning, return_lse: as lazy_decode
+    tuning, return_lse, k_scale, v_scale (fp8 pages): as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
     kernel     "runs" (prefill_runs.py: runs of equal rot_shift, the default for rope_mode
                "rotate_q" and "none"), "tiles" (paged_attention.py: the decode kernel with
@@ -128,7 +129,8 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     kernel = prefill_kernel(rope_mode, kernel)
     if not use_triton(q):
         res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
-                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse)
+                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
+                                  k_scale=k_scale, v_scale=v_scale)
         return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
@@ -140,7 +142,8 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
-        num_splits=num_splits, out=out, return_lse=return_lse, **tuning)
+        num_splits=num_splits, out=out, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+        **tuning)
 
 
 def prefill_kernel(rope_mode: str, kernel: str | None = None) -> str:

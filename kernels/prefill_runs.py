@@ -53,7 +53,8 @@ import triton.language as tl
 
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
-from .paged_attention import _tile_rows, _write_tile, merge_splits, split_count, split_outputs
+from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,
+                              split_outputs)
 from .rope import cos_sin
 
 BIG = tl.constexpr(2147483647)   # int32 max: "no such entry" for min-reductions
@@ -164,12 +165,15 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             PAGE_IDS, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
             e_a, e_b, D: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
-            HAS_SLOT_POS: tl.constexpr):
+            HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
+            stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
     hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
-    guarantees it) and only the page tails are masked."""
-    dtype = K_h.dtype.element_ty
+    guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
+    KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
+    paged_attention._scaled_pv."""
+    dtype = qr.dtype
     n = tl.arange(0, BLOCK_N)
     slot = n // PAGE
     off = n % PAGE
@@ -213,19 +217,30 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
                 kpos = tl.where(explicit, xpos, kpos)
                 k_ok = k_ok & (kpos != 2147483647)
         k = tl.load(k_ptr, mask=k_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(dtype)      # exact; the scale multiplies the score column instead
+            col = (tl.load(KS_h + pid * stride_ksp + off, mask=k_ok, other=0.0).to(tl.float32)
+                   * qk_scale_log2)[None, :]
+        else:
+            col = qk_scale_log2
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC)
         if MASKED:
             vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
-            qk = tl.where(vis, qk * qk_scale_log2, float("-inf"))
+            qk = tl.where(vis, qk * col, float("-inf"))
         else:
-            qk = qk * qk_scale_log2 + tl.where(k_ok, 0.0, float("-inf"))[None, :]
+            qk = qk * col + tl.where(k_ok, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(dtype), v, acc=acc, input_precision=DOT_PREC)
+        if KV_FP8:
+            vs = tl.load(VS_h + pid * stride_vsp + off, mask=k_ok, other=0.0).to(tl.float32)
+            pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
+        else:
+            pv = p.to(dtype)
+        acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -247,11 +262,13 @@ def _prefill_runs_kernel(
     ROTATE_Q: tl.constexpr, FAST_TRIG: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_SLOT_POS: tl.constexpr, SCAN: tl.constexpr,
     ROTATE_BY_TOKEN: tl.constexpr, WRITE_LSE: tl.constexpr = False,
+    K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
+    stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    dtype = K.dtype.element_ty
+    dtype = Q.dtype.element_ty      # the compute dtype (the pool's, unless it is fp8)
 
     b, q0, q_end, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP,
                                                 BLOCK_M, ROWS)
@@ -269,6 +286,12 @@ def _prefill_runs_kernel(
     e_hi = tl.where(n_rows > 0, e_hi, e)     # a tile with no row (graph padding): no KV loop
     K_h = K + kvh * stride_kh
     V_h = V + kvh * stride_vh
+    if KV_FP8:
+        KS_h = K_SCALE + kvh * stride_ksh
+        VS_h = V_SCALE + kvh * stride_vsh
+    else:
+        KS_h = K_SCALE
+        VS_h = V_SCALE
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -293,11 +316,13 @@ def _prefill_runs_kernel(
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                     stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                     SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, e, mid,
-                                    D, PAGE, PPT, BLOCK_N, DOT_PREC, False, HAS_SLOT_POS)
+                                    D, PAGE, PPT, BLOCK_N, DOT_PREC, False, HAS_SLOT_POS,
+                                    KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
-                                D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS)
+                                D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
+                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -331,7 +356,8 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
                 out: torch.Tensor | None, block_n: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 split_target: float = 2.0, return_lse: bool = False,
-                q_rotation: str = "token"):
+                q_rotation: str = "token", k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None):
     """The runs kernel's launcher; arguments and result as paged_attention.launch (rope_mode
     "rotate_q" or "none" only). Split-KV splits each sequence's entries into ranges of
     tiles_per_split * PPT entries, sized from max_tiles_hint on the host as the tiles kernel.
@@ -343,7 +369,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert D & (D - 1) == 0, "head_dim a power of two"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
-    assert k_pages.dtype == v_pages.dtype == q.dtype
+    scaled = paged_attention.fp8_args(q, k_pages, v_pages, k_scale, v_scale)
     assert q_rotation in ("token", "row"), q_rotation
     mode = rope_mode_code(rope_mode, table)
     if mode not in (ROPE_MODES["rotate_q"], ROPE_MODES["none"]):
@@ -385,7 +411,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         ROTATE_Q=rotate_q, FAST_TRIG=not interp, DIRECT=direct,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SLOT_POS=table.has_slot_pos, SCAN=SCAN, ROTATE_BY_TOKEN=q_rotation == "token",
-        WRITE_LSE=return_lse and direct, **meta,
+        WRITE_LSE=return_lse and direct, **scaled, **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

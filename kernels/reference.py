@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import dequantize_rows, quantize_rows
 from .page_table import DEFAULT_ROPE_MODE, HIDDEN_POS, PageTable
 from .rope import rope_cos_sin, rotate
 
@@ -61,7 +62,7 @@ def refuse_slot_pos(table: PageTable, what: str) -> None:
 def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
                         rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                         sm_scale: float | None = None, compute_dtype=torch.float32,
-                        return_lse: bool = False):
+                        return_lse: bool = False, k_scale=None, v_scale=None):
     """Attention of new tokens over a paged, position-free KV pool.
 
     q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
@@ -75,7 +76,11 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
     return_lse: return (out, lse), lse [Tq, H] in compute_dtype (fp32 by default, as the
     kernels): each row's natural-log logsumexp of its visible scaled scores sm_scale * q.k, -inf
     for a query with no visible key.
+    k_scale, v_scale: fp8 pages' per-token scales (kernels/kv_quant.py): the pages are
+    dequantised (exactly, in fp32), then attended as any other.
     """
+    if k_scale is not None:
+        k_pages, v_pages = dequantize_rows(k_pages, k_scale), dequantize_rows(v_pages, v_scale)
     Tq, H, D = q.shape
     Hkv = k_pages.shape[1]
     G = H // Hkv
@@ -159,16 +164,31 @@ def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq,
 
 
 def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
-                        dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor) -> None:
-    """Torch reference of kernels.page_copy.copy_rotate_run (also the CPU path)."""
+                        dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Torch reference of kernels.page_copy.copy_rotate_run (also the CPU path). fp8 pools
+    (k_scale / v_scale [L, P, H, page]): keys dequantised, rotated in fp32 and quantised again with
+    new per-token scales; values and their scales copied as they are."""
     L, _, H, page, D = k.shape
     src = src_pages.long()
-    ks = k[:, src].transpose(2, 3).reshape(L, -1, H, D)[:, :n_tokens]    # [L, n, H, D]
-    vs = v[:, src].transpose(2, 3).reshape(L, -1, H, D)[:, :n_tokens]
-    c, s = rope_cos_sin(torch.tensor(float(shift), device=k.device), inv_freq)
-    ks = rotate(ks, c, s).to(k.dtype)
     slots = torch.arange(first_slot, first_slot + n_tokens, device=k.device)
     dpage, doff = dst_pages.long()[slots // page], slots % page
-    # advanced indices on dims 1 and 3 (a slice between): the indexed dim comes first
-    k[:, dpage, :, doff] = ks.permute(1, 0, 2, 3)
-    v[:, dpage, :, doff] = vs.permute(1, 0, 2, 3)
+
+    def tokens(t):   # [L, P, H, page, ...] -> the run's [L, n, H, ...]
+        return t[:, src].transpose(2, 3).reshape(L, -1, H, *t.shape[4:])[:, :n_tokens]
+
+    def put(t, x):   # advanced indices on dims 1 and 3 (a slice between): the indexed dim comes first
+        t[:, dpage, :, doff] = x.permute(1, 0, 2, *range(3, x.dim()))
+
+    c, s = rope_cos_sin(torch.tensor(float(shift), device=k.device), inv_freq)
+    if k_scale is None:
+        put(k, rotate(tokens(k), c, s).to(k.dtype))
+        put(v, tokens(v))
+        return
+    # fp8 pages through uint8 views (indexed copies of float8 are not implemented everywhere)
+    keys = dequantize_rows(tokens(k.view(torch.uint8)).view(k.dtype), tokens(k_scale))
+    k8, ks = quantize_rows(rotate(keys, c, s))
+    put(k.view(torch.uint8), k8.view(torch.uint8))
+    put(k_scale, ks.to(k_scale.dtype))
+    put(v.view(torch.uint8), tokens(v.view(torch.uint8)))
+    put(v_scale, tokens(v_scale))
