@@ -1,0 +1,170 @@
+"""An index build's chunk KV: encoded many chunks per forward, written by a background thread.
+
+The engine encodes a batch of chunks (up to ``batch_tokens`` tokens, packed into one forward by
+``Engine.encode_chunks``) while a writer thread appends the previous batches' KV to the store, so
+the accelerator never waits on the disk and the disk never waits on the accelerator, unless one
+is the bottleneck; then the other waits on a bounded queue (``max_pending_bytes`` of KV held on
+the host), which keeps the build's memory flat however large the corpus is. On a machine where
+both stages share the same CPU cores there is nothing to overlap but the disk, which the thread
+still hides.
+
+Order and failure: the writer writes in submission order and the first error it meets (a full
+disk) stops the build at the next batch, re-raised in the caller's thread, so the caller's
+clean-up (``LazyIndex._build_docs``) sees it as if the write had been its own. ``written`` lists
+what was written so far, for that clean-up. Stage times (encode, write, the waits on each other)
+are measured, so a build can say which stage bounds it (``PipelineStats``).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+_STOP = object()
+
+
+@dataclass
+class PipelineStats:
+    chunks: int = 0
+    tokens: int = 0
+    kv_bytes: int = 0
+    encode_s: float = 0.0        # the engine's encode calls (forward + copy to the host)
+    write_s: float = 0.0         # the writer thread's store writes
+    encoder_wait_s: float = 0.0  # the encoder waiting for room in the queue: the disk is the bound
+    writer_idle_s: float = 0.0   # the writer waiting for KV to write: the encoder is the bound
+    seconds: float = 0.0
+    batches: int = 0
+    bound: str = field(default="")
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tokens_per_s"] = self.tokens / self.seconds if self.seconds else 0.0
+        d["write_gbps"] = self.kv_bytes / self.write_s / 1e9 if self.write_s else 0.0
+        return d
+
+
+class KVWriter:
+    """Writes (record, KV) pairs to ``store`` from one background thread, in order."""
+
+    def __init__(self, store, written: list, stats: PipelineStats, max_pending_bytes: int):
+        self.store, self.written, self.stats = store, written, stats
+        self.max_pending = max(int(max_pending_bytes), 1)
+        self.pending = 0
+        self.cond = threading.Condition()
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="lazy-rag-kv-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, records, kvs, on_written=None) -> None:
+        """Queue one batch; blocks while more than ``max_pending_bytes`` wait to be written
+        (a batch larger than that alone is still taken). Raises the writer's error, if any."""
+        nbytes = sum(kv.nbytes for kv in kvs)
+        t0 = time.perf_counter()
+        with self.cond:
+            while self.error is None and self.pending and self.pending + nbytes > self.max_pending:
+                self.cond.wait()
+            self._raise()
+            self.pending += nbytes
+        self.stats.encoder_wait_s += time.perf_counter() - t0
+        self.items.put((records, kvs, nbytes, on_written))
+
+    def close(self) -> None:
+        """Wait until everything queued is written; raises the writer's error, if any."""
+        self.items.put(_STOP)
+        self.thread.join()
+        self._raise()
+
+    def abort(self) -> None:
+        """Stop after the batch being written (the caller failed); never raises."""
+        with self.cond:
+            self.error = self.error or _Aborted()
+            self.cond.notify_all()
+        self.items.put(_STOP)
+        self.thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None and not isinstance(self.error, _Aborted):
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            item = self.items.get()
+            self.stats.writer_idle_s += time.perf_counter() - t0
+            if item is _STOP:
+                return
+            records, kvs, nbytes, on_written = item
+            if self.error is None:
+                t0 = time.perf_counter()
+                try:
+                    for r, kv in zip(records, kvs):
+                        self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
+                        self.written.append(self.store.path(r.id))
+                    if on_written is not None:
+                        on_written(records)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
+                    self.error = e
+                self.stats.write_s += time.perf_counter() - t0
+            with self.cond:
+                self.pending -= nbytes
+                self.cond.notify_all()
+
+
+class _Aborted(Exception):
+    pass
+
+
+def batches_by_tokens(records, batch_tokens: int):
+    """Consecutive slices of ``records`` of at most ``batch_tokens`` tokens (one record larger
+    than that is a batch of its own)."""
+    batch, n = [], 0
+    for r in records:
+        if batch and n + len(r.token_ids) > batch_tokens:
+            yield batch
+            batch, n = [], 0
+        batch.append(r)
+        n += len(r.token_ids)
+    if batch:
+        yield batch
+
+
+def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_tokens: int | None = None,
+                     max_pending_bytes: int | None = None) -> PipelineStats:
+    """Encode the KV of ``records`` inside ``wrapper`` and write it to ``store``, the writes
+    overlapped with the next batches' encoding; ``bar`` advances by tokens written, with the
+    rate in its note. Returns the stage times and totals."""
+    engine = llm.engine
+    batch_tokens = int(batch_tokens or engine.config.max_batched_tokens)
+    if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
+        per_token = llm.shape.kv_bytes_per_token * ((store.kv_dtype or llm.dtype).itemsize)
+        max_pending_bytes = 2 * batch_tokens * per_token
+    stats = PipelineStats()
+    writer = KVWriter(store, written, stats, max_pending_bytes)
+    t_start = time.perf_counter()
+
+    def progress(done_records):
+        n = sum(len(r.token_ids) for r in done_records)
+        elapsed = time.perf_counter() - t_start
+        rate = (stats.tokens + n) / elapsed if elapsed > 0 else 0.0
+        stats.tokens += n
+        stats.chunks += len(done_records)
+        bar.advance(n, note=f"{rate:,.0f} tokens/s, {stats.kv_bytes / 2**30:.2f} GiB written")
+
+    try:
+        for batch in batches_by_tokens(records, batch_tokens):
+            t0 = time.perf_counter()
+            # not cached in the engine's memory tiers: the KV goes to disk, and a build must not
+            # hold a corpus's KV in memory (queries read it from the store)
+            kvs = engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False)
+            stats.encode_s += time.perf_counter() - t0
+            stats.batches += 1
+            writer.put(batch, kvs, progress)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    stats.seconds = time.perf_counter() - t_start
+    stats.bound = "write" if stats.encoder_wait_s > stats.writer_idle_s else "encode"
+    return stats
