@@ -37,6 +37,7 @@ import numpy as np
 
 from .version import __version__
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
+from .build_pipeline import encode_and_write
 from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder
@@ -52,7 +53,6 @@ from .wrapper import ChunkWrapper, WrapperError
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_chunks", "embedder")
-ENCODE_BATCH = 16  # chunks per encode call: one forward each (up to the engine's token budget)
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -114,20 +114,14 @@ def open_store(path: Path, manifest: dict, vocab_rows: int | None = None) -> Chu
                       vocab_rows=vocab_rows)
 
 
-def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list) -> int:
-    """Encode the KV of ``records`` inside ``wrapper`` into ``store``, ENCODE_BATCH chunks per
-    engine call, advancing ``bar`` and listing each file in ``written``; returns the bytes written."""
-    nbytes = 0
-    for s in range(0, len(records), ENCODE_BATCH):
-        batch = records[s:s + ENCODE_BATCH]
-        # not cached in the engine's memory tiers: the KV goes to disk, and a build must not hold a
-        # corpus's KV in memory (queries read it from the files)
-        kvs = llm.engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False)
-        for r, kv in zip(batch, kvs):
-            nbytes += store.write(r.id, r.token_ids, kv)
-            written.append(store.path(r.id))
-        bar.advance(len(batch))
-    return nbytes
+def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list, stats: dict | None = None) -> int:
+    """Encode the KV of ``records`` inside ``wrapper`` into ``store`` (build_pipeline: many chunks
+    per forward, written by a background thread), advancing ``bar`` by tokens and listing each
+    file in ``written``; returns the bytes written. ``stats`` receives the stage times."""
+    result = encode_and_write(llm, store, records, wrapper, bar, written)
+    if stats is not None:
+        stats.update(result.as_dict())
+    return result.kv_bytes
 
 
 def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
@@ -225,6 +219,7 @@ class BuildReport:
     tokens_total: int = 0
     kv_bytes_written: int = 0
     seconds: float = 0.0
+    stages: dict = field(default_factory=dict)  # the KV pipeline's stage times (build_pipeline.PipelineStats)
 
 
 class LazyIndex:
@@ -557,11 +552,11 @@ class LazyIndex:
                     bar.advance(len(parts[-1]))
             vecs_new = np.concatenate(parts)
         if new_records and precompute_kv:
-            with Progress(len(new_records), "encoding chunk KV", style) as bar:
+            with Progress(sum(len(r.token_ids) for r in new_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV an interrupted build already wrote are kept as they are
                 todo = [r for r in new_records if store.read(r.id, r.token_ids)[0] is None]
-                bar.advance(len(new_records) - len(todo))
-                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, written)
+                bar.advance(sum(len(r.token_ids) for r in new_records) - sum(len(r.token_ids) for r in todo))
+                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, written, report.stages)
         records = [old_records[c][0] for c in keep_ids] + new_records
         vindex = None
         if vectors:
@@ -677,7 +672,8 @@ class LazyIndex:
             try:
                 if manifest.get("kv_precomputed", True):
                     self._check_free_space(self.path, self.llm, store, self.records, wrapper.slots if wrapper else 0)
-                    with Progress(len(self.records), "encoding chunk KV", progress_style(progress)) as bar:
+                    with Progress(sum(len(r.token_ids) for r in self.records), "encoding chunk KV",
+                                  progress_style(progress)) as bar:
                         # a failure removes the whole new KV folder below, not file by file
                         nbytes = _encode_records(self.llm, store, self.records, wrapper, bar, [])
                 manifest["checksums"] = {k: v for k, v in (current.get("checksums") or {}).items()
