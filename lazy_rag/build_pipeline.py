@@ -99,9 +99,13 @@ class KVWriter:
             if self.error is None:
                 t0 = time.perf_counter()
                 try:
+                    # a store of one file per chunk names the files (removed again if the build
+                    # fails); a segment store keeps its own account of what it appended
+                    path_of = getattr(self.store, "path", None)
                     for r, kv in zip(records, kvs):
                         self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
-                        self.written.append(self.store.path(r.id))
+                        if path_of is not None:
+                            self.written.append(path_of(r.id))
                     if on_written is not None:
                         on_written(records)
                 except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
