@@ -17,6 +17,12 @@ ARCHITECTURES: dict[str, dict] = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                          rope_parameters=LLAMA3_ROPE),
+    # Qwen2.5-0.5B(-Instruct)'s shape: 24 layers, 14 query / 2 KV heads of 64, q/k/v biases, tied
+    # embeddings (the bundled qwen2.5-0.5b's architecture, for speed runs on machines without its weights)
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768,
                        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
@@ -40,21 +46,22 @@ class IdTokenizer:
 
 def random_config(name: str, layers: int | None = None):
     """The LlamaConfig of a named architecture (``layers`` overrides its depth)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
     if name not in ARCHITECTURES:
         raise LazyRagError(f"Unknown random architecture {name!r}; choose one of {', '.join(ARCHITECTURES)}.")
     kwargs = dict(ARCHITECTURES[name])
     if layers is not None:
         kwargs["num_hidden_layers"] = layers
-    return LlamaConfig(**kwargs)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kwargs.pop("model_type", "llama")]
+    return config_class(**kwargs)
 
 
 def random_model(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
     """A causal LM of the named architecture with random weights, created directly on ``device``
     in ``dtype`` (default: bf16 on CUDA, fp32 on CPU): an 8B model is never built on the host."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..models import resolve_device, resolve_dtype
 
@@ -66,7 +73,7 @@ def random_model(name: str, device="cpu", dtype=None, layers: int | None = None,
     torch.set_default_dtype(dt)
     try:
         with torch.device(dev):
-            return LlamaForCausalLM(cfg).eval()
+            return AutoModelForCausalLM.from_config(cfg).eval()
     finally:
         torch.set_default_dtype(previous)
 
