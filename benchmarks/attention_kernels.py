@@ -1,7 +1,7 @@
 """Benchmark the lazy-RoPE attention kernels on the GPU (Llama-3.1-8B attention shape).
 
     python benchmarks/attention_kernels.py [--out DIR] [--quick] [--sweep [all|runs]]
-                                           [--only decode|prefill]
+                                           [--only decode|prefill|fp8]
 
 Needs a CUDA device and the package installed (`pip install -e .`, as tests/kernels/run_gpu.sh
 does). Shape: Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, llama3 RoPE),
@@ -21,6 +21,13 @@ Cases: decode (each sequence on its own permuted pages), decode_shared and prefi
 `slot_pos`: "absent" = no explicit positions, "rows_-1" = explicit rows all -1, the kernel
 variant that reads them with nothing changed, "hide20+compact" = 20% of every chunk page's
 slots hidden and recomputed into a compact private run with explicit positions).
+fp8 cases (benchmark decode_fp8 / prefill_fp8 / write_fp8, field `kv_dtype`; `--only fp8` runs
+them alone): the same inputs in bf16 pages and in float8_e4m3fn pages with per-token fp16 scales
+(kernels/kv_quant.py), rotate_q, timed side by side; `bytes` counts what each kernel actually
+reads (fp8: head_dim + 2 bytes per token, KV head and tensor, 50.8% of bf16), so `gbps` is the
+achieved bandwidth of each and `bw_vs_bf16` the fp8 record's gbps over its bf16 twin's (the
+issue-24 target: decode >= 0.9), `speedup_vs_bf16` the time ratio. write_fp8: one layer's write
+of a step's new tokens, bf16 indexed store vs the fused quantise-and-write kernel.
 Every case also records the copy bandwidth and bf16 matmul rate measured in the same run;
 `pct_of_copy_bw` = achieved bytes/s over that copy bandwidth, `pct_of_roofline` = the larger of
 bytes/copy_bw and flops/matmul_rate over the measured time. Lazy records carry the compiled
@@ -28,7 +35,8 @@ kernel's registers, spills and shared memory. Small cases cycle over several dis
 inside one timed call so that the KV does not sit in L2. Times are medians of CUDA-graph replays
 (triton.testing.do_bench_cudagraph). --sweep also times tuning variants (block_n, num_warps,
 num_stages, split_target; block_m for prefill; for prefill both kernels: runs_sweep_sets).
-Writes benchmarks/results/kernels_<device>.json (or DIR/...): a JSON list of flat records.
+Writes benchmarks/results/kernels_<device>.json (kernels_<device>_fp8.json with --only fp8; or
+DIR/...): a JSON list of flat records.
 """
 from __future__ import annotations
 
@@ -44,8 +52,8 @@ PAGE, CHUNK = 64, 2048
 DTYPE_NAME = "bfloat16"
 L2_FLUSH_BYTES = 256 << 20
 HIDE_FRACTION = 0.2      # slot_pos cases: share of each chunk page's slots hidden (recomputed)
-TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "kernel", "slot_pos", "time_us",
-                 "gbps", "pct_of_copy_bw", "tflops", "pct_of_roofline"]
+TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "kernel", "slot_pos", "kv_dtype",
+                 "time_us", "gbps", "pct_of_copy_bw", "bw_vs_bf16", "tflops", "pct_of_roofline"]
 PREFILL_KERNELS = ("runs", "tiles")   # lazy_prefill(kernel=...): the default first
 
 
@@ -56,9 +64,9 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "runs"),
                     help="time tuning variants (records with benchmark *_sweep) before the cases; "
                          "`--sweep runs`: only the runs prefill kernel's")
-    ap.add_argument("--only", choices=("decode", "prefill"),
+    ap.add_argument("--only", choices=("decode", "prefill", "fp8"),
                     help="time only these cases (decode: decode, decode_shared and decode_slot_pos; "
-                         "prefill: prefill and prefill_slot_pos)")
+                         "prefill: prefill and prefill_slot_pos; fp8: the fp8-vs-bf16 cases)")
     return ap.parse_args(argv)
 
 
@@ -496,6 +504,139 @@ def check_once(shape):
 
 
 # --------------------------------------------------------------------------------------------
+# fp8 KV: the same inputs in bf16 and in fp8 pages with per-token scales
+# --------------------------------------------------------------------------------------------
+
+def quantize_pool(pages, step=2048):
+    """fp8 pages and their fp16 scales [num_pages, HKV, PAGE] of a bf16 pool, a few pages at a
+    time (the fp32 temporaries of a whole 32k-context pool would not fit)."""
+    import torch
+
+    from lazy_rag.kernels import quantize_rows
+
+    q8 = torch.empty(pages.shape, dtype=torch.float8_e4m3fn, device=pages.device)
+    sc = torch.empty(pages.shape[:-1], dtype=torch.float16, device=pages.device)
+    for i in range(0, pages.shape[0], step):
+        q8[i:i + step], sc[i:i + step] = quantize_rows(pages[i:i + step])
+    return q8, sc
+
+
+def fp8_token_bytes(shape):
+    """Bytes of K and V one token occupies in one layer of an fp8 pool (scales included)."""
+    return 2 * shape.HKV * (shape.D + 2)
+
+
+def add_pair(rec, base, times, nbytes, flops):
+    """The bf16 and fp8 records of one case, the fp8 one with its bandwidth and speed relative to
+    bf16's. times: {kv_dtype: (t_us, timer)}; nbytes: {kv_dtype: bytes read}."""
+    for kv_dtype in ("bf16", "fp8"):
+        t, timer = times[kv_dtype]
+        extra = {}
+        if kv_dtype == "fp8":
+            tb = times["bf16"][0]
+            extra = dict(bw_vs_bf16=round((nbytes["fp8"] / t) / (nbytes["bf16"] / tb), 3),
+                         speedup_vs_bf16=round(tb / t, 3))
+        rec.add(dict(base, kv_dtype=kv_dtype), t, timer, nbytes[kv_dtype], flops, **extra,
+                **(kernel_report() if kv_dtype == "fp8" else {}))
+
+
+def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
+    """decode_fp8 (private permuted pages, as `decode`), prefill_fp8 (the shared 10k case, runs
+    kernel) and write_fp8, each bf16 against fp8 on the same values."""
+    import torch
+
+    from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill, write_kv
+
+    H, D = shape.H, shape.D
+    q_io = lambda n: 2 * n * H * D * shape.elem_bytes  # noqa: E731  (q read, out written)
+    for B in batches:
+        for T in ctxs:
+            kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(shape, B, T)
+            n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // (B * T * fp8_token_bytes(shape)))))
+            (k8, ks), (v8, vs) = quantize_pool(k_pages), quantize_pool(v_pages)
+            outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype) for _ in range(n_sets)]
+            times = {}
+            for kv_dtype, pages, scales in (("bf16", (k_pages, v_pages), {}),
+                                            ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs))):
+                times[kv_dtype] = bench(each(partial(
+                    lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
+                    rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)), n_sets)
+                if kv_dtype == "bf16":
+                    bf16_report = kernel_report()
+            base = dict(benchmark="decode_fp8", batch=B, context=T, page_size=PAGE,
+                        n_sets=n_sets, case=f"B{B} x {T // 1024}k", mode="lazy",
+                        rope_mode="rotate_q", bf16_kernel=json.dumps(bf16_report))
+            add_pair(rec, base, times, {"bf16": kv_bytes + q_io(B),
+                                        "fp8": B * T * fp8_token_bytes(shape) + q_io(B)},
+                     4 * B * H * T * D)
+            del k_pages, v_pages, k8, v8, ks, vs
+            torch.cuda.empty_cache()
+    for B in prefill_batches:
+        for n_new in news:
+            case = SharedCase(shape, B, n_new, rng, q_tokens=0)
+            cached = case.T - n_new
+            q, qo, q_pos, flops = prefill_inputs(shape, B, n_new, cached)
+            (k8, ks), (v8, vs) = quantize_pool(case.k_pages), quantize_pool(case.v_pages)
+            plan = plan_prefill(qo.cpu(), H, shape.HKV, DEVICE)
+            o = torch.empty_like(q)
+            times = {}
+            for kv_dtype, pages, scales in (("bf16", (case.k_pages, case.v_pages), {}),
+                                            ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs))):
+                times[kv_dtype] = bench(partial(lazy_prefill, q, qo, q_pos, *pages, case.table,
+                                                shape.inv_freq, rope_mode="rotate_q", plan=plan,
+                                                out=o, **scales))
+            base = dict(benchmark="prefill_fp8", batch=B, new_tokens=n_new, cached_tokens=cached,
+                        page_size=PAGE, case=f"B{B} +{n_new} / 10k", mode="lazy_runs",
+                        rope_mode="rotate_q", kernel="runs")
+            add_pair(rec, base, times, {"bf16": B * case.T * shape.token_kv_bytes + q_io(B * n_new),
+                                        "fp8": B * case.T * fp8_token_bytes(shape)
+                                        + q_io(B * n_new)}, flops)
+            del case, k8, v8, ks, vs
+            torch.cuda.empty_cache()
+    # one layer's write of a step's new tokens (decode batch 32; a 4096-token append)
+    num_pages = 4096
+    for n in (32, 4096):
+        k = torch.randn(n, shape.HKV, D, device=DEVICE, dtype=shape.dtype)
+        v = torch.randn_like(k)
+        slots = torch.randperm(num_pages * PAGE, device=DEVICE)[:n]
+        page, slot = slots // PAGE, slots % PAGE
+        kp, vp = new_pool(shape, num_pages)
+        (k8, ks), (v8, vs) = quantize_pool(kp), quantize_pool(vp)
+        times = {"bf16": bench(partial(write_kv, kp, vp, None, None, page, slot, k, v)),
+                 "fp8": bench(partial(write_kv, k8, v8, ks, vs, page, slot, k, v))}
+        base = dict(benchmark="write_fp8", new_tokens=n, page_size=PAGE, case=f"{n} tokens",
+                    mode="write", rope_mode="")
+        add_pair(rec, base, times, {"bf16": 2 * n * shape.token_kv_bytes,
+                                    "fp8": n * shape.token_kv_bytes + n * fp8_token_bytes(shape)},
+                 0)
+        del kp, vp, k8, v8, ks, vs
+        torch.cuda.empty_cache()
+
+
+def check_fp8_once(shape):
+    """fp8 pages: decode and prefill vs the fp64 reference over the dequantised pages (rel err)."""
+    import numpy as np
+    import torch
+
+    from lazy_rag.kernels import dequantize_rows, lazy_decode, lazy_prefill, paged_attention_ref
+
+    rng = np.random.default_rng(2)
+    case = SharedCase(shape, 2, 40, rng, n_chunks=6, per_seq=2, q_tokens=0)
+    q, qo, q_pos, _ = prefill_inputs(shape, 2, 40, case.T - 40)
+    (k8, ks), (v8, vs) = quantize_pool(case.k_pages), quantize_pool(case.v_pages)
+    deq = dequantize_rows(k8, ks), dequantize_rows(v8, vs)
+    r = paged_attention_ref(q, qo, q_pos, *deq, case.table, shape.inv_freq, "rotate_q",
+                            compute_dtype=torch.float64)
+    o = lazy_prefill(q, qo, q_pos, k8, v8, case.table, shape.inv_freq, k_scale=ks, v_scale=vs)
+    errs = {"prefill": ((o.double() - r).abs().max() / r.abs().max()).item()}
+    last = qo[1:].long() - 1
+    od = lazy_decode(q[last].contiguous(), k8, v8, case.table, q_pos[last], shape.inv_freq,
+                     k_scale=ks, v_scale=vs)
+    errs["decode"] = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
+    return {k: float(f"{e:.3g}") for k, e in errs.items()}
+
+
+# --------------------------------------------------------------------------------------------
 
 def runs_sweep_sets(gp, long):
     """The runs kernel's tuning variants (defaults: 128 rows, block_n 64, 8 warps, 3 stages),
@@ -564,23 +705,29 @@ def main(argv=None):
     print(f"# {env['device']}: copy {env['copy_gbps']} GB/s, {DTYPE_NAME} matmul "
           f"{env['matmul_tflops']} TFLOP/s", flush=True)
     print("# bf16 check, rel err vs fp64 reference:", check_once(shape), flush=True)
+    print("# fp8 check, rel err vs fp64 reference over the dequantised pages:",
+          check_fp8_once(shape), flush=True)
     rec = Recorder(env)
     t0 = time.time()
     if args.sweep:
         sweep(shape, rec, rng, args.sweep)
     quick = args.quick
-    if args.only != "prefill":
+    if args.only in (None, "fp8"):
+        fp8_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng)
+    if args.only in (None, "decode"):
         decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
                      [8192] if quick else [2048, 8192, 32768])
         shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
-    if args.only != "decode":
+    if args.only in (None, "prefill"):
         prefill_cases(shape, rec, [1, 16], [32, 512], rng)
-    if args.only != "prefill":
+    if args.only in (None, "decode"):
         slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
-    if args.only != "decode":
+    if args.only in (None, "prefill"):
         slot_pos_cases(shape, rec, [16], [512], rng)
     tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
-    path = write_records(args.out / f"kernels_{tag}.json", rec.records)
+    suffix = "_fp8" if args.only == "fp8" else ""     # the fp8 cases alone: a file of their own
+    path = write_records(args.out / f"kernels_{tag}{suffix}.json", rec.records)
     print(f"# {len(rec.records)} records in {time.time() - t0:.0f} s -> {path}")
     print(format_table([r for r in rec.records if not r["benchmark"].endswith("_sweep")],
                        TABLE_COLUMNS))

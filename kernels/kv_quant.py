@@ -46,6 +46,10 @@ FP8_MAX = 448.0
 SCALE_DTYPE = torch.float16
 AMAX_MIN = FP8_MAX * 2.0 ** -14      # scale >= 2^-14: a normal fp16
 AMAX_MAX = FP8_MAX * 65504.0         # scale <= fp16 max
+# the same constants for the Triton functions (a jitted function reads only constexpr globals)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_MIN = tl.constexpr(AMAX_MIN)
+_AMAX_MAX = tl.constexpr(AMAX_MAX)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -94,8 +98,8 @@ def check_scales(pages: torch.Tensor, scale: torch.Tensor | None, what: str) -> 
 @triton.jit
 def quant_scale(amax):
     """The fp32 value of the fp16 scale for rows whose max |x| is amax (fp32, any shape)."""
-    a = tl.minimum(tl.maximum(amax, AMAX_MIN), AMAX_MAX)
-    return (a / FP8_MAX).to(tl.float16).to(tl.float32)
+    a = tl.minimum(tl.maximum(amax, _AMAX_MIN), _AMAX_MAX)
+    return tl.div_rn(a, _FP8_MAX).to(tl.float16).to(tl.float32)   # correctly rounded, as torch
 
 
 @triton.jit
@@ -108,7 +112,7 @@ def quantize(x, scale, SOFT_ROUND: tl.constexpr):
     even through the 1.5 * 2^23 trick), after which its cast is exact (checked for all 256
     codes)."""
     y = tl.div_rn(x, scale)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
     if SOFT_ROUND:
         e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = ((tl.maximum(e, -6) + 124) << 23).to(tl.float32, bitcast=True)

@@ -54,18 +54,17 @@ def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot
     ang = shift * tl.load(INV_FREQ + dh)
     c = tl.cos(ang)[None, :]
     s = tl.sin(ang)[None, :]
-    r1 = k1 * c - k2 * s
-    r2 = k2 * c + k1 * s
     if KV_FP8:
-        amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
-        rs = quant_scale(amax)
+        r1 = k1 * c - k2 * s
+        r2 = k2 * c + k1 * s
+        rs = quant_scale(tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1)))
         tl.store(K + d_off + dh[None, :], quantize(r1, rs[:, None], SOFT_FP8), mask=m)
         tl.store(K + d_off + HALF + dh[None, :], quantize(r2, rs[:, None], SOFT_FP8), mask=m)
         tl.store(KS + sc_dst, rs.to(tl.float16), mask=ok)
         tl.store(VS + sc_dst, tl.load(VS + sc_src, mask=ok, other=0.0), mask=ok)
     else:
-        tl.store(K + d_off + dh[None, :], r1.to(K.dtype.element_ty), mask=m)
-        tl.store(K + d_off + HALF + dh[None, :], r2.to(K.dtype.element_ty), mask=m)
+        tl.store(K + d_off + dh[None, :], (k1 * c - k2 * s).to(K.dtype.element_ty), mask=m)
+        tl.store(K + d_off + HALF + dh[None, :], (k2 * c + k1 * s).to(K.dtype.element_ty), mask=m)
     v1 = tl.load(V + s_off + dh[None, :], mask=m, other=0.0)
     v2 = tl.load(V + s_off + HALF + dh[None, :], mask=m, other=0.0)
     tl.store(V + d_off + dh[None, :], v1, mask=m)

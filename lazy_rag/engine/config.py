@@ -7,7 +7,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import LazyRagError
+from ..kernels import FP8
 from .page_manager import POLICIES
+
+# EngineConfig.kv_dtype -> the pool's storage dtype (None: the model's)
+KV_DTYPES = {None: None, "auto": None, "fp8": FP8, "float8_e4m3fn": FP8}
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -29,7 +33,12 @@ class EngineConfig:
     plain LFU it ages. ``cuda_graphs``: replay decode steps, and prefill / append steps of up to
     ``append_graph_tokens`` new tokens whose attention is the Triton kernels' (lazy, block, short
     prefix-hit tails), from captured graphs (CUDA only; ``append_graph_tokens=0``: decode only).
-    Each captured append shape holds its activations in the graphs' shared memory pool."""
+    Each captured append shape holds its activations in the graphs' shared memory pool.
+    ``kv_dtype``: how the pool, the host tier and the KV an engine encodes store keys and values:
+    None or "auto" in the model's dtype; "fp8": float8_e4m3fn with one fp16 scale per (layer,
+    token, KV head) for K and for V (``kernels/kv_quant.py``), 50.8% of bf16's bytes at head_dim
+    128, so a budget holds about twice the chunks; the kernels dequantise in registers and the
+    model still computes in its dtype."""
 
     kv_bytes: int | None = None
     gpu_memory_fraction: float | None = None
@@ -41,8 +50,12 @@ class EngineConfig:
     policy: str = "gdsf"
     cuda_graphs: bool = True
     append_graph_tokens: int = 4096
+    kv_dtype: str | None = None
 
     def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise LazyRagError(f"Unknown kv_dtype {self.kv_dtype!r}; choose one of "
+                               f"{', '.join(str(k) for k in KV_DTYPES)}.")
         if self.policy not in POLICIES:
             raise LazyRagError(f"Unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.append_graph_tokens < 0:
@@ -61,6 +74,10 @@ class EngineConfig:
             raise LazyRagError(f"Unknown engine option(s) {', '.join(sorted(unknown))}; the options are "
                                f"{', '.join(self.__dataclass_fields__)}.")
         return replace(self, **options)
+
+    def resolved_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The pool's storage dtype for a model computing in ``model_dtype``."""
+        return KV_DTYPES[self.kv_dtype] or model_dtype
 
     def resolved_page_size(self, device: torch.device) -> int:
         return self.page_size or (64 if device.type == "cuda" else 16)

@@ -10,7 +10,9 @@ captured once per (batch bucket, pages-per-sequence bucket) and replayed with ne
 - the batch is padded up to its bucket with rows that read and write only the pool's scratch page
   (``PagePool.scratch_page``), and the page table is sized ``bucket x pages bucket`` so the
   kernel's split-K grid (sized from ``max_pages`` on the host) is fixed at capture time;
-- graphs share one memory pool: they never run concurrently.
+- graphs share one memory pool: they never run concurrently;
+- an fp8 pool's scale tensors are static buffers like its pages: the captured write quantises
+  into them and the captured kernels read them.
 
 ``AppendGraphs`` does the same for prefill / append steps (question and template tokens after
 reused chunks, a few tokens of many requests, decodes mixed in) whose every sequence takes the
@@ -63,7 +65,8 @@ class DecodeAttention:
     def __call__(self, i: int, q, k_stored, v):
         r = self.runner
         return lazy_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.q_pos, r.inv_freq, rope_mode="rotate_q",
-                           attention_scaling=r.parts.rope_table.attention_scaling, sm_scale=r.parts.scaling)
+                           attention_scaling=r.parts.rope_table.attention_scaling, sm_scale=r.parts.scaling,
+                           **r.pool.scales(i))
 
 
 @dataclass

@@ -58,7 +58,8 @@ class Engine:
         """``tiers``: share one host tier between engines (benchmarks)."""
         self.host = host
         self.config = config = config or EngineConfig()
-        shp, dt, dev = host.shape, host.dtype, host.device
+        shp, dev = host.shape, host.device
+        dt = config.resolved_kv_dtype(host.dtype)   # storage: the model's dtype, or fp8
         page_size = config.resolved_page_size(dev)
         num_pages = config.num_pages or PagePool.pages_for_budget(
             config.pool_bytes(dev), shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim, dt)

@@ -33,7 +33,6 @@ from dataclasses import replace
 
 import torch
 
-from ..kernels import copy_rotate_run
 from ..kernels.rope import RopeTable
 from .chunk_tiers import ChunkTiers, chunk_key
 from .page_manager import PageManager
@@ -131,7 +130,7 @@ class KVPlanner:
         e = self.pm.lookup(key)
         if e is not None:
             return self.pm.acquire(e), "pool"
-        kv, tier = self.tiers.fetch(key, ids, chunk_id, store)
+        kv, tier = self.tiers.fetch(key, ids, chunk_id, store, kv_dtype=self.pool.dtype)
         e = self.pm.insert(key, len(ids), cost=len(ids))
         try:
             if kv is not None:
@@ -251,8 +250,7 @@ class KVPlanner:
         for e, start in seq.block_copies:
             # one fused kernel per chunk: read its pages once, keys rotated by `start`, written
             # into the request's run (CPU: the same in torch)
-            copy_rotate_run(self.pool.k, self.pool.v, torch.tensor(e.pages, device=dev), e.num_tokens, dst,
-                            start, start, self.inv_freq)
+            self.pool.copy_rotate(torch.tensor(e.pages, device=dev), e.num_tokens, dst, start, start, self.inv_freq)
             self.pm.counters["block_copied_bytes"] += e.num_tokens * self.pool.bytes_per_page // self.pool.page_size
         self.pm.release_all(seq.held)
         seq.held, seq.block_copies = [], []

@@ -19,7 +19,14 @@ each sequence's pages through the path that computes it exactly and fastest (``S
   logical positions (a pure rotation by rot_shift) and runs one SDPA call with the visibility
   mask: the same function as the kernels' torch reference, vectorised.
 
-Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as.
+Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as
+(quantised to fp8 with per-token scales when the pool is fp8, like the pool's own copy).
+
+fp8 pools: the model computes in its dtype; each layer's new K/V are quantised per token as they
+are written (``PagePool.write_tokens``) and every read dequantises (the kernels in registers, the
+torch paths through ``PagePool.gather``). A step's attention to its own new tokens therefore reads
+them quantised, except on the fresh path, whose SDPA takes them before the write (a chunk's encode
+and full mode attend to their exact K/V; what they leave in the pool is quantised).
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..architecture import ModelParts
-from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, rope_cos_sin, rotate
+from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import AppendGraphs, DecodeGraphs
@@ -80,8 +87,7 @@ class ModelRunner:
                 caught[0][i], caught[1][i] = k, v
             k_stored = apply_cos_sin(k, kcos, ksin)
             if write_page is not None:
-                self.pool.k[i][write_page, :, write_slot] = k_stored.to(self.pool.dtype)
-                self.pool.v[i][write_page, :, write_slot] = v.to(self.pool.dtype)
+                self.pool.write_tokens(i, write_page, write_slot, k_stored, v)
             o = attention(i, q, k_stored, v)
             x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
             x = x + layer.mlp(p.norm(layer.post_attention_layernorm, x))
@@ -94,7 +100,8 @@ class ModelRunner:
         append steps). ``options``: ``sm_scale`` (default the model's), ``out``, ``return_lse``."""
         options.setdefault("sm_scale", self.parts.scaling)
         return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq, rope_mode="rotate_q",
-                            attention_scaling=self.parts.rope_table.attention_scaling, plan=plan, **options)
+                            attention_scaling=self.parts.rope_table.attention_scaling, plan=plan,
+                            **self.pool.scales(i), **options)
 
     # -- steps and encodes ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -119,11 +126,17 @@ class ModelRunner:
     @torch.inference_mode()
     def encode(self, jobs) -> list[ChunkKV]:
         """Encode chunks (``sequence.EncodeJob``) into their pool pages in one forward; returns each
-        chunk's captured unrotated KV."""
+        chunk's captured unrotated KV, in the pool's format (fp8 with per-token scales for an fp8
+        pool)."""
         batch = self._pack(jobs)
         _, (k, v) = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                                 StepAttention(self, jobs, batch), key_pos=batch.key_pos, capture=True)
-        return [ChunkKV(k[:, a:b].clone(), v[:, a:b].clone()) for a, b in batch.spans]
+                                 StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
+                                 capture=True)
+        if not self.pool.quantized:
+            return [ChunkKV(k[:, a:b].clone(), v[:, a:b].clone()) for a, b in batch.spans]
+        (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+        return [ChunkKV(k8[:, a:b].clone(), v8[:, a:b].clone(), ks[:, a:b].clone(), vs[:, a:b].clone())
+                for a, b in batch.spans]
 
     # -- choosing the chunk tokens to recompute (Recovery.select) -----------------------------------
     @torch.inference_mode()
@@ -159,8 +172,7 @@ class ModelRunner:
         cand = torch.tensor(candidates, device=dev)
         cos, sin = self.parts.rope_table.cos_sin(cand - shift, dt)   # the cached key's rotation
         fresh_k = apply_cos_sin(k[layer, cand], cos, sin).float()
-        cached_k = self.pool.k[layer][page, :, slot].float()
-        cached_v = self.pool.v[layer][page, :, slot].float()
+        cached_k, cached_v = (x.float() for x in self.pool.gather(layer, page, slot))
         dk = (fresh_k - cached_k).pow(2).sum((-1, -2)) / cached_k.pow(2).sum((-1, -2)).clamp_min(1e-12)
         dv = (v[layer, cand].float() - cached_v).pow(2).sum((-1, -2)) / cached_v.pow(2).sum((-1, -2)).clamp_min(1e-12)
         return (dk + dv).cpu()
@@ -186,7 +198,12 @@ class StepAttention:
     (see the module docstring). Everything that does not depend on the layer (page tables,
     masks, gather indices, query rotations) is prepared once here, then ``__call__`` runs per layer."""
 
-    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None):
+    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None, pack_fresh: bool = False):
+        # pack_fresh: sequences without history (and tails) on the Triton kernel as well, all in one
+        # launch per layer, when there are several: an index build's encode of many short chunks,
+        # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
+        # tokens per chunk on an H100). One long fresh prompt keeps SDPA's flash kernel.
+        pack_fresh = pack_fresh and runner.use_kernels and len(seqs) > 1
         self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
         self.scaling, self.shape = p.scaling, p.shape
@@ -197,6 +214,8 @@ class StepAttention:
         for j, seq in enumerate(seqs):
             a, b = batch.spans[j]
             path, history = attention_path(seq, kernels, ps)
+            if pack_fresh and path in ("fresh", "tail"):
+                path = "paged"
             if path == "fresh":
                 self.fresh.append((a, b))
             elif path == "tail":
@@ -238,14 +257,11 @@ class StepAttention:
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), k_stored[a:b], v[a:b],
                                  self.scaling)
         for a, b, pages, T in self.tails:
-            hk, d = self.shape.num_kv_heads, self.shape.head_dim
-            kk = pool.k[i][pages].transpose(1, 2).reshape(-1, hk, d)[:T]
-            vv = pool.v[i][pages].transpose(1, 2).reshape(-1, hk, d)[:T]
+            kk, vv = pool.run_tokens(i, pages, T)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), kk.to(q.dtype),
                                  vv.to(q.dtype), self.scaling)
         for a, b, keys in self.torch_paths:
-            o[a:b] = keys.attend(pool.k[i], pool.v[i], apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]),
-                                 self.scaling)
+            o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), self.scaling)
         return o
 
     def _paged(self, i, q):
@@ -315,7 +331,7 @@ class QuestionProbe:
     def record(self, i: int, q, cos, sin):
         pool = self.runner.pool
         qr = apply_cos_sin(q[self.rows], cos[self.rows], sin[self.rows]).float()          # [n, H, D]
-        k = self.keys.logical_keys(pool.k[i]).float()                                        # [m, Hkv, D]
+        k = self.keys.logical_keys(pool, i)[0].float()                                       # [m, Hkv, D]
         k = k.repeat_interleave(qr.shape[1] // k.shape[1], dim=1)
         scores = torch.einsum("nhd,mhd->hnm", qr, k) * self.runner.parts.scaling
         scores = scores.masked_fill(~self.keys.visible[None], float("-inf"))
@@ -357,15 +373,16 @@ class TorchSequenceKeys:
             for span in seq.layout.spans:
                 self.in_chunk |= (kpos >= span.start) & (kpos < span.end)
 
-    def logical_keys(self, k_pool):
-        """The gathered keys rotated at their logical positions, fp32 [m, Hkv, D]."""
-        keys = k_pool[self.page, :, self.off]
-        return rotate(keys, self.cos, self.sin) if self.rotated else keys.float()
+    def logical_keys(self, pool, layer: int):
+        """(the gathered keys rotated at their logical positions, fp32 [m, Hkv, D], their values
+        [m, Hkv, D] as gathered) from ``layer`` of the pool."""
+        keys, values = pool.gather(layer, self.page, self.off)
+        return (rotate(keys, self.cos, self.sin) if self.rotated else keys.float()), values
 
-    def attend(self, k_pool, v_pool, q_rot, scaling: float):
+    def attend(self, pool, layer: int, q_rot, scaling: float):
         """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
-        k = self.logical_keys(k_pool).to(q_rot.dtype)   # [m, Hkv, D]
-        v = v_pool[self.page, :, self.off].to(q_rot.dtype)
+        k, v = self.logical_keys(pool, layer)
+        k, v = k.to(q_rot.dtype), v.to(q_rot.dtype)   # [m, Hkv, D]
         if self.ape:
             return ape_attention(q_rot, k, v, self.visible, self.in_chunk, scaling, *self.ape)
         o = F.scaled_dot_product_attention(q_rot.transpose(0, 1)[None], k.transpose(0, 1)[None],

@@ -13,12 +13,25 @@ Key convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): every page's keys 
 (logical position - rot_shift). Chunk pages are rotated at chunk-local positions 0..L-1 (the
 table gives rot_shift = the chunk's start in a request); private pages at their logical positions
 (rot_shift 0). Values are never rotated.
+
+fp8 pools (``dtype=torch.float8_e4m3fn``, ``EngineConfig(kv_dtype="fp8")``): k and v in fp8 plus
+one fp16 scale per (layer, page slot, KV head) for each,
+
+    k_scale, v_scale : [num_layers, num_pages, num_kv_heads, page_size]
+
+(``kernels/kv_quant.py``: value = page * scale, a scale computed whenever a token is written).
+The model computes in its own dtype; only storage is fp8. Every write goes through this class
+(``write_tokens``, ``write_run``, ``copy_rotate``) and quantises; every torch read
+(``gather``, ``run_tokens``, ``read_run``) dequantises (to fp32); the kernels take the pages with
+``scales(layer)``.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
 
 import torch
+
+from ..kernels import FP8, copy_rotate_run, dequantize_rows, quantize_rows, write_kv
 
 
 class OutOfPages(RuntimeError):
@@ -43,6 +56,10 @@ class PagePool:
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         self.k = alloc(shape, dtype=dtype, device=self.device)
         self.v = alloc(shape, dtype=dtype, device=self.device)
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = alloc(shape[:-1], dtype=torch.float16, device=self.device)
+            self.v_scale = alloc(shape[:-1], dtype=torch.float16, device=self.device)
         self._free: deque[int] = deque(range(num_pages))
         self._used = bytearray(num_pages)  # 1 while allocated: catches double frees at once
         # CPU: a freed page is handed out again first, so the memory committed stays that of the
@@ -53,8 +70,15 @@ class PagePool:
     # -- sizing ---------------------------------------------------------------------------------
     @staticmethod
     def page_bytes(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of K+V one page occupies across all layers."""
-        return 2 * num_layers * num_kv_heads * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        """Bytes of K+V one page occupies across all layers (an fp8 pool's scales included: 2 bytes
+        per head_dim-byte row, 50.8% of bf16 at head_dim 128)."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size() + (2 if dtype == FP8 else 0)
+        return 2 * num_layers * num_kv_heads * page_size * row
+
+    @property
+    def quantized(self) -> bool:
+        """fp8 pages with per-token scales."""
+        return self.dtype == FP8
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, page_size: int,
@@ -101,22 +125,76 @@ class PagePool:
         return bool(self._used[page])
 
     # -- data -----------------------------------------------------------------------------------
+    def scales(self, layer: int) -> dict:
+        """The kernels' scale arguments for ``layer`` (``k_scale=, v_scale=``; none unless fp8)."""
+        if not self.quantized:
+            return {}
+        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
+
+    def write_tokens(self, layer: int, page: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """A step's new tokens' K/V [n, Hkv, D] to (page [n], slot [n]) of ``layer`` (quantised per
+        token for fp8: the fused kernel on CUDA). No host sync: captured in the step graphs."""
+        write_kv(self.k[layer], self.v[layer], None if self.k_scale is None else self.k_scale[layer],
+                 None if self.v_scale is None else self.v_scale[layer], page, slot, k, v)
+
     def write_run(self, pages: list[int], k: torch.Tensor, v: torch.Tensor, first_slot: int = 0) -> None:
         """Write a run of tokens K/V [layers, n, Hkv, D] into ``pages`` from slot ``first_slot``
         of the first page on (token i goes to slot first_slot + i, spilling into later pages)."""
         n, s = k.shape[1], self.page_size
+        kq = vq = None
+        if self.quantized:   # quantised once; the bytes go through uint8 views
+            kq, vq = quantize_rows(k), quantize_rows(v)
         i = 0
         while i < n:
             slot = first_slot + i
             page, off = pages[slot // s], slot % s
             m = min(s - off, n - i)
-            self.k[:, page, :, off:off + m] = k[:, i:i + m].transpose(1, 2).to(self.dtype)
-            self.v[:, page, :, off:off + m] = v[:, i:i + m].transpose(1, 2).to(self.dtype)
+            if kq is None:
+                self.k[:, page, :, off:off + m] = k[:, i:i + m].transpose(1, 2).to(self.dtype)
+                self.v[:, page, :, off:off + m] = v[:, i:i + m].transpose(1, 2).to(self.dtype)
+            else:
+                for pool, scale, (x8, xs) in ((self.k, self.k_scale, kq), (self.v, self.v_scale, vq)):
+                    pool.view(torch.uint8)[:, page, :, off:off + m] = x8[:, i:i + m].view(torch.uint8).transpose(1, 2)
+                    scale[:, page, :, off:off + m] = xs[:, i:i + m].transpose(1, 2)
             i += m
 
+    def copy_rotate(self, src_pages: torch.Tensor, n_tokens: int, dst_pages: torch.Tensor, first_slot: int,
+                    shift: int, inv_freq: torch.Tensor) -> None:
+        """Block-Attention's copy of a run inside the pool, keys rotated by ``shift``
+        (``kernels.copy_rotate_run``; fp8: dequantised, rotated, quantised again)."""
+        copy_rotate_run(self.k, self.v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq,
+                        k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def gather(self, layer: int, page: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [n, Hkv, D] of the slots (page [n], slot [n]) of ``layer``: the pool dtype, or fp32
+        dequantised from an fp8 pool."""
+        if not self.quantized:
+            return self.k[layer][page, :, slot], self.v[layer][page, :, slot]
+        return tuple(dequantize_rows(x.view(torch.uint8)[layer][page, :, slot].view(FP8), s[layer][page, :, slot])
+                     for x, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
+
+    def run_tokens(self, layer: int, pages: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [num_tokens, Hkv, D] of the first num_tokens slots of ``pages`` (a tensor) in
+        ``layer`` (dequantised to fp32 from an fp8 pool)."""
+        out = []
+        for x, s in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            if s is None:
+                t = x[layer][pages]
+            else:
+                t = dequantize_rows(x.view(torch.uint8)[layer][pages].view(FP8), s[layer][pages])
+            out.append(t.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:num_tokens])
+        return out[0], out[1]
+
     def read_run(self, pages: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [layers, num_tokens, Hkv, D] of the first num_tokens slots of ``pages``."""
+        """K/V [layers, num_tokens, Hkv, D] of the first num_tokens slots of ``pages`` (dequantised to
+        fp32 from an fp8 pool)."""
         idx = torch.tensor(pages, device=self.device, dtype=torch.long)
-        k = self.k[:, idx].transpose(2, 3).reshape(self.num_layers, -1, self.num_kv_heads, self.head_dim)
-        v = self.v[:, idx].transpose(2, 3).reshape(self.num_layers, -1, self.num_kv_heads, self.head_dim)
-        return k[:, :num_tokens], v[:, :num_tokens]
+        out = []
+        for x, s in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            if s is None:
+                t = x[:, idx]
+            else:
+                t = dequantize_rows(x.view(torch.uint8)[:, idx].view(FP8), s[:, idx])
+            out.append(t.transpose(2, 3).reshape(self.num_layers, -1, self.num_kv_heads, self.head_dim)[:, :num_tokens])
+        return out[0], out[1]

@@ -4,8 +4,9 @@
 # test_slot_positions.py (explicit per-slot positions: hidden slots in shared pages, compact
 # private runs, all-hidden sequences), test_lse.py (return_lse: each row's log-sum-exp, the
 # two-group merge and APE's temperature merge), test_prefill_runs.py (the runs prefill kernel,
-# lazy_prefill's default: run boundaries, split-KV, the mask segmentation) and
-# test_page_copy.py.
+# lazy_prefill's default: run boundaries, split-KV, the mask segmentation),
+# test_page_copy.py and test_fp8.py (fp8 pages with per-token scales: decode, both prefill kernels
+# and the block copy against the reference over the dequantised pages).
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
 # The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail
