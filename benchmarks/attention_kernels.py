@@ -552,7 +552,6 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
     for B in batches:
         for T in ctxs:
             kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(shape, B, T)
-            n_sets = max(1, min(8, -(-L2_FLUSH_BYTES // (B * T * fp8_token_bytes(shape)))))
             (k8, ks), (v8, vs) = quantize_pool(k_pages), quantize_pool(v_pages)
             outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype) for _ in range(n_sets)]
             times = {}

@@ -29,6 +29,7 @@ from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.engine import engine as engine_module
 from lazy_rag.engine.chunk_tiers import chunk_key, host_key
 from lazy_rag.engine.page_pool import PagePool
+from lazy_rag.errors import LazyRagError
 from lazy_rag.kernels import FP8, dequantize_rows
 from lazy_rag.kernels.kv_quant import fake_quantize
 from lazy_rag.oracle import teacher_forced_logits
@@ -143,6 +144,9 @@ def test_pool_bytes_and_encoded_kv_format(llm):
     keeps them under their own key."""
     assert PagePool.page_bytes(32, 8, 64, 128, FP8) / PagePool.page_bytes(32, 8, 64, 128, torch.bfloat16) \
         == pytest.approx(130 / 256)
+    with pytest.raises(LazyRagError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int4")
+    assert LazyLLM(llm.model, IdTokenizer(), kv_dtype="fp8").engine_config.resolved_kv_dtype(llm.dtype) == FP8
     shp = llm.shape
     budget = 32 << 20
     bf16 = Engine(llm.host, EngineConfig(kv_bytes=budget, cuda_graphs=False)).pool
