@@ -295,7 +295,7 @@ class Engine:
                 pages = self.pm.allocate(self.pool.pages_for(len(ids)))
                 owned.append(pages)
                 jobs.append(EncodeJob(list(prefix) + ids, list(cached), [Run(p, len(ids), tuple(pages), p)]))
-            kvs = self.runner.encode(jobs)
+            kvs = self.runner.encode(jobs, to_host=not cache)
         except BaseException:
             for pages in owned:
                 self.pm.free(pages)
@@ -306,7 +306,7 @@ class Engine:
                 self.pm.release(self.pm.adopt(key, pages, len(chunks[i])))
             else:
                 self.pm.free(pages)
-            out[i] = self.tiers.keep(key, kv, chunks[i], None, None) if cache else self.tiers.to_host(kv)
+            out[i] = self.tiers.keep(key, kv, chunks[i], None, None) if cache else kv  # already on the host
 
     def clear_cache(self) -> None:
         """Forget every cached chunk and prefix page not in use, and the host tier: the next
