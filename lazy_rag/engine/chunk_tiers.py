@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections import Counter
 from typing import Sequence
 
@@ -40,6 +41,9 @@ from ..store import ChunkKV, ChunkStore
 from .page_pool import PagePool
 
 log = logging.getLogger(__name__)
+# ``why`` of a store's ``read_nowait`` for a record that is intact as far as it knows but would be
+# read from the disk (not in the page cache)
+NOT_IN_MEMORY = "not in memory"
 
 
 def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = ()) -> tuple:
@@ -102,11 +106,16 @@ class ChunkTiers:
         return ChunkKV.from_tensors(out)
 
     def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None,
-              store: ChunkStore | None, kv_dtype: torch.dtype | None = None) -> tuple[ChunkKV | None, str | None]:
-        """(KV on the host, "host" or "disk"), or (None, None) when the chunk must be encoded.
-        A stored file that is damaged, foreign or (in a precomputed index) missing is reported
-        and will be repaired by ``keep`` after the encode. ``kv_dtype``: the asking pool's dtype;
-        the KV comes in its format (``as_format``: a store's KV of the other format converted)."""
+              store: ChunkStore | None, kv_dtype: torch.dtype | None = None, chooser=None,
+              batch_tokens: int = 0) -> tuple[ChunkKV | None, str | None]:
+        """(KV on the host, "host" or "disk"), or (None, None) when the chunk must be encoded, or
+        (None, "recompute") when its stored KV is intact but not in memory and ``chooser``
+        (``read_or_encode.ReadOrEncode``) finds encoding it faster than reading it from the disk
+        (``batch_tokens``: tokens already to be encoded in the same forward); the record is then
+        left as it is. A stored file that is damaged, foreign or (in a precomputed index) missing
+        is reported and will be repaired by ``keep`` after the encode. ``kv_dtype``: the asking
+        pool's dtype; the KV comes in its format (``as_format``: a store's KV of the other format
+        converted)."""
         fp8 = kv_dtype == FP8
         key = host_key(key, fp8)
         kv = self.host.get(key)
@@ -116,7 +125,18 @@ class ChunkTiers:
         self.counters["host_misses"] += 1
         if store is None or chunk_id is None:
             return None, None
-        kv, why = store.read(chunk_id, tuple(token_ids))
+        kv, why = None, NOT_IN_MEMORY
+        nowait = getattr(store, "read_nowait", None) if chooser is not None and chooser.calibrated else None
+        if nowait is not None:  # in the page cache: read it (memory bandwidth); else weigh the disk
+            kv, why = nowait(chunk_id, tuple(token_ids))
+        if why == NOT_IN_MEMORY:
+            if nowait is not None and chooser.should_encode(store.stored_bytes(chunk_id), len(token_ids), batch_tokens):
+                self.counters["recomputed_not_read"] += 1
+                return None, "recompute"
+            t0 = time.perf_counter()
+            kv, why = store.read(chunk_id, tuple(token_ids))
+            if kv is not None and nowait is not None:  # a read that went to the disk: its rate
+                chooser.observe_read(kv.nbytes, time.perf_counter() - t0)
         if kv is None:
             self.counters["disk_misses"] += 1
             if why != "missing" or store.precomputed:

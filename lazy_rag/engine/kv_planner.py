@@ -29,6 +29,7 @@ written back to the store). One key scheme throughout (``chunk_tiers.chunk_key``
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -37,6 +38,7 @@ from ..kernels.rope import RopeTable
 from .chunk_tiers import ChunkTiers, chunk_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
+from .read_or_encode import ReadOrEncode
 from .sequence import EncodeJob, Run, Sequence
 
 
@@ -56,21 +58,27 @@ class KVPlanner:
         self.pm, self.tiers, self.rope_table, self.runner = pm, tiers, rope_table, runner
         self.pool = pm.pool
         self.inv_freq = rope_table.inv_freq.to(self.pool.device, torch.float32)
+        self.chooser = ReadOrEncode()  # read a cold chunk's KV from the disk, or encode it again
 
     # -- scheduler protocol ---------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
         seq.chunk_sources = []
         seq.placed_now = {}
         seq.encoded_now = 0
+        seq.prefetched = {}
         try:
+            self._place_missing_chunks(seq)
             getattr(self, f"_admit_{seq.mode}")(seq)
         except OutOfPages:
+            self._drop_prefetched(seq)
             self.release(seq)
             seq.placed_by_refused.update(seq.placed_now)
             return False
         except BaseException:
+            self._drop_prefetched(seq)
             self.release(seq)
             raise
+        self._drop_prefetched(seq)
         seq.placed_by_refused.clear()
         # counted once per admission (a refused admission is retried and must not count twice)
         for src in seq.chunk_sources:
@@ -143,8 +151,84 @@ class KVPlanner:
             raise
         return e, tier
 
+    # -- a request's missing chunks, encoded together ----------------------------------------------
+    def _place_missing_chunks(self, seq: Sequence) -> None:
+        """Place every chunk of ``seq`` (after no shared prefix) that is not in the pool: from the
+        host tier or the disk, or, for those no tier has and those whose stored KV is faster to
+        encode than to read from the disk (``read_or_encode``), encoded all in one forward
+        instead of one forward each. The entries wait in ``seq.prefetched`` (held) for the mode's
+        admission to take them (``_acquire_chunk``)."""
+        store = seq.source.store
+        if seq.source.shared_prefix_ids or not seq.layout.spans:
+            return  # chunks after a shared prefix are encoded one by one with it held (place_chunk)
+        pending, tokens, short = [], 0, None
+        try:
+            for _, ids, cid, prefix, _ in self._chunks(seq):
+                key = chunk_key(ids, prefix)
+                if key in seq.prefetched or self.pm.lookup(key) is not None:
+                    continue  # resident (or listed twice): the admission acquires it
+                if not self.chooser.calibrated and store is not None and hasattr(store, "read_nowait"):
+                    self._calibrate()
+                kv, tier = self.tiers.fetch(key, ids, cid, store, kv_dtype=self.pool.dtype, chooser=self.chooser,
+                                            batch_tokens=tokens)
+                try:
+                    e = self.pm.insert(key, len(ids), cost=len(ids))
+                except OutOfPages as err:  # encode what fits (it stays cached), then refuse
+                    short = err
+                    break
+                if kv is not None:
+                    e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.rope_table)
+                    seq.prefetched[key] = (e, tier)
+                else:
+                    pending.append((key, e, ids, cid, tier == "recompute"))
+                    tokens += len(ids)
+            if pending:
+                jobs = [EncodeJob(list(ids), [], [Run(0, len(ids), tuple(e.pages), 0)]) for _, e, ids, _, _ in pending]
+                t0 = self._clock()
+                kvs = self.runner.encode(jobs)
+                self.chooser.observe_encode(tokens, self._clock() - t0)
+                for (key, e, ids, cid, valid_on_disk), kv in zip(pending, kvs):
+                    # a chunk recomputed because reading it was slower keeps its record as it is
+                    self.tiers.keep(key, kv, ids, cid, None if valid_on_disk else store)
+                    seq.prefetched[key] = (e, "recomputed" if valid_on_disk else "encoded")
+                pending = []
+        except BaseException:
+            for _, e, *_ in pending:
+                self.pm.discard(e)  # never filled: no one may find it
+            raise
+        if short is not None:
+            raise short
+
+    def _drop_prefetched(self, seq: Sequence) -> None:
+        """Release the placed chunks the admission did not take (it failed before them); a retry
+        still counts them as placed by this request."""
+        for key, (e, tier) in seq.prefetched.items():
+            seq.placed_now[key] = ["misses", f"from_{tier}"]
+            self.pm.release(e)
+        seq.prefetched = {}
+
+    def _clock(self) -> float:
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+        return time.perf_counter()
+
+    def _calibrate(self) -> None:
+        """Time probe encodes of a short and a long dummy chunk (``ReadOrEncode.calibrate``)."""
+        def encode(n: int) -> None:
+            pages = self.pm.allocate(self.pool.pages_for(n))
+            try:
+                self.runner.encode([EncodeJob([0] * n, [], [Run(0, n, tuple(pages), 0)])])
+                self._clock()
+            finally:
+                self.pm.free(pages)
+        self.chooser.calibrate(encode)
+
     def _acquire_chunk(self, seq: Sequence, ids, chunk_id, prefix):
-        e, tier = self.place_chunk(ids, chunk_id, prefix, seq.source.store)
+        taken = seq.prefetched.pop(chunk_key(ids, prefix), None)
+        if taken is not None:  # placed by _place_missing_chunks, held for this admission
+            e, tier = taken
+        else:
+            e, tier = self.place_chunk(ids, chunk_id, prefix, seq.source.store)
         seq.held.append(e)
         if tier == "pool":
             # a hit, unless this request placed it itself in an admission that was then refused
@@ -153,7 +237,7 @@ class KVPlanner:
         else:
             sources = seq.placed_now[e.key] = ["misses", f"from_{tier}"]
         seq.chunk_sources += sources
-        if "from_encoded" in sources:
+        if "from_encoded" in sources or "from_recomputed" in sources:
             seq.encoded_now += len(ids)
         return e
 
