@@ -71,8 +71,9 @@ def index(
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
     repair: bool = typer.Option(False, help="Rebuild the chunk table and vectors from SOURCES without reading the "
-                                            "old ones (after `lazy-rag verify` reports damage); intact KV is reused, "
-                                            "and files indexed from other sources are read again where they were."),
+                                            "old ones (after `lazy-rag verify` reports damage, even a database that "
+                                            "is no longer one); intact KV is reused, and files indexed from other "
+                                            "sources are read again where they were."),
     drop_missing: bool = typer.Option(False, help="Drop the chunks of indexed files that are gone, wherever they were "
                                                   "indexed from (default: only those gone from SOURCES)."),
     wait_lock: float = typer.Option(0.0, help="Seconds to wait for another process writing the same --out."),
@@ -80,7 +81,8 @@ def index(
                                              "else the model's bundled one), none, a bundled name (`lazy-rag models`) "
                                              "or a file from `lazy-rag tune`."),
 ):
-    """Chunk, embed and precompute position-free KV for every chunk of SOURCES."""
+    """Chunk, embed and precompute position-free KV for every chunk of SOURCES (an index of an older
+    lazy-rag in --out is converted in place, keeping its KV)."""
     _quiet_libraries()
     from .index import LazyIndex
 
@@ -103,8 +105,9 @@ def index(
         out.print(f"  {path} changed while it was indexed: the index holds the text read; run `lazy-rag index` "
                   "again to index the new version.", markup=False, highlight=False)
     w = idx.wrapper
+    moved = f", {_human(rep.kv_bytes_moved)} compacted" if rep.kv_records_moved else ""
     out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
-              f"{_human(rep.kv_bytes_written)} of KV written in {rep.seconds:.1f} s -> {out_dir}"
+              f"{_human(rep.kv_bytes_written)} of KV written{moved} in {rep.seconds:.1f} s -> {out_dir}"
               + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots)" if w is not None else ""),
               markup=False, highlight=False)
 
@@ -210,7 +213,8 @@ def serve(
 @app.command()
 def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """Show an index's chunks, tokens, KV bytes and fingerprint (no model is loaded)."""
+    """Show an index's chunks, tokens, KV bytes on disk, segments (count, live fraction), vector index
+    and fingerprint (no model is loaded)."""
     _quiet_libraries()
     from .index import describe_index
 
@@ -225,6 +229,11 @@ def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
         for k, v in info.items():
             if k == "kv_bytes":
                 v = f"{_human(v)} ({v} bytes)"
+            elif k == "segments":
+                live = "-" if v["live_fraction"] is None else f"{v['live_fraction']:.0%}"
+                v = f"{v['count']}, {live} live ({_human(v['dead_bytes'])} dead, compacted below 50%)"
+            elif k == "vector_index" and v:
+                v = f"{v['kind']}, {v['ntotal']} vectors, {_human(v['bytes'])}"
             t.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
         out.print(t)
     if info["damage"]:
@@ -235,8 +244,9 @@ def inspect(index_dir: Path = typer.Argument(..., help="An index folder."),
 @app.command()
 def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """Check every file of an index (manifest, chunk table, vectors, each chunk's KV) against its
-    checksums; exit 1 when something is damaged, naming it and the fix (no model is loaded)."""
+    """Check everything of an index (the database's integrity, settings and every row, the vectors, each
+    chunk's KV record) against its checksums; exit 1 when something is damaged, naming it and the fix
+    (no model is loaded)."""
     _quiet_libraries()
     from .index import verify_index
 
@@ -250,16 +260,18 @@ def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
         damaged = sum(report.get("kv_damaged", {}).values())
         out.print(f"{report['path']}: {report['chunks']} chunks, KV intact {report['kv_ok']}"
                   + (f", deferred {report['kv_deferred']}" if report.get("kv_deferred") else "")
-                  + f", damaged {damaged}; stray KV files {report.get('stray_kv_files', 0)}, "
+                  + f", damaged {damaged}; {report.get('segments', 0)} segment(s), "
+                  f"{_human(report.get('dead_bytes', 0))} dead; stray KV files {report.get('stray_kv_files', 0)}, "
                   f"temp files {report.get('temp_files', 0)}", markup=False, highlight=False)
         for p in report["problems"][:50]:
             err.print(f"  {p}", markup=False, highlight=False, soft_wrap=True)
         if report["ok"]:
             out.print("OK")
         else:
-            err.print("Damaged KV files are recomputed and rewritten by the next query that needs them (or "
-                      "`lazy-rag index SOURCES --out DIR`); a damaged chunk table or vectors file needs "
-                      "`lazy-rag index SOURCES --out DIR --repair`.", markup=False, highlight=False, soft_wrap=True)
+            err.print("Damaged KV records are recomputed and rewritten by the next query that needs them (or all "
+                      "at once by `lazy-rag index SOURCES --out DIR --repair`); a damaged database (index.sqlite) "
+                      "or vectors file needs `lazy-rag index SOURCES --out DIR --repair`.", markup=False,
+                      highlight=False, soft_wrap=True)
     if not report["ok"]:
         raise typer.Exit(code=1)
 

@@ -1,20 +1,32 @@
-"""``LazyIndex``: chunks, their FAISS vectors and their position-free KV, built once, queried often.
+"""``LazyIndex``: chunks, their vectors and their position-free KV, built once, queried often.
 
-Layout of an index folder::
+Layout of an index folder (format 2)::
 
-    manifest.json           the commit point: format, fingerprints, settings, files, generation
-    chunks-<gen>.jsonl      one record per chunk: id, source, ordinal, text, token ids
-    vectors-<gen>.faiss     inner-product index over normalised embeddings, row i = chunk i
-    kv/<chunk_id>.safetensors   the chunk's KV (see store.py); kv-w<digest>/ with a chunk wrapper
+    index.sqlite            the commit point (SQLite, WAL): settings (format, fingerprints, embedder,
+                            chunking, shared prefix, wrapper, prompt, query defaults, generation),
+                            the chunk table (one row per chunk: id, source, ordinal, text, token
+                            ids, metadata, KV location, embedding, checksums), the files, the KV
+                            segments
+    vectors-<gen>.faiss     the vector index (``vector_index.VectorIndex``), ids = chunk rowids
+    kv/seg-<n>.kvseg        the chunks' KV records (see store.py); kv-w<digest>/ with a chunk wrapper
     wrapper-<digest>.safetensors  the chunk wrapper every chunk was encoded inside, if any
+    manifest.json           a pointer for tools that read no SQLite (format, model, embedder)
 
-A build writes KV files and the new generation's chunk table and vectors first, and the manifest
-last (atomically), so an interrupted build leaves the previous index intact, or no index at all.
-One writer at a time per folder (``index_lock``). The manifest records the sha256 of the chunk
-table and the vectors, checked on every load (a damaged one is an error naming the file and the
-fix, ``lazy-rag index --repair``); every KV file carries its own checksums (store.py);
-``verify_index`` checks everything. Nothing on the load path unpickles: JSON, faiss's own
-format and safetensors only.
+A build appends the KV of new chunks to the segments, writes the next generation's vectors file,
+then commits one SQLite transaction: the rows of changed files deleted, the new rows inserted,
+the segments' lengths, the settings. An interrupted build leaves the previous generation intact
+(or no index at all); an update touches only the rows of changed files and appends only their
+KV. One writer at a time per folder (``index_lock``); a loaded index reads one SQLite snapshot,
+the generation it loaded, whatever builds commit meanwhile. Records are read from SQLite when
+asked for (``ChunkTable``), so loading a million-chunk index reads no text.
+
+Checks: every row carries a CRC32 of its content (and one of its vector), checked whenever the
+row is read; the settings hold the sha256 of the vectors and wrapper files, checked on load;
+every KV record carries its own checksums (store.py); ``verify_index`` checks all of it and
+SQLite's integrity. A damaged one is an error naming the file and the fix, ``lazy-rag index
+--repair``. Nothing on the load path unpickles: SQLite, JSON, the vector index's own format and
+safetensors only. A format-1 folder (``manifest.json``, ``chunks-<gen>.jsonl``, one KV file per
+chunk) is refused on load and converted in place by the next build, its KV copied into segments.
 """
 from __future__ import annotations
 
@@ -27,11 +39,15 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
+import weakref
+import zlib
 from collections import Counter
+from collections.abc import Mapping, Sequence as SequenceABC
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,12 +63,17 @@ from .llm import LazyLLM
 from .progress import Progress
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
-from .store import ChunkStore, _DTYPES
+from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
+                    _DTYPES, segment_name)
+from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
-MANIFEST_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_chunks", "embedder")
+FORMAT_VERSION = 2
+POINTER = "manifest.json"  # format 2: a pointer for tools; format 1: the index's commit point
+SETTINGS_KEYS = ("model", "kv_dtype", "embedder", "chunking", "generation", "commit_id", "num_chunks", "num_tokens")
+FORMAT1_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_chunks", "embedder")
+EMBED_BATCH = 64
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -72,6 +93,14 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _remove_debris(out: Path) -> int:
     """Temp files of writers that were killed (only ever called under the writer lock)."""
     n = 0
@@ -88,8 +117,12 @@ def _faiss():
     return require("faiss")
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def store_fingerprint(manifest: dict) -> str:
-    """What an index's KV files are tied to: the model's fingerprint, and the wrapper's digest."""
+    """What an index's KV records are tied to: the model's fingerprint, and the wrapper's digest."""
     fp = manifest["model"]["fingerprint"]["id"]
     w = manifest.get("wrapper")
     return f"{fp}-w{w['digest']}" if w else fp
@@ -97,7 +130,7 @@ def store_fingerprint(manifest: dict) -> str:
 
 def kv_subdir(wrapper: "ChunkWrapper | dict | None") -> str:
     """The KV folder of an index whose chunks are encoded inside ``wrapper`` (a new wrapper gets a
-    new folder, so re-encoding every chunk commits atomically with the manifest)."""
+    new folder, so re-encoding every chunk commits atomically with the settings)."""
     if wrapper is None:
         return "kv"
     return f"kv-w{wrapper['digest'] if isinstance(wrapper, dict) else wrapper.digest}"
@@ -107,29 +140,48 @@ def wrapper_file(wrapper: ChunkWrapper) -> str:
     return f"wrapper-{wrapper.digest}.safetensors"
 
 
-def open_store(path: Path, manifest: dict, vocab_rows: int | None = None) -> ChunkStore:
+def open_store(path: Path, manifest: dict, vocab_rows: int | None = None, db: IndexDB | None = None) -> ChunkStore:
+    """The KV store of the index at ``path`` with settings ``manifest``, located through ``db``
+    (a loaded index's snapshot or a build's connection)."""
     prefix = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
     return ChunkStore(path, store_fingerprint(manifest), prefix, _DTYPES.get(manifest["kv_dtype"]),
                       precomputed=manifest.get("kv_precomputed", True), kv_subdir=kv_subdir(manifest.get("wrapper")),
-                      vocab_rows=vocab_rows)
+                      vocab_rows=vocab_rows, db=db)
+
+
+def _embed_records(embedder: Embedder, records, style: str) -> np.ndarray:
+    """The embeddings of ``records``' texts, EMBED_BATCH at a time (float32 [n, dim])."""
+    parts = []
+    with Progress(len(records), "embedding chunks", style) as bar:
+        for s in range(0, len(records), EMBED_BATCH):
+            parts.append(embedder.encode([r.text for r in records[s:s + EMBED_BATCH]]))
+            bar.advance(len(parts[-1]))
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
 
 def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list, stats: dict | None = None) -> int:
     """Encode the KV of ``records`` inside ``wrapper`` into ``store`` (build_pipeline: many chunks
-    per forward, written by a background thread), advancing ``bar`` by tokens and listing each
-    file in ``written``; returns the bytes written. ``stats`` receives the stage times."""
+    per forward, appended by a background thread: ``store.write`` is thread-safe and stages the
+    records until the build commits), advancing ``bar`` by tokens; returns the bytes written.
+    ``stats`` receives the stage times. (A segment store keeps its own account of what it
+    appended: nothing is listed in ``written``.)"""
     result = encode_and_write(llm, store, records, wrapper, bar, written)
     if stats is not None:
         stats.update(result.as_dict())
     return result.kv_bytes
 
 
-def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
-    """Write the index's wrapper file (named in the manifest) and record its checksum there.
+def _tokens(records) -> int:
+    return sum(len(r.token_ids) for r in records)
+
+
+def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path | None:
+    """Write the index's wrapper file (named in the settings) and record its checksum there;
+    returns the path if this call created it.
 
     A file already holding this wrapper (same digest) is kept as it is: safetensors writes its
     metadata in no fixed order, so rewriting it would change the bytes under the checksum of the
-    committed manifest, and the previous generation (after a failed update, or for a reader
+    committed settings, and the previous generation (after a failed update, or for a reader
     loading it meanwhile) would look damaged."""
     path = out / manifest["wrapper_file"]
     try:
@@ -138,8 +190,8 @@ def _save_wrapper(out: Path, manifest: dict, wrapper: ChunkWrapper) -> Path:
         present = False
     if not present:
         wrapper.save(path)
-    manifest["checksums"]["wrapper_file"] = _sha256(path.read_bytes())
-    return path
+    manifest.setdefault("checksums", {})["wrapper_file"] = _sha256(path.read_bytes())
+    return None if present else path
 
 
 def _is_utf8(data: bytes) -> bool:
@@ -182,6 +234,7 @@ class ChunkRecord:
     text: str
     token_ids: list[int]
     metadata: dict = field(default_factory=dict)
+    rowid: int | None = None  # the chunk's row in the index's table (and its id in the vector index)
 
 
 @dataclass
@@ -217,26 +270,419 @@ class BuildReport:
     chunks_added: int = 0
     chunks_total: int = 0
     tokens_total: int = 0
-    kv_bytes_written: int = 0
+    kv_bytes_written: int = 0     # KV encoded by this build (appended to the segments)
+    rows_written: int = 0         # chunk rows inserted or deleted by the commit
+    kv_records_moved: int = 0     # by compaction: live records copied out of sparse segments
+    kv_bytes_moved: int = 0
     seconds: float = 0.0
     stages: dict = field(default_factory=dict)  # the KV pipeline's stage times (build_pipeline.PipelineStats)
 
 
+# -- the chunk table as rows ---------------------------------------------------------------------------
+
+_RECORD_COLS = "rowid, id, source, ordinal, text, token_ids, meta, row_crc"
+
+
+def _row_crc(chunk_id: str, source: str, ordinal: int, text: str, token_ids: bytes, meta: str) -> int:
+    """CRC32 over a row's content, each field length-prefixed (SQLite keeps no checksums)."""
+    crc = 0
+    for part in (chunk_id.encode(), source.encode(), str(ordinal).encode(), text.encode(), bytes(token_ids),
+                 meta.encode()):
+        crc = zlib.crc32(part, zlib.crc32(len(part).to_bytes(8, "little"), crc))
+    return crc
+
+
+def _row_values(r: ChunkRecord, vec) -> tuple:
+    """(token ids blob, metadata JSON, vector blob, row CRC, vector CRC) of a record to insert."""
+    tokens = np.asarray(r.token_ids, dtype="<i4").tobytes()
+    meta = json.dumps(r.metadata, ensure_ascii=False, sort_keys=True)
+    vblob = None if vec is None else np.ascontiguousarray(vec, dtype="<f4").tobytes()
+    return (tokens, meta, vblob, _row_crc(r.id, r.source, r.ordinal, r.text, tokens, meta),
+            None if vblob is None else zlib.crc32(vblob))
+
+
+def _record(db: IndexDB, row) -> ChunkRecord:
+    """A row of ``_RECORD_COLS`` as a record, checked against its CRC."""
+    rowid, cid, source, ordinal, text, tokens, meta, crc = row
+    try:
+        if crc != _row_crc(cid, source, ordinal, text, tokens, meta):
+            raise ValueError("checksum")
+        return ChunkRecord(cid, source, ordinal, text, np.frombuffer(tokens, dtype="<i4").tolist(), json.loads(meta),
+                           rowid)
+    except (TypeError, ValueError, AttributeError):
+        raise db.damaged(f"the row of chunk {cid!r} does not match its checksum") from None
+
+
+class ChunkTable(SequenceABC):
+    """The chunk records of one generation, read from the index's snapshot when asked for: by
+    position (rowid order), by rowid (``row``: a search result), by chunk id (``by_id``), or all
+    in one query (iteration). Loading an index reads none of them."""
+
+    def __init__(self, db: IndexDB, n: int):
+        self._db, self._n = db, n
+        self._rowids: np.ndarray | None = None
+        self.by_id = ChunkIds(db, n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def rowids(self) -> np.ndarray:
+        if self._rowids is None:
+            self._rowids = np.fromiter((r[0] for r in self._db.iterate("SELECT rowid FROM chunks ORDER BY rowid")),
+                                       dtype=np.int64, count=self._n)
+        return self._rowids
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"chunk {i} of {self._n}")
+        return self.row(int(self.rowids()[i]))
+
+    def row(self, rowid: int) -> ChunkRecord | None:
+        row = self._db.one(f"SELECT {_RECORD_COLS} FROM chunks WHERE rowid = ?", (int(rowid),))
+        return None if row is None else _record(self._db, row)
+
+    def get(self, chunk_id: str) -> ChunkRecord | None:
+        return self.by_id.get(chunk_id)
+
+    def __iter__(self) -> Iterator[ChunkRecord]:
+        for row in self._db.iterate(f"SELECT {_RECORD_COLS} FROM chunks ORDER BY rowid"):
+            yield _record(self._db, row)
+
+
+class ChunkIds(Mapping):
+    """chunk id -> ``ChunkRecord`` of one generation (``index.by_id``), read on demand."""
+
+    def __init__(self, db: IndexDB, n: int):
+        self._db, self._n = db, n
+
+    def get(self, chunk_id, default=None):
+        row = self._db.one(f"SELECT {_RECORD_COLS} FROM chunks WHERE id = ?", (chunk_id,)) \
+            if isinstance(chunk_id, str) else None
+        return default if row is None else _record(self._db, row)
+
+    def __getitem__(self, chunk_id) -> ChunkRecord:
+        rec = self.get(chunk_id)
+        if rec is None:
+            raise KeyError(chunk_id)
+        return rec
+
+    def __contains__(self, chunk_id) -> bool:
+        return isinstance(chunk_id, str) and self._db.one("SELECT 1 FROM chunks WHERE id = ?", (chunk_id,)) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return (r[0] for r in self._db.iterate("SELECT id FROM chunks ORDER BY rowid"))
+
+    def __len__(self) -> int:
+        return self._n
+
+
+def _check_settings(settings: dict, db: IndexDB) -> dict:
+    version = settings.get("format_version")
+    if version != FORMAT_VERSION:
+        raise LazyIndexError(f"{db.folder} has index format {version!r}, this lazy-rag reads {FORMAT_VERSION}; "
+                             "rebuild the index (or upgrade lazy-rag if a newer one wrote it).")
+    missing = [k for k in SETTINGS_KEYS if k not in settings]
+    fp = settings.get("model")
+    if not missing and not (isinstance(fp, dict) and isinstance(fp.get("fingerprint"), dict)
+                            and "id" in fp["fingerprint"]):
+        missing = ["model.fingerprint"]
+    if missing:
+        raise db.damaged(f"its settings lack {', '.join(missing)}")
+    return settings
+
+
+def _refuse_folder(path: Path) -> None:
+    """Why ``path`` holds no committed format-2 index: a format-1 index (converted by the next
+    build), a damaged pointer, or nothing."""
+    mf = path / POINTER
+    if mf.exists():
+        try:
+            version = json.loads(mf.read_bytes().decode("utf-8")).get("format_version")
+        except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+            version = None
+        if version == 1:
+            raise LazyIndexError(
+                f"{path} holds a lazy-rag index in format 1 (one KV file per chunk), which this lazy-rag (format "
+                f"{FORMAT_VERSION}) does not load. Convert it in place, keeping every chunk's KV: `lazy-rag index "
+                f"SOURCES --out {path}` with the sources it was built from (or index into a new folder).")
+        raise LazyIndexError(f"{path} is not a loadable lazy-rag index: it has a {POINTER} but {DB_NAME} holds no "
+                             "committed build (if a build was interrupted, run `lazy-rag index` again).")
+    hint = " (if a build was interrupted, run `lazy-rag index` again)" if (path / DB_NAME).exists() else ""
+    raise LazyIndexError(f"{path} is not a lazy-rag index: no committed {DB_NAME}{hint}.")
+
+
+def open_index_db(path, snapshot: bool = True) -> tuple[IndexDB, dict]:
+    """The index database of ``path`` and its checked settings (a snapshot by default); raises a
+    ``LazyIndexError`` naming what the folder holds instead."""
+    path = Path(path)
+    if (path / DB_NAME).exists():
+        db = IndexDB(path, snapshot=snapshot)
+        try:
+            settings = db.settings()
+            if "format_version" in settings:
+                return db, _check_settings(settings, db)
+        except BaseException:
+            db.close()
+            raise
+        db.close()
+    _refuse_folder(path)
+
+
+def _latest_commit(path: Path):
+    """The commit id of the latest build of ``path`` (None if it cannot be read)."""
+    try:
+        db = IndexDB(path)
+    except (LazyIndexError, OSError):
+        return None
+    try:
+        return db.setting("commit_id")
+    except LazyIndexError:
+        return None
+    finally:
+        db.close()
+
+
+def _write_pointer(out: Path, settings: dict) -> None:
+    """manifest.json for tools that read no SQLite: the format, the model and the embedder. Not
+    the commit point (index.sqlite is); rewritten only when it would change."""
+    data = json.dumps({"format_version": FORMAT_VERSION, "database": DB_NAME, "lazy_rag_version": __version__,
+                       "model": settings["model"], "embedder": settings["embedder"],
+                       "about": f"lazy-rag index: settings, chunk table and files in {DB_NAME}, KV in the "
+                                "kv*/ segments, vectors in the vectors file it names; this file only points."},
+                      indent=2, ensure_ascii=False).encode()
+    try:
+        if (out / POINTER).read_bytes() == data:
+            return
+    except OSError:
+        pass
+    _atomic_write_bytes(out / POINTER, data)
+
+
+# -- format 1 (read for conversion only) ---------------------------------------------------------------
+
+def _read_checked(path: Path, manifest: dict, key: str) -> bytes:
+    """The bytes of the file the settings name under ``key``, checked against their sha256."""
+    f = Path(path) / manifest[key]
+    fix = f"rebuild it from the sources with `lazy-rag index SOURCES --out {path} --repair`"
+    try:
+        data = f.read_bytes()
+    except FileNotFoundError:
+        raise LazyIndexError(f"The index at {path} lacks its {f.name}; {fix}.") from None
+    except OSError as e:
+        raise LazyIndexError(f"Cannot read {f} ({e.strerror}).") from e
+    want = (manifest.get("checksums") or {}).get(key)
+    if want is not None and _sha256(data) != want:
+        raise LazyIndexError(f"{f} is damaged (its sha256 differs from the one the index recorded); {fix}.")
+    return data
+
+
+def _read_format1_records(path: Path, manifest: dict) -> list[ChunkRecord]:
+    data = _read_checked(path, manifest, "chunks_file")
+    fix = f"convert it with `lazy-rag index SOURCES --out {path} --repair`"
+    try:
+        records = [ChunkRecord(**json.loads(line)) for line in data.decode("utf-8").splitlines() if line.strip()]
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} is damaged ({e}); {fix}.") from e
+    if len(records) != manifest["num_chunks"]:
+        raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} holds {len(records)} chunks, the manifest "
+                             f"{manifest['num_chunks']}: it is damaged; {fix}.")
+    return records
+
+
+def _read_format1_vectors(path: Path, manifest: dict, n: int) -> np.ndarray:
+    """A format-1 vectors file (faiss's own format, row i = chunk i) as a float32 array."""
+    data = _read_checked(path, manifest, "vectors_file")
+    try:
+        index = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        vecs = index.reconstruct_n(0, index.ntotal)  # one call, not one per row
+    except RuntimeError as e:
+        raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} is damaged (faiss cannot read it); convert it "
+                             f"with `lazy-rag index SOURCES --out {path} --repair`.") from e
+    if len(vecs) != n:
+        raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} holds {len(vecs)} vectors for {n} chunks; "
+                             f"convert it with `lazy-rag index SOURCES --out {path} --repair`.")
+    return np.ascontiguousarray(vecs, dtype=np.float32)
+
+
+class _Previous:
+    """What a build starts from: the committed index of ``out`` (``format`` 2), a format-1 index
+    to convert (1), or none (None); and the build's own connection to ``out``'s database (created
+    if there is none)."""
+
+    def __init__(self):
+        self.format: int | None = None
+        self.settings: dict | None = None
+        self.db: IndexDB | None = None
+        self.salvage = False  # --repair of an unreadable database: KV is found by scanning the segments
+        self.v1_records: list[ChunkRecord] | None = None
+        self.v1_vectors: np.ndarray | None = None
+        self._counts: dict | None = None
+
+    @classmethod
+    def open(cls, out: Path, repair: bool) -> "_Previous":
+        p = cls()
+        if (out / DB_NAME).exists():
+            try:
+                p.db = IndexDB(out)
+                settings = p.db.settings()
+                if "format_version" in settings:
+                    p.settings, p.format = _check_settings(settings, p.db), 2
+                    n = p.db.one("SELECT count(*) FROM chunks")[0]
+                    if n != settings["num_chunks"] and not repair:  # as load: no update builds on it
+                        raise p.db.damaged(f"it holds {n} chunk rows, its settings say {settings['num_chunks']}")
+                    return p
+            except DamagedIndexError as e:
+                if not repair:
+                    raise
+                # nothing in it can be trusted or even read: rebuilt from the sources, the KV
+                # salvaged from the segments (every record names its chunk and checks itself)
+                log.warning("--repair: %s; it is replaced, and the KV its segments hold is reused.", e)
+                if p.db is not None:
+                    p.db.close()
+                    p.db = None
+                for suffix in ("", "-wal", "-shm"):
+                    (out / (DB_NAME + suffix)).unlink(missing_ok=True)
+                p.salvage = True
+        if p.db is None:
+            p.db = IndexDB(out, create=True)
+        p._read_format1(out, repair)
+        return p
+
+    def _read_format1(self, out: Path, repair: bool) -> None:
+        mf = out / POINTER
+        try:
+            m = json.loads(mf.read_bytes().decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return  # none, or not a format-1 manifest: a fresh build replaces it
+        if not isinstance(m, dict) or m.get("format_version") != 1:
+            return
+        fp = m.get("model")
+        missing = [k for k in FORMAT1_KEYS if k not in m] or \
+            ([] if isinstance(fp, dict) and isinstance(fp.get("fingerprint"), dict) else ["model.fingerprint"])
+        if missing:
+            raise LazyIndexError(f"{mf} (a format-1 index) is damaged: it lacks {', '.join(missing)}; index into a "
+                                 "new folder.")
+        self.format, self.settings = 1, m
+        try:
+            self.v1_records = _read_format1_records(out, m)
+            if m.get("vectors_file"):
+                self.v1_vectors = _read_format1_vectors(out, m, len(self.v1_records))
+        except LazyIndexError:
+            if not repair:
+                raise
+            self.v1_records = self.v1_vectors = None
+
+    def files(self, repair: bool) -> dict:
+        """source -> {"sha256", "tokens", "chunk_ids"} of the files the previous index holds."""
+        if self.format == 1:
+            return dict(self.settings["files"])
+        if self.format != 2:
+            return {}
+        try:
+            return {s: {"sha256": h, "tokens": t, "chunk_ids": json.loads(ids)}
+                    for s, h, t, ids in self.db.rows("SELECT source, sha256, tokens, chunk_ids FROM files")}
+        except (DamagedIndexError, ValueError):
+            if not repair:
+                raise
+            log.warning("--repair: the files table of %s cannot be read; files indexed from sources not named "
+                        "here cannot be kept.", self.db.path)
+            return {}
+
+    def has_chunks(self, source: str, chunk_ids) -> bool:
+        """Every chunk of the file's entry is in the previous index."""
+        if self._counts is None:
+            if self.format == 2:
+                self._counts = dict(self.db.rows("SELECT source, count(*) FROM chunks GROUP BY source"))
+            else:
+                self._counts = Counter(r.source for r in self.v1_records or ())
+                self._ids = {r.id for r in self.v1_records or ()}
+        if self.format == 1:
+            return all(c in self._ids for c in chunk_ids)
+        return self._counts.get(source) == len(chunk_ids)
+
+
+class _BuildRun:
+    """A build's resources and what to undo if it fails before its commit."""
+
+    def __init__(self):
+        self.db: IndexDB | None = None
+        self.store: ChunkStore | None = None
+        self.had_index = False
+        self.committed = False
+        self.new_files: list[Path] = []  # files this run created that only its commit refers to
+        self.written: list = []          # chunk ids whose KV this run appended
+
+    def fail(self) -> None:
+        if self.committed:
+            return
+        if self.store is not None:
+            self.store.end_build(committed=False)
+        for p in self.new_files:
+            p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.db is not None:
+            self.db.close()
+
+
+def _vectors_after(old: VectorIndex | None, removed: list[int], ids: np.ndarray, vecs: np.ndarray | None,
+                   every_vector) -> VectorIndex:
+    """The next generation's vector index: the previous one with the removed rows' vectors taken
+    out and the new ones added by rowid, or (none before, or it asks for it) built anew from every
+    vector (``every_vector()`` -> (ids, vecs))."""
+    if old is None:
+        return VectorIndex.rebuild(*every_vector())
+    old.remove(np.asarray(removed, dtype=np.int64))
+    if len(ids):
+        old.add(ids, vecs)
+    if old.needs_rebuild():
+        return VectorIndex.rebuild(*every_vector())
+    return old
+
+
+def _guard_of(index: "LazyIndex"):
+    """``index._write_guard`` for its store, held weakly: a store that refers to its index would
+    keep both (and the index's SQLite snapshot) alive until the next garbage collection."""
+    ref = weakref.WeakMethod(index._write_guard)
+
+    @contextmanager
+    def guard():
+        method = ref()
+        if method is None:
+            yield "the index was closed"
+            return
+        with method() as refused:
+            yield refused
+
+    return guard
+
+
 class LazyIndex:
-    def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records: list[ChunkRecord],
-                 vectors, wrapper: ChunkWrapper | None = None):
+    def __init__(self, path: Path, llm: LazyLLM, embedder: Embedder, manifest: dict, records, vectors,
+                 wrapper: ChunkWrapper | None = None, db: IndexDB | None = None):
+        """An index over ``records`` (a ``ChunkTable`` of ``db``, the snapshot of the generation
+        ``manifest`` describes) and ``vectors`` (a ``VectorIndex``, None without vectors). Use
+        ``load`` or ``build``."""
         self.path = Path(path)
         self.llm = llm
         self.embedder = embedder
-        self.manifest = manifest
+        self.manifest = manifest  # the index's settings (format, fingerprints, embedder, chunking, ...)
+        self.db = db
         self.records = records
-        self.by_id = {r.id: r for r in records}
-        self.vectors = vectors  # a faiss index
+        self.by_id = records.by_id if isinstance(records, ChunkTable) else {r.id: r for r in records}
+        self.vectors = vectors
         if wrapper is None and manifest.get("wrapper"):
             wrapper = self._read_wrapper(self.path, manifest)
         self.wrapper = wrapper  # every chunk's KV was encoded inside it (None: plain chunks)
-        self.store = open_store(self.path, manifest, llm.host.parts.vocab_rows)
-        self.store.write_guard = self._write_guard  # a query writes KV only under the writer lock
+        self.store = open_store(self.path, manifest, llm.host.parts.vocab_rows, db=db)
+        self.store.write_guard = _guard_of(self)  # a query writes KV only under the writer lock
 
     @contextmanager
     def _write_guard(self):
@@ -247,11 +693,22 @@ class LazyIndex:
             if refused:
                 yield refused
                 return
-            try:
-                current = json.loads((self.path / "manifest.json").read_text()).get("generation")
-            except (OSError, ValueError):
-                current = None
-            yield None if current == self.manifest.get("generation") else "the index was rebuilt since it was loaded"
+            current = _latest_commit(self.path)
+            yield None if current == self.manifest.get("commit_id") else "the index was rebuilt since it was loaded"
+
+    def close(self) -> None:
+        """Release the snapshot (SQLite checkpoints its log past a snapshot only once it closes)."""
+        self.store.close()
+        if self.db is not None:
+            self.db.close()
+
+    @property
+    def files(self) -> dict:
+        """source -> {"sha256", "tokens", "chunk_ids"} of every file in the loaded generation."""
+        if self.db is None:
+            return {}
+        return {s: {"sha256": h, "tokens": t, "chunk_ids": json.loads(ids)}
+                for s, h, t, ids in self.db.rows("SELECT source, sha256, tokens, chunk_ids FROM files")}
 
     @property
     def recovery(self) -> Recovery:
@@ -267,7 +724,7 @@ class LazyIndex:
     @property
     def chunk_source(self) -> ChunkSource:
         """What a request over this index's chunks passes to ``LazyLLM.generate(source=...)``:
-        the prefix its chunks were encoded after, and the store holding their KV files."""
+        the prefix its chunks were encoded after, and the store holding their KV."""
         return ChunkSource(self.store.shared_prefix_ids, self.store, self.wrapper)
 
     # -- building -----------------------------------------------------------------------------
@@ -281,7 +738,7 @@ class LazyIndex:
               wait_lock: float = 0.0, wrapper="auto") -> tuple["LazyIndex", BuildReport]:
         """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
 
-        Mitigations for checkpoints not fine-tuned for independent chunks (stored in the manifest):
+        Mitigations for checkpoints not fine-tuned for independent chunks (stored in the settings):
         ``shared_prefix`` encodes every chunk after the prompt's fixed head (an attention sink);
         ``recovery`` (e.g. "prophet20", "epic16"; ``Recovery``) is the queries' default quality recovery
         at query time (``boundary_recompute=N`` is short for "epicN").
@@ -293,7 +750,7 @@ class LazyIndex:
         ``report.skipped_files``). Each file's chunks, KV and recorded sha256 are one read of it
         (``chunking.read_text``); one written after that read is named in ``report.changed_files``,
         and the next run re-indexes it. ``repair=True`` rebuilds the chunk table and vectors from the
-        sources without reading the old ones (after damage), reusing every KV file whose stored
+        sources without reading the old ones (after damage), reusing every KV record whose stored
         token ids match; files the index holds from sources not named here are read again at their
         recorded paths, and one that cannot be read stops the repair (naming it) unless
         ``drop_missing``. ``drop_missing=True`` drops the chunks of indexed files that are gone,
@@ -301,12 +758,13 @@ class LazyIndex:
         sources it names). ``wait_lock``: seconds to wait for another writer of ``out``.
         ``wrapper``: the chunk wrapper every chunk is encoded inside (a bundled name, a file from
         `lazy-rag tune`, or "none"); "auto" keeps an existing index's and otherwise takes the model's
-        bundled wrapper, if it has one."""
+        bundled wrapper, if it has one. A format-1 index in ``out`` is converted in place, every
+        intact KV file copied into the segments."""
         files, skipped = discover_files(sources)
         docs, report, stamps = [], BuildReport(skipped=skipped), {}
         for f in files:
             name = os.fsencode(f)
-            if not _is_utf8(name):  # a chunk table, a manifest and a terminal hold text: the path must be text
+            if not _is_utf8(name):  # a chunk table and a terminal hold text: the path must be text
                 why = "file name is not UTF-8 (rename the file)"
                 report.skipped[why] += 1
                 report.skipped_files.append((name.decode("utf-8", "backslashreplace"), why))
@@ -370,39 +828,30 @@ class LazyIndex:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise LazyIndexError(f"Cannot create the index folder {out} ({e.strerror}); choose another --out.") from e
-        written: list[Path] = []
         with writer_lock(out, wait=wait_lock):
             _remove_debris(out)
+            run = _BuildRun()
             try:
-                return cls._build_locked(docs, out, llm, embedder, written=written, **kwargs)
-            except OSError as e:
-                committed = (out / "manifest.json").exists()
-                live = cls._live_kv_paths(out) if committed else set()
-                tables = list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss"))
-                if committed:
-                    try:
-                        m = cls._read_manifest(out)
-                        current = {m["chunks_file"], m.get("vectors_file")}
-                    except LazyRagError:  # not ours to judge: leave every table where it is
-                        current = {p.name for p in tables}
-                else:
-                    current = set()
-                # what this run wrote that no committed index refers to: KV files, a new table
-                for p in written + tables:
-                    if p not in live and p.name not in current:
-                        p.unlink(missing_ok=True)
-                _remove_debris(out)
+                return cls._build_locked(docs, out, llm, embedder, run=run, **kwargs)
+            except BaseException as e:
+                # whatever stopped it (a full disk, Ctrl-C): this run's appends and files go; the
+                # committed generation never referred to them
+                run.fail()
+                if not isinstance(e, OSError):
+                    raise
                 why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
                        errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded"}.get(
                     e.errno, e.strerror or type(e).__name__)
-                state = "the previous index is unchanged" if committed else "no index was written"
+                state = "the previous index is unchanged" if run.had_index else "no index was written"
                 raise LazyIndexError(f"Writing the index at {out} failed: {why} ({e.filename or out}); {state} and "
                                      "this run's partial files were removed. Free space or choose another --out, "
                                      "then run `lazy-rag index` again.") from e
+            finally:
+                run.close()
 
     @staticmethod
-    def _reread_other_roots(old: dict, given: set[str], roots: list[str], report: BuildReport, unreadable: set,
-                            drop_missing: bool) -> list:
+    def _reread_other_roots(old_files: dict, given: set[str], roots: list[str], report: BuildReport,
+                            unreadable: set, drop_missing: bool) -> list:
         """For --repair (which cannot trust the old chunk table): the documents of the files the
         index holds from sources not named on this command line, read again at their recorded
         paths, so that the repair keeps them. One still there but no longer text is dropped, as by
@@ -410,7 +859,7 @@ class LazyIndex:
         unmounted disk) stops the repair before anything is written, naming it, unless
         ``drop_missing``: its chunks could only be rebuilt from the file."""
         docs, missing = [], []
-        for source in old["files"]:
+        for source in old_files:
             if source in given or not Path(source).is_absolute() or _under_roots(source, roots):
                 continue  # read already, an id of in-memory texts, or gone from a folder named again
             text, why = read_text(Path(source))
@@ -434,19 +883,8 @@ class LazyIndex:
             report.skipped_files.append((source, why))
         return docs
 
-    @staticmethod
-    def _live_kv_paths(out: Path) -> set[Path]:
-        try:
-            manifest = LazyIndex._read_manifest(out)
-            records = LazyIndex._read_records(out, manifest)
-        except LazyRagError:
-            return set()
-        store = open_store(out, manifest)
-        return {store.path(r.id) for r in records} | ({out / manifest["wrapper_file"]} if manifest.get("wrapper_file")
-                                                       else set())
-
     @classmethod
-    def _build_locked(cls, docs, out: Path, llm, embedder, *, written: list, model="smollm2", chunk_size=256,
+    def _build_locked(cls, docs, out: Path, llm, embedder, *, run: _BuildRun, model="smollm2", chunk_size=256,
                       chunk_overlap=32, shared_prefix=False, system_prompt=None, kv_dtype="auto", progress=True,
                       device="auto", report: BuildReport | None = None, roots=None, split=True, precompute_kv=True,
                       boundary_recompute=0, recovery=None, instruction=DEFAULT_INSTRUCTION, vectors=True,
@@ -466,132 +904,225 @@ class LazyIndex:
         if shared_prefix:
             text = rag_prefix(llm.tokenizer, system_prompt, instruction)
             prefix = {"text": text, "token_ids": tokenize_text(llm.tokenizer, text, first=True)}
-        settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "split": split,
+        chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "split": split,
                     "splitter": "llama_index.SentenceSplitter"}
-        old = cls._read_manifest(out) if (out / "manifest.json").exists() else None
+        prev = _Previous.open(out, repair)
+        run.db, run.had_index = prev.db, prev.format is not None
+        old = prev.settings
         if isinstance(wrapper, str) and wrapper.lower() == "auto" and old is not None:
             wrapper = cls._read_wrapper(out, old) if old.get("wrapper") else None  # the index's choice stands
         else:
             wrapper = llm.host.resolve_wrapper(wrapper)
-        manifest = {
+        settings = {
             "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
             "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
             "kv_dtype": str(kv_dt).removeprefix("torch."),
             # None: an index without vectors (retrieval happens elsewhere; chunks are named by id)
             "embedder": {"name": embedder.name, "dim": embedder.dim} if vectors else None,
-            "chunking": settings, "shared_prefix": prefix, "files": {}, "generation": 0,
+            "chunking": chunking, "shared_prefix": prefix, "generation": 0,
             "kv_precomputed": bool(precompute_kv),
             "query_defaults": {"recovery": resolve_recovery(recovery, boundary_recompute).name()},
             "prompt": {"system_prompt": system_prompt, "instruction": instruction},
             "wrapper": wrapper.describe() if wrapper is not None else None,
             "wrapper_file": wrapper_file(wrapper) if wrapper is not None else None,
         }
-        old_records: dict[str, ChunkRecord] = {}
         old_vectors = None
         if old is not None:
-            cls._check_compatible(old, manifest, out)
-            manifest["generation"] = old["generation"] + 1
-            if not repair:  # --repair: the old table and vectors are not read (they may be damaged)
-                recs = cls._read_records(out, old)
-                old_vectors = cls._read_vectors(out, old, len(recs)) if old.get("vectors_file") else None
-                old_records = {r.id: (r, i) for i, r in enumerate(recs)}
+            cls._check_compatible(old, settings, out)
+            settings["generation"] = old["generation"] + 1
+            if prev.format == 2 and not repair and old.get("vectors_file"):
+                old_vectors = cls._read_vectors(out, old, old["num_chunks"])  # damaged: refused before any work
+        old_files = prev.files(repair) if old is not None else {}
         if repair and old is not None and roots is not None:
             unreadable = set(unreadable)
-            docs = list(docs) + cls._reread_other_roots(old, {d[0] for d in docs}, roots, report, unreadable,
+            docs = list(docs) + cls._reread_other_roots(old_files, {d[0] for d in docs}, roots, report, unreadable,
                                                         drop_missing)
         # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
-        keep_ids, new_records = [], []
+        keep_sources, new_records, new_files, drop_sources = set(), [], {}, set()
         seen_sources = set()
         for source, text, meta in docs:
             seen_sources.add(source)
             digest = hashlib.sha256(text.encode()).hexdigest()
-            prev = old["files"].get(source) if old else None
-            if prev and prev["sha256"] == digest and all(c in old_records for c in prev["chunk_ids"]):
-                keep_ids.extend(prev["chunk_ids"])
-                manifest["files"][source] = prev
+            prev_entry = old_files.get(source)
+            if not repair and prev_entry and prev_entry["sha256"] == digest and \
+                    prev.has_chunks(source, prev_entry["chunk_ids"]):
+                keep_sources.add(source)
                 report.files_unchanged += 1
                 continue
             parts = chunker.split(text) if split else [(text, llm.tokenizer(text, add_special_tokens=False).input_ids)]
             recs = [ChunkRecord(_chunk_id(source, i, t) if split else source, source, i, t, ids, dict(meta))
                     for i, (t, ids) in enumerate(parts)]
             new_records.extend(recs)
-            manifest["files"][source] = {"sha256": digest, "chunk_ids": [r.id for r in recs],
-                                         "tokens": sum(len(r.token_ids) for r in recs)}
+            new_files[source] = {"sha256": digest, "chunk_ids": [r.id for r in recs],
+                                 "tokens": sum(len(r.token_ids) for r in recs)}
+            if prev_entry:
+                drop_sources.add(source)  # changed: its old rows go
             report.files_indexed += 1
-        if old:
-            for source, entry in old["files"].items():
-                if source in seen_sources:
-                    continue
-                if source in unreadable:  # emptied or replaced by bytes that are not text: its chunks go
-                    report.files_removed += 1
-                    log.warning("%s can no longer be read as text; its chunks were removed from the index.", source)
-                    continue
-                if repair:  # gone from a folder named again, or (--drop-missing) from anywhere
-                    report.files_removed += 1
-                    log.warning("--repair: %s cannot be read; its chunks were dropped.", source)
-                    continue
-                is_file = roots is not None and Path(source).is_absolute()  # not a from_texts id
-                if is_file and (drop_missing or _under_roots(source, roots)) and not Path(source).exists():
-                    report.files_removed += 1  # vanished from a folder we were asked to index again
-                    continue
-                keep_ids.extend(entry["chunk_ids"])
-                manifest["files"][source] = entry
-        index = cls(out, llm, embedder, manifest, [], None, wrapper)
-        store = index.store
+        for source, entry in old_files.items():
+            if source in seen_sources:
+                continue
+            if source in unreadable:  # emptied or replaced by bytes that are not text: its chunks go
+                report.files_removed += 1
+                log.warning("%s can no longer be read as text; its chunks were removed from the index.", source)
+            elif repair:  # gone from a folder named again, or (--drop-missing) from anywhere
+                report.files_removed += 1
+                log.warning("--repair: %s cannot be read; its chunks were dropped.", source)
+            elif roots is not None and Path(source).is_absolute() and (drop_missing or _under_roots(source, roots)) \
+                    and not Path(source).exists():
+                report.files_removed += 1  # vanished from a folder we were asked to index again
+            else:
+                keep_sources.add(source)
+                continue
+            drop_sources.add(source)
+        # a format-1 index's rows are all written now: those of unchanged files carried over as they are
+        carried, carried_vecs = [], None
+        if prev.format == 1 and prev.v1_records is not None:
+            rows = [i for i, r in enumerate(prev.v1_records) if r.source in keep_sources]
+            carried = [prev.v1_records[i] for i in rows]
+            if prev.v1_vectors is not None and vectors:
+                carried_vecs = prev.v1_vectors[rows]
+            for source in keep_sources:
+                new_files.setdefault(source, old_files[source])
+        store = open_store(out, settings, llm.host.parts.vocab_rows, db=prev.db)
+        run.store = store
         store.write_guard = None  # this build holds the writer lock itself
-        if precompute_kv and new_records:
-            cls._check_free_space(out, llm, store, new_records, wrapper.slots if wrapper else 0)
+        if prev.salvage:  # the segments' lengths were in the lost database: taken from the files
+            n = store.adopt_segments()
+            log.warning("--repair: %d KV records found in the segments of %s.", n, store.kv_dir)
+        store.begin_build()
+        if repair and prev.format == 2 or prev.salvage:
+            # KV is found by what the records say, not by what the table says
+            store.salvage({r.id: r.token_ids for r in new_records})
+        if prev.format == 1:
+            n = store.import_format1(out / kv_subdir(old.get("wrapper")),
+                                     {r.id: r.token_ids for r in carried + new_records})
+            log.info("Converting the format-1 index at %s: %d KV files copied into segments.", out, n)
+        todo_records = new_records + ([r for r in carried if store.location(r.id) is None] if precompute_kv else [])
+        if precompute_kv and todo_records:
+            cls._check_free_space(out, llm, store, todo_records, wrapper.slots if wrapper else 0)
         # Embed and encode only what is new.
         style = progress_style(progress)
-        vecs_new = None
-        if new_records and vectors:
-            with Progress(len(new_records), "embedding chunks", style) as bar:
-                parts = []
-                for s in range(0, len(new_records), 64):
-                    parts.append(embedder.encode([r.text for r in new_records[s:s + 64]]))
-                    bar.advance(len(parts[-1]))
-            vecs_new = np.concatenate(parts)
-        if new_records and precompute_kv:
-            with Progress(sum(len(r.token_ids) for r in new_records), "encoding chunk KV", style) as bar:
-                # chunks whose KV an interrupted build already wrote are kept as they are
-                todo = [r for r in new_records if store.read(r.id, r.token_ids)[0] is None]
-                bar.advance(sum(len(r.token_ids) for r in new_records) - sum(len(r.token_ids) for r in todo))
-                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, written, report.stages)
-        records = [old_records[c][0] for c in keep_ids] + new_records
-        vindex = None
-        if vectors:
-            faiss = _faiss()
-            vindex = faiss.IndexFlatIP(embedder.dim)
-            if keep_ids:
-                rows = np.array([old_records[c][1] for c in keep_ids], dtype=np.int64)
-                vindex.add(np.stack([old_vectors.reconstruct(int(i)) for i in rows]).astype(np.float32))
-            if new_records:
-                vindex.add(vecs_new)
-        gen = manifest["generation"]
-        manifest["chunks_file"] = f"chunks-{gen}.jsonl"
-        manifest["vectors_file"] = f"vectors-{gen}.faiss" if vectors else None
-        manifest["num_chunks"] = len(records)
-        manifest["num_tokens"] = sum(len(r.token_ids) for r in records)
-        manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        table = "".join(json.dumps(r.__dict__, ensure_ascii=False) + "\n" for r in records).encode()
-        _atomic_write_bytes(out / manifest["chunks_file"], table)
-        manifest["checksums"] = {"chunks_file": _sha256(table)}
+        vecs_new = _embed_records(embedder, new_records, style) if new_records and vectors else None
+        if todo_records and precompute_kv:
+            with Progress(_tokens(todo_records), "encoding chunk KV", style) as bar:
+                # chunks whose KV is there already (the same chunk before, or written by an
+                # interrupted build) are kept as they are
+                todo = [r for r in todo_records if store.read(r.id, r.token_ids)[0] is None]
+                bar.advance(_tokens(todo_records) - _tokens(todo))
+                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
+                                                           report.stages)
         if wrapper is not None:
-            written.append(_save_wrapper(out, manifest, wrapper))
-        if vectors:
-            data = faiss.serialize_index(vindex).tobytes()
-            _atomic_write_bytes(out / manifest["vectors_file"], data)
-            manifest["checksums"]["vectors_file"] = _sha256(data)
-        _atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False).encode())
-        cls._collect_garbage(out, manifest, {ChunkStore.file_name(r.id) for r in records})
-        index.manifest, index.records, index.vectors = manifest, records, vindex
-        store.write_guard = index._write_guard
-        index.by_id = {r.id: r for r in records}
+            created = _save_wrapper(out, settings, wrapper)
+            if created is not None:
+                run.new_files.append(created)
+        records = carried + new_records
+        vecs = None
+        if vectors and records:
+            vecs = np.concatenate([v for v in (carried_vecs, vecs_new) if v is not None]) \
+                if carried_vecs is not None or vecs_new is not None else None
+        index = cls._commit(out, llm, embedder, run, prev, settings, records, vecs, new_files, drop_sources, repair,
+                            old_vectors, wrapper, report)
         report.chunks_added = len(new_records)
-        report.chunks_total = len(records)
-        report.tokens_total = manifest["num_tokens"]
+        report.chunks_total = index.manifest["num_chunks"]
+        report.tokens_total = index.manifest["num_tokens"]
         report.seconds = time.perf_counter() - t0
         return index, report
+
+    @classmethod
+    def _commit(cls, out: Path, llm, embedder, run: _BuildRun, prev: _Previous, settings: dict, records: list,
+                vecs, new_files: dict, drop_sources: set, repair: bool, old_vectors, wrapper,
+                report: BuildReport) -> "LazyIndex":
+        """The build's commit: one SQLite transaction that deletes the rows of changed and removed
+        files, inserts the new rows (their KV where the store has it), compacts sparse segments
+        and writes the segments' lengths, the vectors file's name and the settings. The segments
+        and the vectors file are durable before it; what it retired is removed after it."""
+        store, db = run.store, prev.db
+        old = prev.settings
+        # where each new row's KV is: staged by this build, or the previous row of the same chunk
+        locs = [store.location(r.id) for r in records]
+        store.flush()
+        gen = settings["generation"]
+        with db.transaction() as cur:
+            removed, removed_tokens = [], 0
+            if prev.format == 2 and repair:
+                removed = [r[0] for r in cur.execute("SELECT rowid FROM chunks")]
+                cur.execute("DELETE FROM chunks")
+                cur.execute("DELETE FROM files")
+            elif prev.format == 2:
+                for source in sorted(drop_sources):
+                    for rowid, n in cur.execute("SELECT rowid, n_tokens FROM chunks WHERE source = ?", (source,)):
+                        removed.append(rowid)
+                        removed_tokens += n
+                    cur.execute("DELETE FROM chunks WHERE source = ?", (source,))
+                    cur.execute("DELETE FROM files WHERE source = ?", (source,))
+            else:  # a new index, or a format-1 one converted: nothing committed here before
+                cur.execute("DELETE FROM chunks")
+                cur.execute("DELETE FROM files")
+            seq = cur.execute("SELECT seq FROM sqlite_sequence WHERE name = 'chunks'").fetchone()
+            top = cur.execute("SELECT max(rowid) FROM chunks").fetchone()[0]
+            base = max(seq[0] if seq else 0, top or 0)  # rowids are never reused: they are vector ids
+            rowids = np.arange(base + 1, base + 1 + len(records), dtype=np.int64)
+            cur.executemany(
+                "INSERT INTO chunks (rowid, id, kv_seg, kv_off, kv_len, kv_crc, row_crc, vector_crc, source, ordinal, "
+                "n_tokens, meta, token_ids, text, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (cls._row(int(rid), r, loc, None if vecs is None else vecs[i])
+                 for i, (rid, r, loc) in enumerate(zip(rowids, records, locs))))
+            cur.executemany("INSERT OR REPLACE INTO files (source, sha256, tokens, chunk_ids) VALUES (?, ?, ?, ?)",
+                            [(s, e["sha256"], e["tokens"], json.dumps(e["chunk_ids"], ensure_ascii=False))
+                             for s, e in new_files.items()])
+            report.rows_written = len(removed) + len(records)
+            report.kv_records_moved, report.kv_bytes_moved = store.compact(cur)
+            store.commit_build(cur)
+            # KV folders of another wrapper (a failed rewrap's) are no part of this generation
+            cur.execute("DELETE FROM segments WHERE folder != ?", (store.folder,))
+            num_chunks = cur.execute("SELECT count(*) FROM chunks").fetchone()[0]
+            added_tokens = sum(len(r.token_ids) for r in records)
+            num_tokens = added_tokens if prev.format != 2 or repair else old["num_tokens"] - removed_tokens + added_tokens
+            settings.update(num_chunks=num_chunks, num_tokens=num_tokens, commit_id=uuid.uuid4().hex, updated=_now(),
+                            vectors_file=None, vectors=None)
+            settings.setdefault("checksums", {}).pop("vectors_file", None)
+            if settings["embedder"] is not None:
+                dim = settings["embedder"]["dim"]
+                vindex = _vectors_after(old_vectors, removed, rowids, vecs,
+                                        lambda: cls._every_vector(cur, rowids, vecs, old_vectors is None, dim))
+                data = vindex.to_bytes()
+                name = f"vectors-{gen}.faiss"
+                _atomic_write_bytes(out / name, data)
+                run.new_files.append(out / name)
+                settings["vectors_file"] = name
+                settings["checksums"]["vectors_file"] = _sha256(data)
+                settings["vectors"] = {"kind": vindex.kind, "ntotal": vindex.ntotal, "bytes": len(data)}
+            else:
+                vindex = None
+            IndexDB.put_settings(cur, settings, old if prev.format == 2 else None)
+        run.committed = True
+        store.end_build(committed=True)
+        cls._collect_garbage(out, settings, store, db)
+        try:
+            _write_pointer(out, settings)
+            db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # keep the main file current where readers allow
+        except Exception as e:  # the commit stands; a tool reading manifest.json sees the previous one
+            log.warning("The index at %s is committed, but its %s could not be written (%s).", out, POINTER, e)
+        snapshot, settings = open_index_db(out)
+        table = ChunkTable(snapshot, settings["num_chunks"])
+        return cls(out, llm, embedder, settings, table, vindex, wrapper, db=snapshot)
+
+    @staticmethod
+    def _row(rowid: int, r: ChunkRecord, loc, vec) -> tuple:
+        tokens, meta, vblob, crc, vcrc = _row_values(r, vec)
+        kv = (None, None, None, None) if loc is None else (loc.seg, loc.off, loc.length, loc.crc)
+        return (rowid, r.id, *kv, crc, vcrc, r.source, r.ordinal, len(r.token_ids), meta, tokens, r.text, vblob)
+
+    @staticmethod
+    def _every_vector(cur, rowids, vecs, all_new: bool, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) of every row of the generation being committed (read inside its transaction)."""
+        if all_new:  # every row is one this build wrote: they are at hand
+            return rowids, (vecs if vecs is not None else np.zeros((0, dim), np.float32))
+        ids, out = [], []
+        for rid, blob in cur.execute("SELECT rowid, vector FROM chunks WHERE vector IS NOT NULL ORDER BY rowid"):
+            ids.append(rid)
+            out.append(np.frombuffer(blob, dtype="<f4"))
+        return np.asarray(ids, dtype=np.int64), np.stack(out) if out else np.zeros((0, dim), np.float32)
 
     @staticmethod
     def _check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0) -> None:
@@ -609,21 +1140,23 @@ class LazyIndex:
                 "(--no-precompute), use a smaller model, or choose another --out.")
 
     @staticmethod
-    def _collect_garbage(out: Path, manifest: dict, live_names: set[str]) -> None:
-        """Remove older generations' tables, wrappers, KV folders and KV files no chunk refers to
-        (after the commit)."""
-        for p in list(out.glob("chunks-*.jsonl")) + list(out.glob("vectors-*.faiss")) + \
-                list(out.glob("wrapper-*.safetensors")):
-            if p.name not in (manifest["chunks_file"], manifest.get("vectors_file"), manifest.get("wrapper_file")):
-                p.unlink(missing_ok=True)
-        kv_dir = out / kv_subdir(manifest.get("wrapper"))
-        for other in out.glob("kv*"):
-            if other.is_dir() and other != kv_dir:  # KV encoded inside another (or no) wrapper
-                shutil.rmtree(other, ignore_errors=True)
-        if kv_dir.exists():
-            for p in kv_dir.iterdir():
-                if p.suffix == ".safetensors" and p.name not in live_names:
+    def _collect_garbage(out: Path, settings: dict, store: ChunkStore, db: IndexDB) -> None:
+        """After a commit: older generations' vectors files, other wrappers, KV folders of another
+        wrapper, a converted format-1 index's files, and segment files no commit refers to."""
+        keep = {settings.get("vectors_file"), settings.get("wrapper_file")}
+        try:
+            for p in [*out.glob("vectors-*.faiss"), *out.glob("wrapper-*.safetensors"), *out.glob("chunks-*.jsonl")]:
+                if p.name not in keep:
                     p.unlink(missing_ok=True)
+            for other in out.glob("kv*"):
+                if other.is_dir() and other.name != store.folder:  # KV encoded inside another (or no) wrapper
+                    shutil.rmtree(other, ignore_errors=True)
+            if store.kv_dir.is_dir():
+                for p in store.kv_dir.glob("*.safetensors"):  # format 1's KV files, copied into segments
+                    p.unlink(missing_ok=True)
+                store.remove_stray_segments(db)
+        except (OSError, LazyIndexError) as e:  # the commit stands; the next build collects the rest
+            log.warning("Could not remove every file the index at %s no longer needs (%s).", out, e)
 
     @staticmethod
     def _check_compatible(old: dict, new: dict, out: Path) -> None:
@@ -653,94 +1186,82 @@ class LazyIndex:
     # -- a new chunk wrapper ----------------------------------------------------------------------
     def rewrap(self, wrapper: ChunkWrapper | None, progress=True, wait_lock: float = 0.0) -> int:
         """Encode every chunk inside ``wrapper`` (``lazy-rag tune INDEX_DIR``; None: plain chunks)
-        and commit it as the index's next generation: the new KV goes to its own folder and the
-        manifest switches to it atomically, so a crash leaves the previous index whole. Returns
-        the KV bytes written."""
+        and commit it as the index's next generation: the new KV goes to segments in its own
+        folder and one transaction points every row at it, so a crash leaves the previous index
+        whole. Returns the KV bytes written."""
         if wrapper is not None:
             wrapper.check_model(self.llm.fingerprint, self.llm.model_name)
+        vocab_rows = self.llm.host.parts.vocab_rows
         with writer_lock(self.path, wait=wait_lock):
             _remove_debris(self.path)
-            current = self._read_manifest(self.path)
-            if current.get("generation") != self.manifest.get("generation"):
-                raise LazyIndexError(f"The index at {self.path} was rebuilt since it was loaded; load it again.")
-            manifest = dict(current)
-            manifest["wrapper"] = wrapper.describe() if wrapper is not None else None
-            manifest["wrapper_file"] = wrapper_file(wrapper) if wrapper is not None else None
-            manifest["generation"] = current["generation"] + 1
-            store = open_store(self.path, manifest, self.llm.host.parts.vocab_rows)
-            nbytes = 0
+            run = _BuildRun()
             try:
-                if manifest.get("kv_precomputed", True):
-                    self._check_free_space(self.path, self.llm, store, self.records, wrapper.slots if wrapper else 0)
-                    with Progress(sum(len(r.token_ids) for r in self.records), "encoding chunk KV",
-                                  progress_style(progress)) as bar:
-                        # a failure removes the whole new KV folder below, not file by file
-                        nbytes = _encode_records(self.llm, store, self.records, wrapper, bar, [])
-                manifest["checksums"] = {k: v for k, v in (current.get("checksums") or {}).items()
+                run.db = db = IndexDB(self.path)
+                current = _check_settings(db.settings(), db)
+                if current.get("commit_id") != self.manifest.get("commit_id"):
+                    raise LazyIndexError(f"The index at {self.path} was rebuilt since it was loaded; load it again.")
+                settings = dict(current)
+                settings["wrapper"] = wrapper.describe() if wrapper is not None else None
+                settings["wrapper_file"] = wrapper_file(wrapper) if wrapper is not None else None
+                settings["generation"] = current["generation"] + 1
+                settings["checksums"] = {k: v for k, v in (current.get("checksums") or {}).items()
                                          if k != "wrapper_file"}
+                store = run.store = open_store(self.path, settings, vocab_rows, db=db)
+                store.begin_build()  # an interrupted re-encode into this folder resumes
+                nbytes = 0
+                if settings.get("kv_precomputed", True):
+                    records = list(self.records)
+                    self._check_free_space(self.path, self.llm, store, records, wrapper.slots if wrapper else 0)
+                    with Progress(_tokens(records), "encoding chunk KV", progress_style(progress)) as bar:
+                        todo = [r for r in records
+                                if store.staged_location(r.id) is None or store.read(r.id, r.token_ids)[0] is None]
+                        bar.advance(_tokens(records) - _tokens(todo))
+                        nbytes = _encode_records(self.llm, store, todo, wrapper, bar, run.written)
                 if wrapper is not None:
-                    _save_wrapper(self.path, manifest, wrapper)
-                manifest["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-                _atomic_write_bytes(self.path / "manifest.json",
-                                    json.dumps(manifest, indent=2, ensure_ascii=False).encode())
+                    created = _save_wrapper(self.path, settings, wrapper)
+                    if created is not None:
+                        run.new_files.append(created)
+                staged = store.staged_items()
+                store.flush()
+                with db.transaction() as cur:
+                    # every row's KV is the new folder's record, or none (encoded on first use)
+                    cur.execute("UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL")
+                    cur.executemany("UPDATE chunks SET kv_seg = ?, kv_off = ?, kv_len = ?, kv_crc = ? WHERE id = ?",
+                                    [(loc.seg, loc.off, loc.length, loc.crc, cid) for cid, loc in staged])
+                    store.commit_build(cur)
+                    cur.execute("DELETE FROM segments WHERE folder != ?", (store.folder,))
+                    settings.update(commit_id=uuid.uuid4().hex, updated=_now())
+                    IndexDB.put_settings(cur, settings, current)
+                run.committed = True
+                store.end_build(committed=True)
+                self._collect_garbage(self.path, settings, store, db)
             except BaseException:
-                if store.kv_dir != self.store.kv_dir:  # only this run's own new folder goes
-                    shutil.rmtree(store.kv_dir, ignore_errors=True)
+                run.fail()
+                new_dir = self.path / kv_subdir(wrapper)
+                if not run.committed and new_dir != self.store.kv_dir and new_dir.is_dir() and \
+                        not any(new_dir.iterdir()):
+                    new_dir.rmdir()  # (one holding checkpointed KV stays: a new attempt resumes from it)
                 raise
-            self._collect_garbage(self.path, manifest, {ChunkStore.file_name(r.id) for r in self.records})
-        self.manifest, self.wrapper = manifest, wrapper
-        self.store = store
-        store.write_guard = self._write_guard
+            finally:
+                run.close()
+        # from now on this index reads the new generation
+        old_db, old_store = self.db, self.store
+        self.db, self.manifest = open_index_db(self.path)
+        self.records = ChunkTable(self.db, self.manifest["num_chunks"])
+        self.by_id = self.records.by_id
+        self.wrapper = wrapper
+        self.store = open_store(self.path, self.manifest, vocab_rows, db=self.db)
+        self.store.write_guard = _guard_of(self)
+        old_store.close()
+        if old_db is not None:
+            old_db.close()
         return nbytes
 
     # -- loading ------------------------------------------------------------------------------
     @staticmethod
-    def _read_manifest(path: Path) -> dict:
-        mf = Path(path) / "manifest.json"
-        if not mf.exists():
-            hint = " (if a build was interrupted, run `lazy-rag index` again)" if Path(path).exists() else ""
-            raise LazyIndexError(f"{path} is not a lazy-rag index: no manifest.json{hint}.")
-        try:
-            manifest = json.loads(mf.read_bytes().decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise LazyIndexError(f"{mf} is damaged (not valid UTF-8 JSON: {e}); rebuild the index "
-                                 "(`lazy-rag index SOURCES --out DIR --repair`).") from e
-        except OSError as e:
-            raise LazyIndexError(f"Cannot read {mf} ({e.strerror}).") from e
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version") if isinstance(manifest, dict) else None
-            raise LazyIndexError(f"{path} has index format {version}, this lazy-rag reads "
-                                 f"{FORMAT_VERSION}; rebuild the index.")
-        missing = [k for k in MANIFEST_KEYS if k not in manifest]
-        fingerprint = manifest.get("model")
-        if not missing and not (isinstance(fingerprint, dict) and isinstance(fingerprint.get("fingerprint"), dict)
-                                and "id" in fingerprint["fingerprint"]):
-            missing = ["model.fingerprint"]
-        if missing:
-            raise LazyIndexError(f"{mf} is damaged: it lacks {', '.join(missing)}; rebuild the index "
-                                 "(`lazy-rag index SOURCES --out DIR --repair`).")
-        return manifest
-
-    @staticmethod
-    def _read_checked(path: Path, manifest: dict, key: str) -> bytes:
-        """The bytes of the file the manifest names under ``key``, checked against its sha256."""
-        f = Path(path) / manifest[key]
-        fix = f"rebuild it from the sources with `lazy-rag index SOURCES --out {path} --repair`"
-        try:
-            data = f.read_bytes()
-        except FileNotFoundError:
-            raise LazyIndexError(f"The index at {path} lacks its {f.name}; {fix}.") from None
-        except OSError as e:
-            raise LazyIndexError(f"Cannot read {f} ({e.strerror}).") from e
-        want = (manifest.get("checksums") or {}).get(key)
-        if want is not None and _sha256(data) != want:
-            raise LazyIndexError(f"{f} is damaged (its sha256 differs from the manifest's); {fix}.")
-        return data
-
-    @staticmethod
     def _read_wrapper(path: Path, manifest: dict) -> ChunkWrapper:
-        """The index's chunk wrapper, checked against the manifest's checksum and digest."""
-        LazyIndex._read_checked(path, manifest, "wrapper_file")
+        """The index's chunk wrapper, checked against the settings' checksum and digest."""
+        _read_checked(path, manifest, "wrapper_file")
         want = manifest["wrapper"]
         try:
             wrapper = ChunkWrapper.load(Path(path) / manifest["wrapper_file"], name=want.get("name"))
@@ -749,64 +1270,67 @@ class LazyIndex:
                                  "into a new folder)") from e
         if wrapper.digest != want["digest"]:
             raise LazyIndexError(f"{Path(path) / manifest['wrapper_file']} holds wrapper {wrapper.digest}, the "
-                                 f"manifest names {want['digest']}: the index is damaged; rebuild it.")
+                                 f"index names {want['digest']}: the index is damaged; rebuild it.")
         wrapper.check_model(manifest["model"]["fingerprint"], manifest["model"].get("name"))
         return wrapper
 
     @staticmethod
-    def _read_records(path: Path, manifest: dict) -> list[ChunkRecord]:
-        data = LazyIndex._read_checked(path, manifest, "chunks_file")
+    def _read_vectors(path: Path, manifest: dict, num_chunks: int | None = None) -> VectorIndex:
+        data = _read_checked(path, manifest, "vectors_file")
+        f = Path(path) / manifest["vectors_file"]
         fix = f"rebuild it with `lazy-rag index SOURCES --out {path} --repair`"
         try:
-            records = [ChunkRecord(**json.loads(line)) for line in data.decode("utf-8").splitlines() if line.strip()]
-        except (ValueError, UnicodeDecodeError, TypeError) as e:
-            raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} is damaged ({e}); {fix}.") from e
-        if len(records) != manifest["num_chunks"]:
-            raise LazyIndexError(f"{Path(path) / manifest['chunks_file']} holds {len(records)} chunks, the manifest "
-                                 f"{manifest['num_chunks']}: it is damaged; {fix}.")
-        return records
-
-    @staticmethod
-    def _read_vectors(path: Path, manifest: dict, num_chunks: int | None = None):
-        data = LazyIndex._read_checked(path, manifest, "vectors_file")
-        try:
-            vectors = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
-        except RuntimeError as e:
-            raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} is damaged (faiss cannot read it); rebuild "
-                                 f"it with `lazy-rag index SOURCES --out {path} --repair`.") from e
+            vectors = VectorIndex.from_bytes(data)
+        except LazyIndexError as e:
+            raise LazyIndexError(f"{f} is damaged ({e}); {fix}.") from e
         if num_chunks is not None and vectors.ntotal != num_chunks:
-            raise LazyIndexError(f"{Path(path) / manifest['vectors_file']} holds {vectors.ntotal} vectors for "
-                                 f"{num_chunks} chunks; rebuild it with `lazy-rag index SOURCES --out {path} --repair`.")
+            raise LazyIndexError(f"{f} holds {vectors.ntotal} vectors for {num_chunks} chunks; {fix}.")
         return vectors
 
     @classmethod
     def load(cls, path, llm: LazyLLM | None = None, embedder: Embedder | None = None, *,
              device: str = "auto") -> "LazyIndex":
         path = Path(path).expanduser()
-        manifest = cls._read_manifest(path)
-        if llm is None:
-            name = manifest["model"].get("name")
-            if not name:
-                raise LazyIndexError(f"The index at {path} was built from an in-memory model; pass llm=... to load it.")
-            llm = LazyLLM.from_pretrained(name, device=device)
-        want, have = manifest["model"]["fingerprint"], llm.fingerprint
-        if want["id"] != have["id"]:
-            raise FingerprintMismatchError(
-                f"The index at {path} was built with model fingerprint {want['id']} ({want.get('model_type')}, "
-                f"weights {want['weights']}, tokenizer {want['tokenizer']}, rope {want['rope']}) but the loaded "
-                f"model has {have['id']} ({have.get('model_type')}, weights {have['weights']}, tokenizer "
-                f"{have['tokenizer']}, rope {have['rope']}). Load the index's model "
-                f"({manifest['model'].get('name') or 'the one it was built with'}) or rebuild the index."
-            )
-        if manifest["embedder"] is None:  # an index without vectors needs no embedder
-            embedder = None
-        elif embedder is None:
-            embedder = Embedder(manifest["embedder"]["name"])
-        elif embedder.name != manifest["embedder"]["name"]:
-            raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not {embedder.name}.")
-        records = cls._read_records(path, manifest)
-        vectors = cls._read_vectors(path, manifest, len(records)) if manifest.get("vectors_file") else None
-        return cls(path, llm, embedder, manifest, records, vectors)
+        for attempt in range(3):
+            db, manifest = open_index_db(path)
+            try:
+                if llm is None:
+                    name = manifest["model"].get("name")
+                    if not name:
+                        raise LazyIndexError(f"The index at {path} was built from an in-memory model; pass llm=... "
+                                             "to load it.")
+                    llm = LazyLLM.from_pretrained(name, device=device)
+                want, have = manifest["model"]["fingerprint"], llm.fingerprint
+                if want["id"] != have["id"]:
+                    raise FingerprintMismatchError(
+                        f"The index at {path} was built with model fingerprint {want['id']} ({want.get('model_type')}, "
+                        f"weights {want['weights']}, tokenizer {want['tokenizer']}, rope {want['rope']}) but the loaded "
+                        f"model has {have['id']} ({have.get('model_type')}, weights {have['weights']}, tokenizer "
+                        f"{have['tokenizer']}, rope {have['rope']}). Load the index's model "
+                        f"({manifest['model'].get('name') or 'the one it was built with'}) or rebuild the index."
+                    )
+                if manifest["embedder"] is None:  # an index without vectors needs no embedder
+                    embedder = None
+                elif embedder is None:
+                    embedder = Embedder(manifest["embedder"]["name"])
+                elif embedder.name != manifest["embedder"]["name"]:
+                    raise LazyIndexError(f"The index was embedded with {manifest['embedder']['name']}, not "
+                                         f"{embedder.name}.")
+                n = db.one("SELECT count(*) FROM chunks")[0]
+                if n != manifest["num_chunks"]:
+                    raise db.damaged(f"it holds {n} chunk rows, its settings say {manifest['num_chunks']}")
+                vectors = None
+                if manifest.get("vectors_file"):
+                    if attempt < 2 and not (path / manifest["vectors_file"]).exists() \
+                            and _latest_commit(path) != manifest["commit_id"]:
+                        db.close()  # a build committed (and removed this file) after the snapshot: load that one
+                        continue
+                    vectors = cls._read_vectors(path, manifest, n)
+                return cls(path, llm, embedder, manifest, ChunkTable(db, n), vectors, db=db)
+            except BaseException:
+                db.close()
+                raise
+        raise LazyIndexError(f"The index at {path} changed while it was loaded, three times; try again.")
 
     # -- querying -----------------------------------------------------------------------------
     def retrieve(self, question: str, top_k: int = 4) -> list[Source]:
@@ -818,10 +1342,20 @@ class LazyIndex:
             raise LazyRagError(f"The index at {self.path} was built without vectors (vectors=False), so it cannot "
                                "retrieve; name its chunks instead (index.segments(question, chunk_ids)) or "
                                "rebuild it with vectors.")
-        vec = self.embedder.encode([question])
+        if not len(self.records):
+            return []
+        vec = np.asarray(self.embedder.encode([question]), dtype=np.float32)
         scores, rows = self.vectors.search(vec, min(top_k, len(self.records)))
-        return [Source(self.records[r].id, self.records[r].source, float(s), self.records[r].text)
-                for s, r in zip(scores[0], rows[0]) if r >= 0]
+        out = []
+        for score, rowid in zip(scores[0], rows[0]):
+            if rowid < 0:
+                continue
+            rec = self.records.row(int(rowid))
+            if rec is None:
+                raise LazyIndexError(f"{self.path / self.manifest['vectors_file']} names chunk row {rowid}, which the "
+                                     f"index does not hold: it is damaged; {REPAIR_FIX.format(folder=self.path)}.")
+            out.append(Source(rec.id, rec.source, float(score), rec.text))
+        return out
 
     def segments(self, question: str, sources: Sequence[Source] | Sequence[str], system_prompt: str | None = None):
         """Prompt segments for ``question`` over the given chunks (Source objects or chunk ids),
@@ -877,72 +1411,159 @@ class LazyIndex:
         return describe_index(self.path)
 
 
-def describe_index(path) -> dict:
-    """Chunks, tokens, KV bytes and fingerprint of an index folder, without loading any model."""
-    path = Path(path)
-    m = LazyIndex._read_manifest(path)
-    kv_dir = path / kv_subdir(m.get("wrapper"))
-    kv_files = list(kv_dir.glob("*.safetensors")) if kv_dir.exists() else []
-    return {
-        "path": str(path), "model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"],
-        "kv_dtype": m["kv_dtype"], "embedder": (m["embedder"] or {}).get("name"), "chunking": m["chunking"],
-        "shared_prefix": bool(m.get("shared_prefix")), "files": len(m["files"]), "chunks": m["num_chunks"],
-        "tokens": m["num_tokens"], "wrapper": m.get("wrapper"), "kv_files": len(kv_files), "kv_bytes": sum(p.stat().st_size for p in kv_files),
-        "updated": m.get("updated"), "damage": _table_damage(path, m),
-    }
+# -- inspect and verify ----------------------------------------------------------------------------------
+
+def _live_bytes(db: IndexDB) -> dict[int, int]:
+    """Segment -> bytes of the records the chunk table refers to (headers included)."""
+    return dict(db.rows(f"SELECT kv_seg, sum(kv_len) + {RECORD_HEADER.size} * count(*) FROM chunks "
+                        "WHERE kv_seg IS NOT NULL GROUP BY kv_seg"))
 
 
-def _table_damage(path: Path, manifest: dict) -> str | None:
-    """What is wrong with the chunk table or the vectors file (their checksums; cheap), or None."""
+def _size(p: Path) -> int:
     try:
-        LazyIndex._read_records(path, manifest)
-        if manifest.get("vectors_file"):
-            LazyIndex._read_checked(path, manifest, "vectors_file")
-    except LazyIndexError as e:
-        return str(e)
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def describe_index(path) -> dict:
+    """Chunks, tokens, KV bytes on disk, segments, vector index and fingerprint of an index folder,
+    without loading any model."""
+    path = Path(path)
+    db, m = open_index_db(path)
+    try:
+        folder = kv_subdir(m.get("wrapper"))
+        segs = db.segments(folder)
+        live = _live_bytes(db)
+        committed = sum(segs.values())
+        live_bytes = sum(min(live.get(s, 0), c) for s, c in segs.items())
+        return {
+            "path": str(path), "model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"],
+            "kv_dtype": m["kv_dtype"], "embedder": (m["embedder"] or {}).get("name"), "chunking": m["chunking"],
+            "shared_prefix": bool(m.get("shared_prefix")), "files": db.one("SELECT count(*) FROM files")[0],
+            "chunks": m["num_chunks"], "tokens": m["num_tokens"], "wrapper": m.get("wrapper"),
+            "chunks_with_kv": db.one("SELECT count(*) FROM chunks WHERE kv_seg IS NOT NULL")[0],
+            "kv_bytes": sum(_size(path / folder / segment_name(s)) for s in segs),
+            "segments": {"count": len(segs), "live_fraction": round(live_bytes / committed, 4) if committed else None,
+                         "dead_bytes": committed - live_bytes},
+            "vector_index": m.get("vectors"), "generation": m["generation"], "updated": m.get("updated"),
+            "damage": _table_damage(path, m, db),
+        }
+    finally:
+        db.close()
+
+
+def _table_damage(path: Path, manifest: dict, db: IndexDB) -> str | None:
+    """What is wrong with the database's size or the vectors and wrapper files (their checksums;
+    no row is read), or None."""
+    n = db.one("SELECT count(*) FROM chunks")[0]
+    if n != manifest["num_chunks"]:
+        return str(db.damaged(f"it holds {n} chunk rows, its settings say {manifest['num_chunks']}"))
+    for key in ("vectors_file", "wrapper_file"):
+        name = manifest.get(key)
+        if not name:
+            continue
+        fix = REPAIR_FIX.format(folder=path)
+        want = (manifest.get("checksums") or {}).get(key)
+        try:
+            if _file_sha256(path / name) != want:
+                return f"{path / name} is damaged (its sha256 differs from the one the index recorded); {fix}."
+        except OSError:
+            return f"The index at {path} lacks its {name}; {fix}."
     return None
 
 
 def verify_index(path) -> dict:
-    """Check every file of an index without loading a model: the manifest, the chunk table and the
-    vectors against the manifest's checksums, and every chunk's KV file against its checksums, its
-    token ids and the model fingerprint. Returns counts and the problems found (``ok`` if none)."""
+    """Check everything of an index without loading a model: SQLite's integrity, the settings, the
+    vectors and wrapper files against their checksums, every row against its checksums, the files
+    table against the rows, and every chunk's KV record against its checksums, its token ids and
+    the model fingerprint. Returns counts and the problems found (``ok`` if none)."""
     path = Path(path)
-    problems: list[str] = []
-    m = LazyIndex._read_manifest(path)
     try:
-        records = LazyIndex._read_records(path, m)
-    except LazyIndexError as e:
+        db, m = open_index_db(path)
+    except DamagedIndexError as e:
+        return {"path": str(path), "ok": False, "problems": [str(e)], "chunks": 0, "kv_ok": 0}
+    try:
+        return _verify(path, db, m)
+    finally:
+        db.close()
+
+
+def _verify(path: Path, db: IndexDB, m: dict) -> dict:
+    problems: list[str] = []
+    fix = REPAIR_FIX.format(folder=path)
+    try:
+        check = [r[0] for r in db.rows("PRAGMA integrity_check")]
+        if check != ["ok"]:
+            problems.append(f"{db.path} fails SQLite's integrity check ({'; '.join(check[:3])}); {fix}")
+    except DamagedIndexError as e:
         return {"path": str(path), "ok": False, "problems": [str(e)], "chunks": m["num_chunks"], "kv_ok": 0}
+    vector_ids = None
     if m.get("vectors_file"):
         try:
-            LazyIndex._read_vectors(path, m, len(records))
+            vector_ids = set(LazyIndex._read_vectors(path, m, m["num_chunks"]).ids().tolist())
         except LazyRagError as e:  # damaged, or faiss missing here
             problems.append(str(e))
-    if not m.get("checksums"):
-        problems.append("the manifest has no checksums (built by an older lazy-rag): the chunk table and vectors "
-                        "cannot be verified; re-index once to add them")
     if m.get("wrapper"):
         try:
             LazyIndex._read_wrapper(path, m)
         except LazyRagError as e:
             problems.append(str(e))
-    store = open_store(path, m)
-    kv = Counter()
-    for r in records:
-        _, why = store.read(r.id, r.token_ids)
-        if why is None:
-            kv["ok"] += 1
-        elif why == "missing" and not store.precomputed:
-            kv["deferred"] += 1  # encoded on first retrieval
-        else:
-            kv[why] += 1
-            problems.append(f"KV of chunk {r.id} ({r.source}): {why}")
-    live = {ChunkStore.file_name(r.id) for r in records}
-    kv_dir = store.kv_dir
-    stray = [p.name for p in kv_dir.glob("*.safetensors") if p.name not in live] if kv_dir.exists() else []
-    debris = [p.name for p in path.glob(".*.tmp")] + ([p.name for p in kv_dir.glob(".*.tmp")] if kv_dir.exists() else [])
-    return {"path": str(path), "ok": not problems, "chunks": len(records), "kv_ok": kv.pop("ok", 0),
-            "kv_deferred": kv.pop("deferred", 0), "kv_damaged": dict(kv), "stray_kv_files": len(stray),
-            "temp_files": len(debris), "problems": problems}
-
+    store = open_store(path, m, db=db)
+    kv, per_source, rowids, n = Counter(), Counter(), set(), 0
+    try:
+        for row in db.iterate(f"SELECT {_RECORD_COLS}, vector, vector_crc FROM chunks ORDER BY rowid"):
+            n += 1
+            try:
+                rec = _record(db, row[:8])
+            except DamagedIndexError as e:
+                problems.append(str(e))
+                continue
+            vec, vcrc = row[8], row[9]
+            if m["embedder"] is not None and (vec is None or zlib.crc32(vec) != vcrc
+                                              or len(vec) != 4 * m["embedder"]["dim"]):
+                problems.append(str(db.damaged(f"the vector of chunk {rec.id!r} does not match its checksum")))
+            rowids.add(rec.rowid)
+            per_source[rec.source] += 1
+            _, why = store.read(rec.id, rec.token_ids)
+            if why is None:
+                kv["ok"] += 1
+            elif why == "missing" and not store.precomputed:
+                kv["deferred"] += 1  # encoded on first retrieval
+            else:
+                kv[why] += 1
+                problems.append(f"KV of chunk {rec.id} ({rec.source}): {why}")
+    except DamagedIndexError as e:
+        problems.append(str(e))
+    finally:
+        store.close()
+    if n != m["num_chunks"]:
+        problems.append(str(db.damaged(f"it holds {n} chunk rows, its settings say {m['num_chunks']}")))
+    if vector_ids is not None and vector_ids != rowids:
+        problems.append(f"{path / m['vectors_file']} holds vectors of {len(vector_ids - rowids)} rows the table lacks "
+                        f"and lacks {len(rowids - vector_ids)} of its rows; {fix}")
+    files = db.rows("SELECT source, chunk_ids FROM files")
+    for source, ids in files:
+        if per_source.pop(source, 0) != len(json.loads(ids)):
+            problems.append(str(db.damaged(f"file {source} lists chunks the table does not hold")))
+    if per_source:
+        problems.append(str(db.damaged(f"{len(per_source)} source(s) of chunk rows have no file entry")))
+    folder = kv_subdir(m.get("wrapper"))
+    segs = db.segments(folder)
+    # cut short or gone: each chunk still in one is reported above; one that no chunk uses any
+    # more (they were recomputed elsewhere) is dead space the next build's compaction removes
+    short = [s for s, committed in segs.items() if _size(path / folder / segment_name(s)) < committed]
+    live = _live_bytes(db)
+    known = set(db.segments())
+    stray = []
+    for kv_folder in path.glob("kv*"):
+        if kv_folder.is_dir():
+            stray += [p for p in kv_folder.iterdir() if p.suffix == ".safetensors" or kv_folder.name != folder
+                      or (SEGMENT_RE.fullmatch(p.name) and int(SEGMENT_RE.fullmatch(p.name).group(1)) not in known)]
+    debris = [p.name for p in path.glob(".*.tmp")] + [p.name for d in path.glob("kv*") if d.is_dir()
+                                                      for p in d.glob(".*.tmp")]
+    return {"path": str(path), "ok": not problems, "chunks": n, "kv_ok": kv.pop("ok", 0),
+            "kv_deferred": kv.pop("deferred", 0), "kv_damaged": dict(kv), "segments": len(segs),
+            "short_segments": len(short),
+            "dead_bytes": sum(segs.values()) - sum(min(live.get(s, 0), c) for s, c in segs.items()),
+            "stray_kv_files": len(stray), "temp_files": len(debris), "problems": problems}

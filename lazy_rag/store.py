@@ -1,37 +1,98 @@
-"""``ChunkKV`` (a chunk's position-free KV) and ``ChunkStore`` (chunk KV on disk, safetensors).
+"""``ChunkKV`` (a chunk's position-free KV) and the index's on-disk store: ``IndexDB`` (one SQLite
+file, ``index.sqlite``: the chunk table, the files, the KV segments and the settings) and
+``ChunkStore`` (every chunk's KV as one record in large append-only segment files).
 
-One file per chunk, ``kv/<chunk_id>.safetensors`` (``kv-w<digest>/`` for chunks encoded inside a
-chunk wrapper, so a re-encode with a new wrapper commits atomically) (an id that is not a plain file name, e.g.
-one with a path separator, is stored under its hash: ``kv/id-<sha256>.safetensors``), holding ``k`` (unrotated) and ``v`` of shape
-[layers, tokens, kv_heads, head_dim] plus metadata: checksums of both tensors, a hash of the
-token ids (a wrapper's slots left out: the wrapper is in the fingerprint), and the fingerprint
-of the model/tokenizer/RoPE/shared prefix/wrapper that computed them.
-Every write goes to a temp file then ``os.replace``. A missing, corrupt or foreign file is
-detected on read (``read`` says why); the engine then recomputes the chunk and writes the file
-again (``engine.chunk_tiers``). The store itself never encodes and keeps nothing in memory:
-the engine's pool and host tier are the memory tiers.
+KV records. A chunk's KV is one record appended to ``<kv folder>/seg-<n>.kvseg`` (``kv/``, or
+``kv-w<digest>/`` for chunks encoded inside a chunk wrapper, so a re-encode with a new wrapper is
+new records in a new folder, committed atomically); a new segment starts once one would pass
+``SEGMENT_BYTES``. A record is a 16-byte header (``LRKV``, the CRC32 of the body, the body's
+length) and a body that is a safetensors blob: ``k`` (unrotated) and ``v`` of shape [layers,
+tokens, kv_heads, head_dim], plus ``k_scale``/``v_scale`` for quantised (fp8) KV, with metadata:
+the chunk id, the CRC32 of every tensor, a hash of the token ids (a wrapper's slots left out: the
+wrapper is in the fingerprint), the dtype and the fingerprint of the model/tokenizer/RoPE/shared
+prefix/wrapper that computed it. Records describe themselves (``--repair`` finds KV by scanning
+the segments) and load without unpickling (safetensors' bytes and a JSON header).
+
+Where a chunk's KV is: its row in the chunk table holds (segment, offset, length, CRC32). A row
+without one has no KV. A read (``os.pread`` of exactly those bytes) checks the CRC, the
+fingerprint, the chunk id, the token ids and each tensor's CRC: a missing, corrupt or foreign
+record is reported (``read`` says why), and the engine recomputes the chunk and writes it again
+(``engine.chunk_tiers``). The store never encodes and keeps no KV in memory: the engine's pool
+and host tier are the memory tiers.
+
+Writes. Only the holder of the folder's writer lock (``index_lock``) appends, from the committed
+length of each segment recorded in the segments table: bytes past it (a killed writer's) are cut
+off by the next writer and never read. A build stages its records (``begin_build``; ``write`` is
+safe from a writer thread) and its commit (one SQLite transaction, ``commit_build``) makes them
+and the new segment lengths visible, after ``flush`` has fsynced the segments; every
+``CHECKPOINT_BYTES`` a build also commits what it wrote so far to ``pending_kv``, so that a build
+that is killed resumes instead of encoding again. A query's write-back (``write_back``) appends
+and commits at once, under the index's write guard. The build's commit also compacts: a segment
+whose live records fill less than ``COMPACT_BELOW`` of it has them copied to the current segment
+and is deleted once the commit is durable.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import logging
 import os
 import re
-import tempfile
+import sqlite3
+import struct
+import threading
 import zlib
-from pathlib import Path
-
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load as load_safetensors, save as save_safetensors
 
+from .errors import LazyIndexError
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DB_NAME = "index.sqlite"
+SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)
+COMPACT_BELOW = 0.5              # a build compacts segments whose live records fill less than this
+CHECKPOINT_BYTES = 256 << 20     # a build commits its staged KV to pending_kv every this many bytes
+RECORD_MAGIC = b"LRKV"
+RECORD_HEADER = struct.Struct("<4sIQ")  # magic, CRC32 of the body, body length
+SEGMENT_RE = re.compile(r"seg-(\d{6,})\.kvseg")
+TENSOR_NAMES = ("k", "v", "k_scale", "v_scale")
+READ_FDS = 64                    # open segment files kept per store (a large index has thousands)
+# ``why`` of ``read_nowait`` for an intact record whose bytes are not all in the page cache (the
+# engine's chunk_tiers.NOT_IN_MEMORY: it then weighs reading the disk against encoding again)
+NOT_IN_MEMORY = "not in memory"
+REPAIR_FIX = "rebuild it from the sources with `lazy-rag index SOURCES --out {folder} --repair`"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (
+    rowid INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    kv_seg INTEGER, kv_off INTEGER, kv_len INTEGER, kv_crc INTEGER,
+    row_crc INTEGER, vector_crc INTEGER, source TEXT, ordinal INTEGER, n_tokens INTEGER,
+    meta TEXT, token_ids BLOB, text TEXT, vector BLOB);
+CREATE INDEX IF NOT EXISTS chunks_by_source ON chunks(source);
+CREATE INDEX IF NOT EXISTS chunks_by_segment ON chunks(kv_seg, kv_len);
+CREATE TABLE IF NOT EXISTS files (
+    source TEXT PRIMARY KEY, sha256 TEXT NOT NULL, tokens INTEGER NOT NULL, chunk_ids TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (id INTEGER PRIMARY KEY, folder TEXT NOT NULL, committed INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS pending_kv (
+    chunk_id TEXT PRIMARY KEY, seg INTEGER NOT NULL, off INTEGER NOT NULL, len INTEGER NOT NULL,
+    crc INTEGER NOT NULL);
+"""
+# The row columns come small first: a KV lookup or a count reads the start of a row, not the
+# overflow pages its text, token ids and vector spill into.
 
 
 @dataclass
@@ -72,36 +133,439 @@ class ChunkKV:
 
 
 def _checksum(t: torch.Tensor) -> str:
-    flat = t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t
+    flat = t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t.contiguous()
     return format(zlib.crc32(flat.numpy().data), "08x")
 
 
+@dataclass(frozen=True)
+class KVLocation:
+    """Where one record's body is: segment number, offset and length of the body (its header is
+    the ``RECORD_HEADER.size`` bytes before it), and the body's CRC32."""
+
+    seg: int
+    off: int
+    length: int
+    crc: int
+
+    @property
+    def span(self) -> int:
+        """Bytes the record takes in its segment, header included."""
+        return RECORD_HEADER.size + self.length
+
+
+def segment_name(seg: int) -> str:
+    return f"seg-{seg:06d}.kvseg"
+
+
+def record_metadata(body) -> dict:
+    """The metadata of a record body (a safetensors blob), from its JSON header alone."""
+    if len(body) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(body[:8]))
+    if n > min(len(body) - 8, 100 << 20):
+        raise ValueError("header length past the record")
+    header = json.loads(bytes(body[8:8 + n]))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError("no metadata")
+    return meta
+
+
+def format1_file_name(chunk_id: str) -> str:
+    """The KV file of ``chunk_id`` in a format-1 index (one file per chunk): the id itself when it
+    is a plain name, else its hash (no id could name a path outside the KV folder)."""
+    if re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", chunk_id):
+        return f"{chunk_id}.safetensors"
+    return f"id-{hashlib.sha256(chunk_id.encode()).hexdigest()[:40]}.safetensors"
+
+
+def _pwrite_all(fd: int, parts: list, off: int) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.pwritev(fd, views, off)
+        off += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the database ----------------------------------------------------------------------------------
+
+class DamagedIndexError(LazyIndexError):
+    """The index's database cannot be read as one (garbage, a damaged page, a row that does not
+    match its checksum): the fix is ``--repair``."""
+
+
+class IndexDB:
+    """An index folder's ``index.sqlite`` (WAL mode): settings (what manifest.json held in format 1),
+    the chunk table, the files, the KV segments and a build's pending KV.
+
+    ``snapshot=True`` (a loaded index) holds one read transaction open for the connection's life:
+    every read sees the generation it loaded, while builds in other processes commit newer ones
+    (WAL readers never block the writer; the WAL is checkpointed past the snapshot once it closes).
+    Other connections read the latest commit. The connection may be used from several threads."""
+
+    def __init__(self, folder, *, create: bool = False, snapshot: bool = False):
+        self.folder = Path(folder)
+        self.path = self.folder / DB_NAME
+        self._lock = threading.RLock()
+        self.snapshot = snapshot
+        if not create and not self.path.exists():
+            raise FileNotFoundError(errno.ENOENT, "No such file", str(self.path))
+        if create:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.conn = self._connect()
+            if create:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.executescript(SCHEMA)
+            # no table (another SQLite file, or garbage): damaged, said here rather than at first use
+            self.conn.execute("SELECT count(*) FROM settings").fetchone()
+            if snapshot:
+                self._begin_snapshot()
+        except sqlite3.Error as e:
+            raise self.error(e) from e
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        try:
+            # a commit is durable before the files it retires (old vectors, compacted segments) go
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError as e:
+            conn.close()
+            if getattr(e, "sqlite_errorname", "").startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY")) \
+                    and not os.access(self.folder, os.W_OK):
+                # a read-only folder (a mounted copy): WAL readers cannot create the shared-memory
+                # file; read the file as it is (a copy is made from a closed, checkpointed index)
+                return sqlite3.connect(f"{self.path.as_uri()}?immutable=1", uri=True, isolation_level=None,
+                                       check_same_thread=False)
+            raise
+
+    def _begin_snapshot(self) -> None:
+        self.conn.execute("BEGIN")
+        self.conn.execute("SELECT count(*) FROM settings").fetchone()  # the read transaction starts here
+        self._snapshot_commit = self._setting_raw("commit_id")
+
+    def _setting_raw(self, key: str):
+        row = self.conn.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def error(self, e: sqlite3.Error) -> Exception:
+        """An SQLite error as the runtime's: a full disk or an I/O error is an OSError (a build
+        reports it and leaves the previous index), anything else a damaged index naming the fix."""
+        name = getattr(e, "sqlite_errorname", "") or ""
+        if name.startswith("SQLITE_FULL"):
+            return OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        if name.startswith("SQLITE_IOERR"):
+            return OSError(errno.EIO, f"I/O error ({e})", str(self.path))
+        if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_AUTH")):
+            return OSError(errno.EROFS if "READONLY" in name else errno.EACCES, str(e), str(self.path))
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+            return LazyIndexError(f"{self.path} is locked by another process ({e}); try again.")
+        return self.damaged(str(e))
+
+    def damaged(self, what: str) -> "DamagedIndexError":
+        return DamagedIndexError(f"{self.path} is damaged ({what}); {REPAIR_FIX.format(folder=self.folder)}.")
+
+    def _check_snapshot(self) -> None:
+        # an error inside SQLite may end the read transaction; a new one must see the same commit
+        if self.snapshot and not self.conn.in_transaction:
+            self._begin_snapshot_again()
+
+    def _begin_snapshot_again(self) -> None:
+        want = self._snapshot_commit
+        self._begin_snapshot()
+        if self._snapshot_commit != want:
+            raise LazyIndexError(f"The index at {self.folder} was rebuilt while it was loaded and its view of the "
+                                 "loaded generation was lost; load it again.")
+
+    def rows(self, sql: str, args=()) -> list:
+        with self._lock:
+            try:
+                self._check_snapshot()
+                return self.conn.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise self.error(e) from e
+
+    def one(self, sql: str, args=()):
+        rows = self.rows(sql, args)
+        return rows[0] if rows else None
+
+    def iterate(self, sql: str, args=(), batch: int = 512) -> Iterator[tuple]:
+        """Rows of one query, fetched in batches (a table of a million rows is never a list)."""
+        with self._lock:
+            try:
+                self._check_snapshot()
+                cur = self.conn.cursor()
+                cur.execute(sql, args)
+            except sqlite3.Error as e:
+                raise self.error(e) from e
+        while True:
+            with self._lock:
+                try:
+                    rows = cur.fetchmany(batch)
+                except sqlite3.Error as e:
+                    raise self.error(e) from e
+            if not rows:
+                return
+            yield from rows
+
+    @contextmanager
+    def transaction(self):
+        """One write transaction (the commit point of a build): yields a cursor; commits at the
+        end, rolls back on an exception. Only a holder of the writer lock writes."""
+        if self.snapshot:
+            raise RuntimeError("a snapshot connection never writes")
+        with self._lock:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as e:
+                raise self.error(e) from e
+            cur = self.conn.cursor()
+            try:
+                yield cur
+                self.conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise self.error(e) from e
+            except BaseException:
+                self._rollback()
+                raise
+
+    def _rollback(self) -> None:
+        try:
+            self.conn.execute("ROLLBACK")
+        except sqlite3.Error:  # SQLite already rolled back (a full disk)
+            pass
+
+    def settings(self) -> dict:
+        out = {}
+        for key, value in self.rows("SELECT key, value FROM settings"):
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                raise self.damaged(f"setting {key!r} is not JSON") from None
+        return out
+
+    def setting(self, key: str):
+        row = self.one("SELECT value FROM settings WHERE key = ?", (key,))
+        try:
+            return None if row is None else json.loads(row[0])
+        except ValueError:
+            raise self.damaged(f"setting {key!r} is not JSON") from None
+
+    @staticmethod
+    def put_settings(cur, settings: dict, old: dict | None = None) -> None:
+        """Write the settings that differ from ``old`` (inside the caller's transaction)."""
+        for key, value in settings.items():
+            if old is None or key not in old or old[key] != value:
+                cur.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)",
+                            (key, json.dumps(value, ensure_ascii=False)))
+        for key in set(old or ()) - set(settings):
+            cur.execute("DELETE FROM settings WHERE key = ?", (key,))
+
+    def kv_location(self, chunk_id: str) -> KVLocation | None:
+        row = self.one("SELECT kv_seg, kv_off, kv_len, kv_crc FROM chunks WHERE id = ?", (chunk_id,))
+        if row is None or None in row:
+            return None
+        return KVLocation(*row)
+
+    def segments(self, folder: str | None = None) -> dict[int, int]:
+        """Segment number -> committed length (of one KV folder, or all)."""
+        if folder is None:
+            return dict(self.rows("SELECT id, committed FROM segments"))
+        return dict(self.rows("SELECT id, committed FROM segments WHERE folder = ?", (folder,)))
+
+    def next_segment(self) -> int:
+        """Segment numbers are never reused (a reader may still hold a deleted segment open)."""
+        counter = self.setting("next_segment") or 1
+        top = self.one("SELECT max(id) FROM segments")[0] or 0
+        return max(int(counter), top + 1)
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self.conn.close()
+            except sqlite3.Error:
+                pass
+
+
+# -- appending -------------------------------------------------------------------------------------
+
+class _Appender:
+    """Appends records to the segments of one KV folder, for the holder of the writer lock. It
+    starts at the committed lengths (cutting off what a killed writer left past the last
+    segment's), and keeps the new lengths until ``commit`` writes them into the caller's
+    transaction; ``abort`` takes the segments back to their committed lengths."""
+
+    def __init__(self, kv_dir: Path, folder: str, committed: dict[int, int], next_seg: int):
+        self.kv_dir, self.folder = kv_dir, folder
+        self.committed = dict(committed)   # seg -> length as of the last commit
+        self.ends = dict(committed)        # seg -> length with this run's appends
+        self.created: set[int] = set()     # segments this run started, not committed yet
+        self.retired: set[int] = set()     # compacted: removed from the table by the commit
+        self.next_seg = next_seg
+        self.seg: int | None = None
+        self._fds: dict[int, int] = {}
+        self.appended = 0                  # bytes since the last commit or checkpoint
+        kv_dir.mkdir(parents=True, exist_ok=True)
+        if committed:
+            self._open_tail(max(committed))
+
+    def path(self, seg: int) -> Path:
+        return self.kv_dir / segment_name(seg)
+
+    def _open_tail(self, seg: int) -> None:
+        want = self.committed[seg]
+        try:
+            size = self.path(seg).stat().st_size
+        except FileNotFoundError:
+            return  # gone: its records read as missing; appends go to a new segment
+        if size < want or want >= SEGMENT_BYTES:
+            return  # shorter than committed (damaged) or full: never appended to
+        fd = os.open(self.path(seg), os.O_WRONLY)
+        if size > want:
+            os.ftruncate(fd, want)  # a killed writer's bytes past the commit: never read, cut off
+        self.seg, self._fds[seg] = seg, fd
+
+    def roll(self) -> None:
+        seg = self.next_seg
+        self.next_seg += 1
+        # O_TRUNC: a killed run may have left a file of this number (never committed, never read)
+        self._fds[seg] = os.open(self.path(seg), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.created.add(seg)
+        self.ends[seg] = 0
+        self.seg = seg
+
+    def append(self, body, crc: int) -> KVLocation:
+        span = RECORD_HEADER.size + len(body)
+        if self.seg is None or (self.ends[self.seg] and self.ends[self.seg] + span > SEGMENT_BYTES):
+            self.roll()
+        off = self.ends[self.seg]
+        _pwrite_all(self._fds[self.seg], [RECORD_HEADER.pack(RECORD_MAGIC, crc, len(body)), body], off)
+        self.ends[self.seg] = off + span
+        self.appended += span
+        return KVLocation(self.seg, off + RECORD_HEADER.size, len(body), crc)
+
+    def flush(self) -> None:
+        """fsync the segments written (and the folder, for new ones): before any commit."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+        if self.created:
+            _fsync_dir(self.kv_dir)
+
+    def retire(self, seg: int) -> None:
+        self.retired.add(seg)
+        self.ends.pop(seg, None)
+        if seg == self.seg:
+            self.seg = None
+
+    def commit(self, cur) -> None:
+        """The segments' new lengths, new and retired segments, into the caller's transaction."""
+        for seg, end in self.ends.items():
+            if seg in self.created:
+                cur.execute("INSERT INTO segments (id, folder, committed) VALUES (?, ?, ?)", (seg, self.folder, end))
+            elif end != self.committed.get(seg):
+                cur.execute("UPDATE segments SET committed = ? WHERE id = ?", (end, seg))
+        for seg in self.retired:
+            cur.execute("DELETE FROM segments WHERE id = ?", (seg,))
+        cur.execute("INSERT OR REPLACE INTO settings (key, value) VALUES ('next_segment', ?)",
+                    (json.dumps(self.next_seg),))
+
+    def committed_now(self) -> list[int]:
+        """After the caller's commit: the new lengths are the committed ones. Returns the retired
+        segments (to delete: no committed row refers to them any more)."""
+        retired = sorted(self.retired)
+        self.committed = dict(self.ends)
+        self.created, self.retired, self.appended = set(), set(), 0
+        return retired
+
+    def abort(self) -> None:
+        """Back to the committed state: new segments removed, appended bytes cut off."""
+        for seg in list(self.created):
+            self.path(seg).unlink(missing_ok=True)
+        for seg, want in self.committed.items():
+            # every segment opened for appending: a failed append may have written part of a
+            # record before its end was recorded
+            if seg not in self.created and seg in self._fds:
+                os.ftruncate(self._fds[seg], want)
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self.seg = None
+
+
+# -- the store -------------------------------------------------------------------------------------
+
 class ChunkStore:
+    """Chunk KV in the segments of ``root/<kv_subdir>``, located by the chunk table of ``db``.
+
+    ``db``: the index's ``IndexDB`` (a loaded index's snapshot, or a build's connection). Without
+    one the store is used alone (tests, the engine without an index): it opens or creates
+    ``root/index.sqlite`` on first write, and a write of a chunk the table lacks adds a row
+    holding only the chunk id and its KV location."""
+
     def __init__(self, root: Path, fingerprint_id: str, shared_prefix_ids=(), kv_dtype: torch.dtype | None = None,
-                 precomputed: bool = True, kv_subdir: str = "kv", vocab_rows: int | None = None):
+                 precomputed: bool = True, kv_subdir: str = "kv", vocab_rows: int | None = None,
+                 db: IndexDB | None = None):
         self.root = Path(root)
+        self.folder = kv_subdir
         self.kv_dir = self.root / kv_subdir
         # ids from vocab_rows up are a chunk wrapper's slots, numbered per process: never hashed
         self.vocab_rows = vocab_rows
         self.fingerprint_id = fingerprint_id
         self.shared_prefix_ids = tuple(shared_prefix_ids)
         self.kv_dtype = kv_dtype
-        self.precomputed = precomputed  # False: KV is encoded on first use (a missing file is expected)
+        self.precomputed = precomputed  # False: KV is encoded on first use (a missing record is expected)
+        self._db = db
+        self._alone = db is None
+        self._lock = threading.RLock()
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._appender: _Appender | None = None
+        self._staged: dict[str, KVLocation] | None = None  # a build's records, until its commit
+        self._unsaved: list[tuple[str, KVLocation]] = []   # staged since the last checkpoint
+        # write-backs by this process: a loaded index's snapshot does not see its own commits
+        self._overrides: dict[str, KVLocation] = {}
         # for write-backs by queries (repairs, first use): a callable giving a context manager that
         # yields None when writing is safe now, else why not (LazyIndex: the writer lock and the
-        # generation); None: the owner (a build) holds the lock itself
+        # generation); None: the owner (a build, or a store used alone) holds the lock itself
         self.write_guard = None
 
-    @staticmethod
-    def file_name(chunk_id: str) -> str:
-        """The KV file's name: the id itself when it is a plain name, else its hash (no id can
-        name a path outside the store)."""
-        if re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", chunk_id):
-            return f"{chunk_id}.safetensors"
-        return f"id-{hashlib.sha256(chunk_id.encode()).hexdigest()[:40]}.safetensors"
+    # -- locating and reading -----------------------------------------------------------------
+    @property
+    def db(self) -> IndexDB | None:
+        if self._db is None and self._alone and (self.root / DB_NAME).exists():
+            self._db = IndexDB(self.root)
+        return self._db
 
-    def path(self, chunk_id: str) -> Path:
-        return self.kv_dir / self.file_name(chunk_id)
+    def segment_path(self, seg: int) -> Path:
+        return self.kv_dir / segment_name(seg)
+
+    def location(self, chunk_id: str) -> KVLocation | None:
+        """Where the chunk's KV is, if it has any: a build's staged record, this process's
+        write-back, else the chunk table's."""
+        with self._lock:
+            loc = self._staged.get(chunk_id) if self._staged is not None else None
+            loc = loc or self._overrides.get(chunk_id)
+        if loc is not None:
+            return loc
+        db = self.db
+        return None if db is None else db.kv_location(chunk_id)
 
     def _meta_key(self, token_ids) -> str:
         if self.vocab_rows is not None:
@@ -109,33 +573,174 @@ class ChunkStore:
         key = token_ids_key(token_ids)
         return f"{token_ids_key(self.shared_prefix_ids)}/{key}" if self.shared_prefix_ids else key
 
-    def write(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
-        """Atomically write one chunk's KV; returns bytes written."""
-        self.kv_dir.mkdir(parents=True, exist_ok=True)
-        dt = self.kv_dtype or kv.k.dtype
-        k = kv.k.detach().to("cpu", dt).contiguous()
-        v = kv.v.detach().to("cpu", dt).contiguous()
-        meta = {"k_crc32": _checksum(k), "v_crc32": _checksum(v), "tokens": self._meta_key(token_ids),
-                "fingerprint": self.fingerprint_id, "dtype": str(dt).removeprefix("torch."), "format": "1"}
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path(chunk_id).stem}.", suffix=".tmp", dir=self.kv_dir)
-        os.close(fd)
+    def _read_fd(self, seg: int) -> int | None:
+        with self._lock:
+            fd = self._fds.get(seg)
+            if fd is not None:
+                self._fds.move_to_end(seg)
+                return fd
+            try:
+                fd = os.open(self.segment_path(seg), os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            self._fds[seg] = fd
+            while len(self._fds) > READ_FDS:
+                os.close(self._fds.popitem(last=False)[1])
+            return fd
+
+    def read_body(self, loc: KVLocation) -> tuple[bytes | None, str | None]:
+        """The record body at ``loc``, checked against its CRC32, or (None, why)."""
+        fd = self._read_fd(loc.seg)
+        if fd is None:
+            return None, "missing"
         try:
-            save_file({"k": k, "v": v}, tmp, metadata=meta)
-            os.replace(tmp, self.path(chunk_id))
-        except BaseException as e:
-            Path(tmp).unlink(missing_ok=True)
-            # safetensors reports a failed write (a full disk) as its own error: callers handle OSError
-            m = None if isinstance(e, OSError) else re.search(r"os error (\d+)", str(e))
-            if m:
-                code = int(m.group(1))
-                raise OSError(code, os.strerror(code), str(self.path(chunk_id))) from e
-            raise
-        return self.path(chunk_id).stat().st_size
+            body = os.pread(fd, loc.length, loc.off)
+        except OSError as e:
+            return None, f"unreadable ({e.strerror})"
+        if len(body) != loc.length:
+            return None, "unreadable (truncated)"
+        if zlib.crc32(body) != loc.crc:
+            return None, "checksum mismatch (corrupt)"
+        return body, None
+
+    def read(self, chunk_id: str, token_ids) -> tuple[ChunkKV | None, str | None]:
+        """(kv, None) if the chunk's record is present and intact, else (None, why)."""
+        loc = self.location(chunk_id)
+        if loc is None:
+            return None, "missing"
+        body, why = self.read_body(loc)
+        if body is None:
+            return None, why
+        return self.decode(chunk_id, token_ids, body)
+
+    def read_nowait(self, chunk_id: str, token_ids) -> tuple[ChunkKV | None, str | None]:
+        """``read``, if the record's bytes are all in the page cache (a read at memory speed);
+        else (None, NOT_IN_MEMORY) without waiting for the disk. ``preadv`` with RWF_NOWAIT
+        reads only what is cached; a kernel or file system without it reads as ``read`` does."""
+        loc = self.location(chunk_id)
+        if loc is None:
+            return None, "missing"
+        fd = self._read_fd(loc.seg)
+        if fd is None:
+            return None, "missing"
+        buf = bytearray(loc.length)
+        try:
+            n = os.preadv(fd, [buf], loc.off, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None, NOT_IN_MEMORY
+        except (OSError, AttributeError):  # RWF_NOWAIT unsupported here: an ordinary read
+            return self.read(chunk_id, token_ids)
+        if n < loc.length:  # part of it cached; the rest would wait for the disk
+            return None, NOT_IN_MEMORY
+        if zlib.crc32(buf) != loc.crc:
+            return None, "checksum mismatch (corrupt)"
+        return self.decode(chunk_id, token_ids, bytes(buf))
+
+    def stored_bytes(self, chunk_id: str) -> int:
+        """Bytes a read of the chunk's record takes from the disk (0: it has none)."""
+        loc = self.location(chunk_id)
+        return 0 if loc is None else loc.length
+
+    def decode(self, chunk_id: str, token_ids, body: bytes) -> tuple[ChunkKV | None, str | None]:
+        try:
+            meta = record_metadata(body)
+        except ValueError as e:
+            return None, f"unreadable ({e})"
+        if meta.get("fingerprint") != self.fingerprint_id:
+            return None, "computed by another model/tokenizer/prefix/wrapper"
+        if meta.get("chunk") != chunk_id:
+            return None, "the record holds another chunk's KV"
+        if meta.get("tokens") != self._meta_key(token_ids):
+            return None, "token ids differ"
+        try:
+            tensors = load_safetensors(body)  # copies: the tensors own their memory
+        except Exception as e:  # a garbled blob (the CRC matched a forged one)
+            return None, f"unreadable ({type(e).__name__})"
+        if not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES):
+            return None, f"unreadable (tensors {sorted(tensors)})"
+        for name, t in tensors.items():
+            if meta.get(f"{name}_crc32") != _checksum(t):
+                return None, "checksum mismatch (corrupt)"
+        return ChunkKV.from_tensors(tensors), None
+
+    # -- writing ------------------------------------------------------------------------------
+    def encode(self, chunk_id: str, token_ids, kv: ChunkKV) -> bytes:
+        """One record body: the KV's tensors (cast to the store's dtype unless quantised: fp8
+        values mean nothing without their scales' dtype) and their metadata."""
+        tensors = {}
+        for name, t in kv.tensors().items():
+            t = t.detach().to("cpu")
+            if not kv.quantized and self.kv_dtype is not None:
+                t = t.to(self.kv_dtype)
+            tensors[name] = t.contiguous()
+        meta = {"format": "2", "chunk": chunk_id, "tokens": self._meta_key(token_ids),
+                "fingerprint": self.fingerprint_id, "dtype": str(tensors["k"].dtype).removeprefix("torch.")}
+        meta.update({f"{name}_crc32": _checksum(t) for name, t in tensors.items()})
+        return save_safetensors(tensors, metadata=meta)
+
+    def write(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
+        """Append one chunk's KV; returns the bytes written. In a build (``begin_build``) the record
+        is staged until the build commits, and this may be called from one writer thread while
+        other threads read; otherwise it is committed at once (the caller holds the writer lock)."""
+        body = self.encode(chunk_id, token_ids, kv)  # outside the lock: the costly part
+        return self.write_body(chunk_id, body, zlib.crc32(body))
+
+    def write_body(self, chunk_id: str, body: bytes, crc: int) -> int:
+        with self._lock:
+            if self._appender is not None:
+                loc = self._appender.append(body, crc)
+                self._staged[chunk_id] = loc
+                self._unsaved.append((chunk_id, loc))
+                if self._appender.appended >= CHECKPOINT_BYTES:
+                    self.checkpoint()
+                return loc.span
+            loc = self._write_now(chunk_id, body, crc)
+            return 0 if loc is None else loc.span
+
+    def _write_now(self, chunk_id: str, body: bytes, crc: int) -> KVLocation | None:
+        """Append and commit one record. A loaded index writes through a connection of its own
+        (its snapshot never writes) and only to a chunk its table holds."""
+        if self._alone:
+            db = self.db or IndexDB(self.root, create=True)
+            self._db = db
+        else:
+            db = IndexDB(self.root)
+        try:
+            app = self._open_appender(db)
+            try:
+                loc = app.append(body, crc)
+                app.flush()
+                with db.transaction() as cur:
+                    cur.execute("UPDATE chunks SET kv_seg = ?, kv_off = ?, kv_len = ?, kv_crc = ? WHERE id = ?",
+                                (loc.seg, loc.off, loc.length, loc.crc, chunk_id))
+                    if cur.rowcount == 0:
+                        if not self._alone:
+                            raise _NoSuchChunk
+                        cur.execute("INSERT INTO chunks (id, kv_seg, kv_off, kv_len, kv_crc) VALUES (?, ?, ?, ?, ?)",
+                                    (chunk_id, loc.seg, loc.off, loc.length, loc.crc))
+                    app.commit(cur)
+                app.committed_now()
+            except _NoSuchChunk:
+                app.abort()
+                log.info("Chunk %s is not in the index at %s any more; its KV was not written.", chunk_id, self.root)
+                return None
+            except BaseException:
+                app.abort()
+                raise
+            app.close()
+        finally:
+            if db is not self._db:
+                db.close()
+        self._overrides[chunk_id] = loc
+        return loc
+
+    def _open_appender(self, db: IndexDB) -> _Appender:
+        return _Appender(self.kv_dir, self.folder, db.segments(self.folder), db.next_segment())
 
     def write_back(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
         """A query's write of KV it had to encode (a repair, or first use): only when the guard
-        allows it and the folder is writable; otherwise the KV is served from memory and the file
-        is left for a later query or build (0 bytes written)."""
+        allows it and the folder is writable; otherwise the KV is served from memory and the
+        record is left for a later query or build (0 bytes written)."""
         if self.write_guard is None:
             return self.write(chunk_id, token_ids, kv)
         with self.write_guard() as refused:
@@ -150,22 +755,217 @@ class ChunkStore:
                             "be recomputed by a later query.", chunk_id, self.kv_dir, e.strerror or e)
                 return 0
 
-    def read(self, chunk_id: str, token_ids) -> tuple[ChunkKV | None, str | None]:
-        """(kv, None) if the file is present and intact, else (None, why)."""
-        p = self.path(chunk_id)
-        if not p.exists():
-            return None, "missing"
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                meta = f.metadata() or {}
-                # own the bytes: a tensor backed by the mapped file would change if the file did
-                k, v = f.get_tensor("k").clone(), f.get_tensor("v").clone()
-        except Exception as e:  # truncated or garbled file
-            return None, f"unreadable ({type(e).__name__})"
-        if meta.get("fingerprint") != self.fingerprint_id:
-            return None, "computed by another model/tokenizer/prefix/wrapper"
-        if meta.get("tokens") != self._meta_key(token_ids):
-            return None, "token ids differ"
-        if meta.get("k_crc32") != _checksum(k) or meta.get("v_crc32") != _checksum(v):
-            return None, "checksum mismatch (corrupt)"
-        return ChunkKV(k, v), None
+    # -- a build ------------------------------------------------------------------------------
+    def begin_build(self, resume: bool = True) -> None:
+        """Start staging writes (the caller holds the writer lock): segment files no commit knows
+        are removed, the last segment is cut back to its committed length, and (``resume``) the
+        KV an interrupted build checkpointed into this folder is staged again."""
+        db = self.db
+        with self._lock:
+            self.remove_stray_segments(db)
+            self._appender = self._open_appender(db)
+            self._staged, self._unsaved = {}, []
+            if resume:
+                mine = set(self._appender.committed)
+                for cid, seg, off, n, crc in db.rows("SELECT chunk_id, seg, off, len, crc FROM pending_kv"):
+                    if seg in mine:
+                        self._staged[cid] = KVLocation(seg, off, n, crc)
+
+    def staged_location(self, chunk_id: str) -> KVLocation | None:
+        with self._lock:
+            return None if self._staged is None else self._staged.get(chunk_id)
+
+    def staged_items(self) -> list[tuple[str, KVLocation]]:
+        with self._lock:
+            return list((self._staged or {}).items())
+
+    def stage(self, chunk_id: str, loc: KVLocation) -> None:
+        """Use an existing record for ``chunk_id`` in this build (KV carried over, or salvaged)."""
+        with self._lock:
+            self._staged[chunk_id] = loc
+
+    def remove_stray_segments(self, db: IndexDB) -> int:
+        """Segment files of this folder that no commit knows (a killed writer's new segments)."""
+        known, n = set(db.segments()), 0
+        if self.kv_dir.is_dir():
+            for p in self.kv_dir.iterdir():
+                m = SEGMENT_RE.fullmatch(p.name)
+                if m and int(m.group(1)) not in known:
+                    p.unlink(missing_ok=True)
+                    n += 1
+        return n
+
+    def flush(self) -> None:
+        """fsync this build's segments (before its commit)."""
+        with self._lock:
+            if self._appender is not None:
+                self._appender.flush()
+
+    def checkpoint(self) -> None:
+        """Commit what the build wrote so far as pending KV: a killed build resumes from it."""
+        with self._lock:
+            app = self._appender
+            app.flush()
+            with self._db.transaction() as cur:
+                cur.executemany("INSERT OR REPLACE INTO pending_kv (chunk_id, seg, off, len, crc) VALUES (?, ?, ?, ?, ?)",
+                                [(cid, loc.seg, loc.off, loc.length, loc.crc) for cid, loc in self._unsaved])
+                app.commit(cur)
+            app.committed_now()
+            self._unsaved = []
+
+    def compact(self, cur, below: float = COMPACT_BELOW) -> tuple[int, int]:
+        """Inside the build's commit transaction, after its rows are written: copy the live
+        records of every segment of this folder that they fill less than ``below`` of to the
+        current segment, and retire it (deleted after the commit). Returns (records, bytes) moved."""
+        app = self._appender
+        live = dict(cur.execute(f"SELECT kv_seg, sum(kv_len) + {RECORD_HEADER.size} * count(*) FROM chunks "
+                                "WHERE kv_seg IS NOT NULL GROUP BY kv_seg").fetchall())
+        # a segment this run started is all live; an empty committed one is retired too
+        victims = [s for s, end in sorted(app.ends.items())
+                   if s not in app.created and (end == 0 or live.get(s, 0) < below * end)]
+        if not victims:
+            return 0, 0
+        if app.seg in victims:
+            app.roll()  # never copy a segment into itself
+        moved = nbytes = 0
+        for seg in victims:
+            rows = cur.execute("SELECT rowid, id, kv_off, kv_len, kv_crc FROM chunks WHERE kv_seg = ?",
+                               (seg,)).fetchall()
+            for rowid, cid, off, n, crc in rows:
+                body, why = self.read_body(KVLocation(seg, off, n, crc))
+                if body is None:  # damaged: the chunk is left without KV (recomputed on use)
+                    log.warning("Chunk %s KV in %s is %s; compaction drops it (it is recomputed on use).", cid,
+                                segment_name(seg), why)
+                    cur.execute("UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL "
+                                "WHERE rowid = ?", (rowid,))
+                    continue
+                loc = app.append(body, crc)
+                cur.execute("UPDATE chunks SET kv_seg = ?, kv_off = ? WHERE rowid = ?", (loc.seg, loc.off, rowid))
+                moved += 1
+                nbytes += loc.span
+            app.retire(seg)
+        app.flush()
+        return moved, nbytes
+
+    def commit_build(self, cur) -> None:
+        """Inside the build's commit transaction: the segments' new lengths; pending KV is done."""
+        self._appender.commit(cur)
+        cur.execute("DELETE FROM pending_kv")
+
+    def end_build(self, committed: bool) -> None:
+        """After the commit (``committed``): retired segments deleted. After a failure: this run's
+        appends undone (new segments removed, the others cut back to their committed lengths)."""
+        with self._lock:
+            app, self._appender, self._staged, self._unsaved = self._appender, None, None, []
+            if app is None:
+                return
+            if not committed:
+                app.abort()
+                return
+            for seg in app.committed_now():
+                fd = self._fds.pop(seg, None)
+                if fd is not None:
+                    os.close(fd)
+                app.path(seg).unlink(missing_ok=True)
+            app.close()
+
+    # -- salvage ------------------------------------------------------------------------------
+    def scan(self) -> Iterator[tuple[str, KVLocation, dict, int]]:
+        """Every record of this folder's segment files, read from the files alone (``--repair``
+        of an unreadable database): (chunk id, location, metadata, end of the segment's valid
+        records). Only headers are read; ``read`` checks a record before it is used."""
+        if not self.kv_dir.is_dir():
+            return
+        for p in sorted(self.kv_dir.iterdir()):
+            m = SEGMENT_RE.fullmatch(p.name)
+            if not m:
+                continue
+            seg = int(m.group(1))
+            with open(p, "rb") as f:
+                size, pos = os.fstat(f.fileno()).st_size, 0
+                while pos + RECORD_HEADER.size <= size:
+                    magic, crc, n = RECORD_HEADER.unpack(os.pread(f.fileno(), RECORD_HEADER.size, pos))
+                    body_at = pos + RECORD_HEADER.size
+                    if magic != RECORD_MAGIC or body_at + n > size:
+                        break  # the end of what was written whole
+                    head = os.pread(f.fileno(), min(n, 1 << 16), body_at)
+                    try:
+                        meta = record_metadata(head)
+                    except ValueError:
+                        meta = {}
+                    pos = body_at + n
+                    if isinstance(meta.get("chunk"), str):
+                        yield meta["chunk"], KVLocation(seg, body_at, n, crc), meta, pos
+
+    def adopt_segments(self) -> int:
+        """``--repair`` of an unreadable database (the caller holds the writer lock, before
+        ``begin_build``): register this folder's segment files, each up to its last whole record,
+        and the last record of each chunk with this store's fingerprint as pending KV, in one
+        commit; ``begin_build`` then stages them and ``read`` checks each before it is reused.
+        Returns the records found."""
+        ends, latest = {}, {}
+        for cid, loc, meta, end in self.scan():
+            ends[loc.seg] = end
+            if meta.get("fingerprint") == self.fingerprint_id:
+                latest[cid] = loc
+        with self.db.transaction() as cur:
+            cur.executemany("INSERT OR REPLACE INTO segments (id, folder, committed) VALUES (?, ?, ?)",
+                            [(seg, self.folder, end) for seg, end in ends.items()])
+            cur.executemany("INSERT OR REPLACE INTO pending_kv (chunk_id, seg, off, len, crc) VALUES (?, ?, ?, ?, ?)",
+                            [(cid, loc.seg, loc.off, loc.length, loc.crc) for cid, loc in latest.items()])
+            cur.execute("INSERT OR REPLACE INTO settings (key, value) VALUES ('next_segment', ?)",
+                        (json.dumps(max(ends, default=0) + 1),))
+        return len(latest)
+
+    def salvage(self, token_ids: dict) -> int:
+        """``--repair`` (in a build, after ``begin_build``): stage for each chunk named in
+        ``token_ids`` the last record in this folder's segments that holds its KV (its chunk id,
+        this fingerprint, these token ids), whatever the table says, so that KV the damaged table
+        lost track of is reused; ``read`` checks each before it is. Returns how many were found."""
+        want = {cid: self._meta_key(ids) for cid, ids in token_ids.items()}
+        found = {}
+        for cid, loc, meta, _ in self.scan():
+            if want.get(cid) == meta.get("tokens") and meta.get("fingerprint") == self.fingerprint_id:
+                found[cid] = loc
+        with self._lock:
+            self._staged.update(found)
+        return len(found)
+
+    def import_format1(self, kv_dir: Path, token_ids: dict) -> int:
+        """Stage the KV of a format-1 index (``kv*/<chunk id>.safetensors``, one file per chunk) as
+        records of this build, for the chunks named in ``token_ids`` whose file is intact and
+        matches their token ids and this store's fingerprint. Returns how many were copied."""
+        n = 0
+        for cid, ids in token_ids.items():
+            path = Path(kv_dir) / format1_file_name(cid)
+            if self.staged_location(cid) is not None:  # copied by an interrupted conversion already
+                continue
+            if not path.is_file():
+                continue
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    tensors = {name: f.get_tensor(name) for name in f.keys()}
+            except Exception:  # truncated or garbled: the chunk is encoded again
+                continue
+            if meta.get("fingerprint") != self.fingerprint_id or meta.get("tokens") != self._meta_key(ids) \
+                    or not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES) \
+                    or any(meta.get(f"{name}_crc32") != _checksum(t) for name, t in tensors.items()):
+                continue
+            body = self.encode(cid, ids, ChunkKV.from_tensors(tensors))
+            self.write_body(cid, body, zlib.crc32(body))
+            n += 1
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._alone and self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+class _NoSuchChunk(Exception):
+    pass

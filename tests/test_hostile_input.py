@@ -5,6 +5,7 @@ long file of one line (no sentence ends, or one base64-like word). Each ends in 
 stored chunks are exactly one read of each file (a changed file named, and re-indexed by the next
 run), or in a clean skip that names the file, never a traceback."""
 import hashlib
+import io
 import json
 import os
 import re
@@ -62,7 +63,7 @@ def check_stored(index, src, smollm2, name, text):
     assert "".join(r.text for r in recs).replace(" ", "") == text.replace(" ", "")
     for r in recs:
         assert r.token_ids == smollm2.tokenizer(r.text, add_special_tokens=False).input_ids
-    entry = index.manifest["files"][str((src / name).resolve())]
+    entry = index.files[str((src / name).resolve())]
     assert entry["sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert verify_index(index.path)["ok"]
 
@@ -185,8 +186,9 @@ def test_odd_file_names_are_indexed_or_skipped_by_name(tmp_path, smollm2, embedd
     assert report.skipped_files == [(not_utf8.decode("utf-8", "backslashreplace"),
                                      "file name is not UTF-8 (rename the file)")]
     assert verify_index(tmp_path / "idx")["ok"]
-    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
-    assert set(manifest["files"]) == {str((src / n).resolve()) for n in odd}  # names round-trip through JSON
+    loaded = LazyIndex.load(tmp_path / "idx", llm=smollm2, embedder=embedder)
+    assert set(loaded.files) == {str((src / n).resolve()) for n in odd}  # names round-trip through SQLite
+    assert {r.source for r in loaded.records} == set(loaded.files)
     again, report = build(src, tmp_path / "idx", smollm2, embedder)
     assert (report.files_unchanged, report.files_indexed) == (len(odd), 0)
     hit = again.retrieve("When does the ferry leave?", top_k=1)[0]
@@ -271,8 +273,8 @@ def clean_index(tmp_path_factory, smollm2, embedder):
 
 
 def test_loading_and_querying_an_index_unpickles_nothing(clean_index, smollm2, no_unpickling):
-    """The whole default load path: the model and the embedder by the names the manifest holds,
-    the manifest, chunk table, vectors, wrapper and KV files, a query, verify and describe."""
+    """The whole default load path: the model and the embedder by the names the settings hold,
+    the database, vectors, wrapper and KV segments, a query, verify and describe."""
     out, want = clean_index
     smollm2.engine.clear_cache()
     index = LazyIndex.load(out, device="cpu")  # no model or embedder given: the manifest's names
@@ -281,40 +283,63 @@ def test_loading_and_querying_an_index_unpickles_nothing(clean_index, smollm2, n
     assert no_unpickling == []
 
 
-@pytest.mark.parametrize("target", ["manifest", "chunks_file", "vectors_file", "wrapper_file", "kv"])
+@pytest.mark.parametrize("target", ["database", "pointer", "vectors_file", "wrapper_file", "kv", "kv_record"])
 def test_an_index_file_replaced_by_a_pickle_is_never_unpickled(clean_index, smollm2, embedder, tmp_path,
                                                                no_unpickling, target):
-    """A crafted index: one file replaced by a pickle (torch.save's zip for the safetensors files)
-    whose unpickling would create a file, the manifest's checksum updated to match (a forgery, not
-    damage). A table or the manifest is a clean error naming the file; a KV file is recomputed;
-    nothing is unpickled."""
+    """A crafted index: one file replaced by a pickle (torch.save's zip for the safetensors files
+    and a KV segment; a KV record's body, with the CRC the table holds for it), whose unpickling
+    would create a file, the checksum the settings hold updated to match (a forgery, not damage).
+    The database, the vectors or the wrapper is a clean error naming the file; manifest.json is
+    not read on load; KV is recomputed; nothing is unpickled."""
+    import gc
     import pickle
+    import zlib
 
     import torch
 
+    from lazy_rag.store import IndexDB
+
     clean, want = clean_index
     out = tmp_path / "idx"
+    gc.collect()  # no snapshot of the clean index open: its database is all in its main file
     shutil.copytree(clean, out)
     marker = tmp_path / "unpickled"
-    manifest = json.loads((out / "manifest.json").read_text())
-    if target == "manifest":
+    db = IndexDB(out)
+    settings = db.settings()
+    kv_dir = out / kv_subdir(settings["wrapper"])
+    if target == "database":
+        victim = out / "index.sqlite"
+    elif target == "pointer":
         victim = out / "manifest.json"
-    elif target == "kv":
-        victim = next((out / kv_subdir(manifest["wrapper"])).glob("*.safetensors"))
+    elif target in ("kv", "kv_record"):
+        victim = next(kv_dir.glob("seg-*.kvseg"))
     else:
-        victim = out / manifest[target]
-    if victim.suffix == ".safetensors":
+        victim = out / settings[target]
+    if target == "kv_record":  # one record's body replaced in place, its row's length and CRC made to match
+        buf = io.BytesIO()
+        torch.save({"k": Payload(marker)}, buf)
+        body = buf.getvalue()
+        seg, off = db.one("SELECT kv_seg, kv_off FROM chunks ORDER BY rowid")
+        with open(victim, "r+b") as f:
+            f.seek(off)
+            f.write(body)
+        with db.transaction() as cur:
+            cur.execute("UPDATE chunks SET kv_len = ?, kv_crc = ? WHERE kv_seg = ? AND kv_off = ?",
+                        (len(body), zlib.crc32(body), seg, off))
+    elif victim.suffix in (".safetensors", ".kvseg"):
         torch.save({"k": Payload(marker)}, victim)
     else:
         victim.write_bytes(pickle.dumps(Payload(marker)))
-    if target in manifest.get("checksums", {}):
-        manifest["checksums"][target] = hashlib.sha256(victim.read_bytes()).hexdigest()
-        (out / "manifest.json").write_text(json.dumps(manifest))
+    if target in settings.get("checksums", {}):
+        settings["checksums"][target] = hashlib.sha256(victim.read_bytes()).hexdigest()
+        with db.transaction() as cur:
+            cur.execute("UPDATE settings SET value = ? WHERE key = 'checksums'", (json.dumps(settings["checksums"]),))
+    db.close()
     smollm2.engine.clear_cache()
-    if target == "kv":
+    if target in ("kv", "kv_record", "pointer"):
         index = LazyIndex.load(out, llm=smollm2, embedder=embedder)
         assert index.query("When was the lighthouse completed?", top_k=2, max_new_tokens=4).answer == want
-        assert verify_index(out)["ok"]  # the query wrote the recomputed KV in its place
+        assert verify_index(out)["ok"]  # the query wrote the recomputed KV anew
     else:
         with pytest.raises(LazyIndexError, match=re.escape(victim.name)):
             LazyIndex.load(out, llm=smollm2, embedder=embedder)

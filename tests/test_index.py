@@ -1,14 +1,24 @@
-"""LazyIndex: build, query, incremental re-index, atomicity, repair, refusal of foreign KV."""
+"""LazyIndex: build, query, incremental re-index (only changed rows and KV written), atomicity,
+readers of one generation while a build commits the next, repair, refusal of foreign KV, and
+format-1 indexes (one KV file per chunk): refused on load, converted in place by a build."""
 import json
+import os
+import re
 import shutil
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from lazy_rag import LazyIndex, LazyLLM
 from lazy_rag.embedder import Embedder
 from lazy_rag.errors import FingerprintMismatchError, LazyIndexError, LazyRagError
+from lazy_rag.index import describe_index, verify_index
+from lazy_rag.index_lock import writer_lock
+from lazy_rag.store import COMPACT_BELOW, ChunkStore, IndexDB, format1_file_name
 from tiny_models import tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
@@ -39,6 +49,31 @@ def built(corpus, tmp_path, smollm2, embedder):
     return index, report, out
 
 
+def settings_of(out: Path) -> dict:
+    db = IndexDB(out)
+    try:
+        return db.settings()
+    finally:
+        db.close()
+
+
+def sql(out: Path, statement: str, args=()) -> None:
+    """Change the index's database behind lazy-rag's back (damage, as a test makes it)."""
+    db = IndexDB(out)
+    try:
+        with db.transaction() as cur:
+            cur.execute(statement, args)
+    finally:
+        db.close()
+
+
+def segment_files(kv_dir: Path) -> dict:
+    """Every KV segment file's (size, mtime); never empty."""
+    files = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in kv_dir.glob("seg-*.kvseg")}
+    assert files, f"no segments in {kv_dir}"
+    return files
+
+
 def cached_tokens(index, chunk_ids):
     """The tokens a query over these chunks reads from cache: theirs and their wrapper's slots."""
     slots = index.wrapper.slots if index.wrapper else 0
@@ -50,7 +85,9 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
     assert report.files_indexed == 3
     assert report.skipped == {"unsupported type (.png)": 1, "binary": 1, "not UTF-8": 1}
     assert report.chunks_total == len(index.records) >= 6
-    assert len(list(index.store.kv_dir.glob("*.safetensors"))) == report.chunks_total
+    assert describe_index(out)["chunks_with_kv"] == report.chunks_total and segment_files(index.store.kv_dir)
+    assert not list(out.rglob("*.jsonl")) and list(index.store.kv_dir.iterdir()) == \
+        list(index.store.kv_dir.glob("seg-*.kvseg"))  # no file per chunk
     loaded = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     smollm2.engine.clear_cache()  # a process that just started: the chunks are on disk only
     res = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8)
@@ -66,19 +103,114 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
 def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpus, smollm2, embedder):
     index, _, out = built
     kv_dir = index.store.kv_dir
-    kv_files = {p.name: p.stat().st_mtime_ns for p in kv_dir.glob("*.safetensors")}
+    segments = segment_files(kv_dir)
     _, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
                              progress=False)
-    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added, rep.kv_bytes_written) == (0, 3, 0, 0)
-    assert {p.name: p.stat().st_mtime_ns for p in kv_dir.glob("*.safetensors")} == kv_files
+    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added, rep.kv_bytes_written, rep.rows_written) == \
+        (0, 3, 0, 0, 0)
+    assert segment_files(kv_dir) == segments
     (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
     (corpus / "observatory.txt").unlink()
     idx2, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
                                 progress=False)
     assert (rep.files_indexed, rep.files_unchanged, rep.files_removed, rep.chunks_added) == (1, 1, 1, 1)
     assert {r.source.rsplit("/", 1)[1] for r in idx2.records} == {"bakery.md", "lighthouse.md"}
-    assert len(list(kv_dir.glob("*.safetensors"))) == len(idx2.records)  # stale KV collected
-    assert len(list(out.glob("chunks-*.jsonl"))) == 1
+    # most of the segment was the dropped files' KV: its live records were copied out and it is gone
+    info = describe_index(out)
+    assert rep.kv_records_moved > 0 and info["segments"] == {"count": 1, "live_fraction": 1.0, "dead_bytes": 0}
+    assert set(segment_files(kv_dir)).isdisjoint(segments) and info["chunks_with_kv"] == len(idx2.records)
+    assert verify_index(out)["ok"] and len(list(out.glob("vectors-*.faiss"))) == 1
+
+
+def test_a_small_update_writes_only_the_changed_rows_and_kv(tmp_path, smollm2, embedder, monkeypatch):
+    """One file of a hundred changes: the commit deletes its one row and inserts one, appends one
+    KV record, and the vector index loses one vector and gains one; every other row, its KV
+    location and every segment byte before the end stay as they were."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(100):
+        (src / f"note{i:03d}.md").write_text(f"Note {i}: ferry {i} leaves pier {i % 7} at {i % 12 + 1} o'clock.")
+    out = tmp_path / "idx"
+    opts = dict(llm=smollm2, embedder=embedder, chunk_size=64, chunk_overlap=0, progress=False)
+    index, rep = LazyIndex.build([src], out, **opts)
+    assert rep.chunks_total == 100 and rep.rows_written == 100
+
+    def rows():
+        db = IndexDB(out)
+        try:
+            return {r[0]: r[1:] for r in db.rows("SELECT rowid, source, * FROM chunks")}
+        finally:
+            db.close()
+
+    before, segs_before = rows(), segment_files(index.store.kv_dir)
+    index.close()
+    import lazy_rag.vector_index as vi
+
+    calls = {"add": [], "remove": [], "rebuild": 0}
+    real_add, real_remove = vi.VectorIndex.add, vi.VectorIndex.remove
+    monkeypatch.setattr(vi.VectorIndex, "add", lambda self, ids, vecs, **k: (calls["add"].append(len(ids)),
+                                                                           real_add(self, ids, vecs, **k))[1])
+    monkeypatch.setattr(vi.VectorIndex, "remove", lambda self, ids: (calls["remove"].append(len(ids)),
+                                                                    real_remove(self, ids))[1])
+    monkeypatch.setattr(vi.VectorIndex, "rebuild", classmethod(lambda cls, *a, **k: calls.__setitem__("rebuild", 1)))
+    (src / "note042.md").write_text("Note 42: the ferry now leaves pier 3 at noon.")
+    index, rep = LazyIndex.build([src], out, **opts)
+    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added, rep.rows_written) == (1, 99, 1, 2)
+    after = rows()
+    gone, new = set(before) - set(after), set(after) - set(before)
+    assert len(gone) == 1 and len(new) == 1 and min(new) > max(before)  # a new rowid: never one reused
+    assert before[gone.pop()][0] == after[new.pop()][0] == str((src / "note042.md").resolve())  # its file's...
+    assert all(after[r] == before[r] for r in after if r in before)  # ...and no other row touched
+    segs_after = segment_files(index.store.kv_dir)
+    assert set(segs_after) == set(segs_before) and rep.kv_records_moved == 0
+    appended = sum(size for size, _ in segs_after.values()) - sum(size for size, _ in segs_before.values())
+    assert appended == rep.kv_bytes_written > 0  # one record appended, nothing rewritten
+    assert calls == {"add": [1], "remove": [1], "rebuild": 0}
+    assert verify_index(out)["ok"] and index.retrieve("When does the ferry leave pier 3 at noon?", 1)[0].source \
+        .endswith("note042.md")
+
+
+def test_a_loaded_index_reads_its_generation_while_a_build_commits_the_next(built, corpus, smollm2, embedder,
+                                                                              monkeypatch):
+    """A reader that loads while a build runs sees the previous generation whole (and answers
+    from its KV); readers keep their generation after the commit; a new load sees the new one."""
+    index, _, out = built
+    old = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    old_ids, old_gen = list(old.by_id), old.manifest["generation"]
+    (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
+    import lazy_rag.index as index_mod
+
+    at_commit, go_on = threading.Event(), threading.Event()
+    real_commit = index_mod.LazyIndex._commit  # bound to the class
+
+    def paused_commit(cls, *a, **k):  # the build has appended its KV and waits at its commit
+        at_commit.set()
+        assert go_on.wait(120)
+        return real_commit(*a, **k)
+
+    monkeypatch.setattr(index_mod.LazyIndex, "_commit", classmethod(paused_commit))
+    built_new = {}
+    builder = threading.Thread(target=lambda: built_new.update(index=LazyIndex.build(
+        [corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16, progress=False)[0]))
+    builder.start()
+    try:
+        assert at_commit.wait(300)
+        during = LazyIndex.load(out, llm=smollm2, embedder=embedder)
+        assert during.manifest["generation"] == old_gen and list(during.by_id) == old_ids
+        smollm2.engine.clear_cache()
+        res = during.query("What does Kestrel Street Bakery sell on Fridays?", top_k=2, max_new_tokens=4)
+        assert res.stats["chunk_sources"] == {"disk": 2}  # its KV is whole: the build appended past it
+    finally:
+        go_on.set()
+        builder.join(300)
+    new = built_new["index"]
+    assert new.manifest["generation"] == old_gen + 1
+    assert set(new.by_id) != set(old_ids) and "Sundays" in " ".join(r.text for r in new.records)
+    for reader in (old, during):  # loaded before the commit: still the previous generation, whole
+        assert reader.manifest["generation"] == old_gen and list(reader.by_id) == old_ids
+        assert "Sundays" not in " ".join(r.text for r in reader.records)
+        assert {s.chunk_id for s in reader.retrieve("What does the bakery sell?", top_k=3)} <= set(old_ids)
+    assert LazyIndex.load(out, llm=smollm2, embedder=embedder).manifest["generation"] == old_gen + 1
 
 
 def test_a_build_holds_no_chunk_kv_in_memory(corpus, tmp_path, smollm2, embedder):
@@ -95,7 +227,7 @@ def test_a_build_holds_no_chunk_kv_in_memory(corpus, tmp_path, smollm2, embedder
 
 def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2, embedder, monkeypatch):
     index, _, out = built
-    before = json.loads((out / "manifest.json").read_text())
+    before = settings_of(out)
     (corpus / "new.md").write_text("The ferry to Vellin Island costs twelve crowns.\n")
     import lazy_rag.store as store_mod
 
@@ -105,40 +237,55 @@ def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2
     monkeypatch.setattr(store_mod.ChunkStore, "write", killed)
     with pytest.raises(KeyboardInterrupt):
         LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16, progress=False)
-    assert json.loads((out / "manifest.json").read_text()) == before
+    assert settings_of(out) == before
     assert len(LazyIndex.load(out, llm=smollm2, embedder=embedder).records) == len(index.records)
+    assert verify_index(out)["ok"]
     # a first build killed midway leaves no index that loads
     with pytest.raises(KeyboardInterrupt):
         LazyIndex.build([corpus], out.parent / "fresh", llm=smollm2, embedder=embedder, progress=False)
-    with pytest.raises(LazyIndexError, match="no manifest.json"):
+    with pytest.raises(LazyIndexError, match="not a lazy-rag index.*interrupted"):
         LazyIndex.load(out.parent / "fresh", llm=smollm2, embedder=embedder)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "unlocated", "segment_deleted"])
 def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder, damage, caplog):
     index, _, out = built
     question = "What does Kestrel Street Bakery sell on Fridays?"
     fresh = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     want = fresh.query(question, top_k=2, max_new_tokens=8)
-    victim = fresh.store.path(want.sources[0].chunk_id)
-    good = victim.read_bytes()
-    rec = fresh.by_id[want.sources[0].chunk_id]
+    hits = [fresh.by_id[s.chunk_id] for s in want.sources]
+    locs = {r.id: fresh.store.location(r.id) for r in hits}
+    rec = max(hits, key=lambda r: (locs[r.id].seg, locs[r.id].off))  # stored last: a truncation spares the other
+    loc = locs[rec.id]
     good_kv, _ = fresh.store.read(rec.id, rec.token_ids)
+    segment = fresh.store.segment_path(loc.seg)
+    fresh.close()
     if damage == "corrupt":
-        data = bytearray(good)
-        data[-100] ^= 0xFF  # flip bits inside the tensor data
-        victim.write_bytes(bytes(data))
+        data = bytearray(segment.read_bytes())
+        data[loc.off + loc.length - 100] ^= 0xFF  # flip bits inside the tensor data
+        segment.write_bytes(bytes(data))
     elif damage == "truncate":
-        victim.write_bytes(good[: len(good) // 2])
+        os.truncate(segment, loc.off + loc.length // 2)  # a copy cut short half-way through the record
+    elif damage == "unlocated":  # the row has no KV (a precomputed index: it should)
+        sql(out, "UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL WHERE id = ?",
+            (rec.id,))
     else:
-        victim.unlink()
+        segment.unlink()
     reloaded = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     smollm2.engine.clear_cache()
     got = reloaded.query(question, top_k=2, max_new_tokens=8)
-    assert got.answer == want.answer and got.stats["chunk_sources"] == {"encoded": 1, "disk": 1}
+    sources = {"encoded": 2} if damage == "segment_deleted" else {"encoded": 1, "disk": 1}
+    assert got.answer == want.answer and got.stats["chunk_sources"] == sources
     assert any("recomputing" in r.message for r in caplog.records)
-    repaired, why = reloaded.store.read(rec.id, rec.token_ids)  # the file is whole again
+    repaired, why = reloaded.store.read(rec.id, rec.token_ids)  # the record is whole again
     assert why is None and torch.equal(repaired.k, good_kv.k) and torch.equal(repaired.v, good_kv.v)
+    again = LazyIndex.load(out, llm=smollm2, embedder=embedder)  # committed: every process reads it
+    assert again.store.read(rec.id, rec.token_ids)[1] is None and again.store.location(rec.id) != loc
+    report = verify_index(out)
+    if damage in ("corrupt", "unlocated"):
+        assert report["ok"]
+    elif damage == "segment_deleted":  # the other chunks of that segment are missing until they are queried
+        assert report["kv_ok"] == 2 and report["kv_damaged"] == {"missing": len(again.records) - 2}
 
 
 def test_index_from_another_model_is_refused_naming_both(built, tokenizer, embedder):
@@ -153,11 +300,11 @@ def test_kv_written_by_another_model_is_not_trusted(built, smollm2, embedder, to
     index, _, out = built
     other_llm = LazyLLM(tiny_model("llama", "default"), tokenizer)
     rec = index.records[0]
-    from lazy_rag.store import ChunkStore
-
-    foreign = ChunkStore(out.parent / "foreign", other_llm.fingerprint["id"])
-    foreign.write(rec.id, rec.token_ids, other_llm.encode_chunk(rec.token_ids))
-    shutil.copy(foreign.path(rec.id), index.store.path(rec.id))
+    # a record of the other model's KV for this chunk, written into the index's own table and segments
+    foreign = ChunkStore(out, other_llm.fingerprint["id"], kv_subdir=index.store.folder)
+    with writer_lock(out):
+        foreign.write(rec.id, rec.token_ids, other_llm.encode_chunk(rec.token_ids))
+    foreign.close()
     kv, why = LazyIndex.load(out, llm=smollm2, embedder=embedder).store.read(rec.id, rec.token_ids)
     assert kv is None and "another model" in why
 
@@ -205,12 +352,14 @@ def test_query_reads_the_index_store_into_the_pool(built, smollm2, embedder):
 
 def test_an_index_without_vectors_needs_no_embedder_and_names_chunks_by_id(tmp_path, smollm2, monkeypatch):
     import lazy_rag.index as index_mod
+    import lazy_rag.vector_index as vector_index_mod
 
     def no_embedder(*a, **k):
         raise AssertionError("an index without vectors must not load an embedder")
 
     monkeypatch.setattr(index_mod, "Embedder", no_embedder)
     monkeypatch.setattr(index_mod, "_faiss", no_embedder)
+    monkeypatch.setattr(vector_index_mod, "_faiss", no_embedder)
     docs = ["Alpha is the first letter.", "Omega is the last letter."]
     index = LazyIndex.from_texts(docs, tmp_path / "t", llm=smollm2, ids=["a", "z"], split=False, progress=False,
                                  vectors=False)
@@ -221,3 +370,101 @@ def test_an_index_without_vectors_needs_no_embedder_and_names_chunks_by_id(tmp_p
     res = smollm2.generate(loaded.segments("Which letter is last?", ["z", "a"]), max_new_tokens=3,
                            source=loaded.chunk_source)
     assert res.stats.cached_tokens == cached_tokens(loaded, ["z", "a"])
+
+
+# -- format 1: one KV file per chunk, the chunk table as JSON lines -------------------------------------
+
+def write_format1(index, out: Path, generation: int = 3) -> None:
+    """``index`` as lazy-rag wrote indexes before KV segments (format 1): manifest.json (the commit
+    point: settings, files, the sha256 of the tables), chunks-<gen>.jsonl, vectors-<gen>.faiss
+    (faiss's flat index, row i = chunk i) and one safetensors file of KV per chunk in the KV folder."""
+    import hashlib
+
+    import faiss
+
+    from lazy_rag.store import _checksum
+
+    m = index.manifest
+    records = list(index.records)
+    out.mkdir()
+    table = "".join(json.dumps({"id": r.id, "source": r.source, "ordinal": r.ordinal, "text": r.text,
+                                "token_ids": r.token_ids, "metadata": r.metadata}, ensure_ascii=False) + "\n"
+                    for r in records).encode()
+    (out / f"chunks-{generation}.jsonl").write_bytes(table)
+    flat = faiss.IndexFlatIP(m["embedder"]["dim"])
+    flat.add(np.stack([index.vectors.index.reconstruct(int(r.rowid)) for r in records]))
+    vectors = faiss.serialize_index(flat).tobytes()
+    (out / f"vectors-{generation}.faiss").write_bytes(vectors)
+    kv_dir = out / index.store.folder
+    kv_dir.mkdir()
+    for r in records:
+        kv, why = index.store.read(r.id, r.token_ids)
+        assert why is None
+        save_file({"k": kv.k, "v": kv.v}, str(kv_dir / format1_file_name(r.id)),
+                  metadata={"k_crc32": _checksum(kv.k), "v_crc32": _checksum(kv.v), "format": "1",
+                            "tokens": index.store._meta_key(r.token_ids), "fingerprint": index.store.fingerprint_id,
+                            "dtype": str(kv.k.dtype).removeprefix("torch.")})
+    shutil.copy(index.path / m["wrapper_file"], out / m["wrapper_file"])
+    manifest = {k: m[k] for k in ("lazy_rag_version", "model", "kv_dtype", "embedder", "chunking", "shared_prefix",
+                                  "kv_precomputed", "query_defaults", "prompt", "wrapper", "wrapper_file",
+                                  "num_chunks", "num_tokens", "updated")}
+    manifest.update(format_version=1, files=index.files, generation=generation,
+                    chunks_file=f"chunks-{generation}.jsonl", vectors_file=f"vectors-{generation}.faiss",
+                    checksums={"chunks_file": hashlib.sha256(table).hexdigest(),
+                               "vectors_file": hashlib.sha256(vectors).hexdigest(),
+                               "wrapper_file": m["checksums"]["wrapper_file"]})
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def test_a_format1_index_is_refused_on_load_naming_the_conversion(built, smollm2, embedder, tmp_path):
+    from typer.testing import CliRunner
+
+    from lazy_rag.cli import app
+
+    index, _, _ = built
+    out = tmp_path / "old-index"
+    write_format1(index, out)
+    with pytest.raises(LazyIndexError, match=r"format 1.*keeping every chunk's KV: `lazy-rag index SOURCES --out "
+                                             + re.escape(str(out))):
+        LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    runner = CliRunner()
+    for cmd in (["inspect", str(out)], ["verify", str(out)], ["query", str(out), "anything?"]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and "format 1" in res.output and "Traceback" not in res.output, res.output
+    assert (out / "manifest.json").exists() and not (out / "index.sqlite").exists()  # refused: left as it was
+
+
+def test_a_build_converts_a_format1_index_in_place_reusing_every_intact_kv_file(built, corpus, smollm2, embedder,
+                                                                             tmp_path):
+    index, _, _ = built
+    out = tmp_path / "old-index"
+    write_format1(index, out)
+    records = list(index.records)
+    victim = records[0]  # its KV file damaged: the one chunk encoded again
+    kv_file = out / index.store.folder / format1_file_name(victim.id)
+    kv_file.write_bytes(kv_file.read_bytes()[:-64])
+    new, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
+                               progress=False)
+    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added) == (0, 3, 0)
+    assert rep.kv_bytes_written == new.store.location(victim.id).span  # every other chunk's KV copied, not encoded
+    assert new.manifest["format_version"] == 2 and new.manifest["generation"] == 4
+    assert json.loads((out / "manifest.json").read_text())["format_version"] == 2
+    assert not list(out.glob("chunks-*.jsonl")) and not list(new.store.kv_dir.glob("*.safetensors"))
+    assert [p.name for p in out.glob("vectors-*")] == ["vectors-4.faiss"] and verify_index(out)["ok"]
+    assert [(r.id, r.source, r.text, r.token_ids) for r in new.records] == \
+        [(r.id, r.source, r.text, r.token_ids) for r in records]
+    for r in records:
+        a, b = index.store.read(r.id, r.token_ids)[0], new.store.read(r.id, r.token_ids)[0]
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    question = "When was the Marrow Point Lighthouse completed?"
+    smollm2.engine.clear_cache()
+    want = index.query(question, top_k=2, max_new_tokens=8)
+    smollm2.engine.clear_cache()
+    got = LazyIndex.load(out, llm=smollm2, embedder=embedder).query(question, top_k=2, max_new_tokens=8)
+    assert got.answer == want.answer and [s.chunk_id for s in got.sources] == [s.chunk_id for s in want.sources]
+    assert got.stats["chunk_sources"] == {"disk": 2}
+    # the next update is an ordinary one
+    (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
+    _, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
+                             progress=False)
+    assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added) == (1, 2, 1) and verify_index(out)["ok"]

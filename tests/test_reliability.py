@@ -1,9 +1,13 @@
 """Reliability of stored indexes (issue 25's storage half): one writer per folder, checksums
-of every index file checked on load and by `lazy-rag verify`, `--repair`, sources that become
-unreadable, write failures (full disk) that leave the previous index and no debris, guarded
-write-backs by queries, ids that try to name paths, and clean errors for damaged files."""
+of every index file and row checked on load, on read and by `lazy-rag verify`, `--repair`
+(also of a database that is not one any more), sources that become unreadable, write failures
+(full disk) that leave the previous index and no debris, a killed build that resumes from its
+checkpointed KV, guarded write-backs by queries, ids that try to name paths, and clean errors for
+damaged settings."""
 import errno
+import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,7 +25,7 @@ from lazy_rag.embedder import Embedder
 from lazy_rag.errors import InvalidRequestError, LazyIndexError, LazyRagError
 from lazy_rag.index import kv_subdir, verify_index
 from lazy_rag.index_lock import writer_lock
-from lazy_rag.store import ChunkStore
+from lazy_rag.store import ChunkStore, IndexDB
 
 DOCS = {
     "lighthouse.md": "The Marrow Point Lighthouse was completed in 1871. Its lamp burned whale oil until 1902. "
@@ -49,17 +53,44 @@ def index_copy(tmp_path, smollm2, embedder):
     return src, tmp_path / "idx"
 
 
+def settings(out: Path) -> dict:
+    db = IndexDB(out)
+    try:
+        return db.settings()
+    finally:
+        db.close()
+
+
+def sql(out: Path, statement: str, args=()) -> None:
+    """Change the index's database behind lazy-rag's back (damage or forgery, as a test makes it),
+    and checkpoint it: everything in the main file."""
+    gc.collect()  # indexes loaded earlier in the test release their snapshots
+    db = IndexDB(out)
+    try:
+        with db.transaction() as cur:
+            cur.execute(statement, args)
+        db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+
+
 def kv_dir(out: Path) -> Path:
-    """The folder of the index's KV files (kv-w<digest> when its chunks are inside a wrapper, as by default)."""
-    return out / kv_subdir(json.loads((out / "manifest.json").read_text()).get("wrapper"))
+    """The folder of the index's KV segments (kv-w<digest> when its chunks are inside a wrapper, as by default)."""
+    return out / kv_subdir(settings(out).get("wrapper"))
 
 
 def kv_files(out: Path, read) -> dict:
-    """``read(path)`` of every KV file of the index, by name; never empty (or every comparison of
+    """``read(path)`` of every KV segment of the index, by name; never empty (or every comparison of
     two of these would hold vacuously)."""
-    files = {p.name: read(p) for p in kv_dir(out).glob("*.safetensors")}
-    assert files, f"no KV files in {kv_dir(out)}"
+    files = {p.relative_to(out).as_posix(): read(p) for p in out.glob("kv*/seg-*.kvseg")}  # (not via the database)
+    assert files, f"no KV segments in {out}"
     return files
+
+
+def sidecar(p: Path) -> bool:
+    """SQLite's own files beside the database (its write-ahead log and its shared memory): they
+    come and go with connections."""
+    return p.name.endswith(("-wal", "-shm"))
 
 
 def mtime(p: Path) -> int:
@@ -99,14 +130,15 @@ def test_damaged_vectors_are_an_error_naming_the_file_and_repair_restores_the_an
                                                                                       damage):
     src, out = index_copy
     before = answer(out, smollm2, embedder)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = settings(out)
     vf = out / manifest["vectors_file"]
     data = bytearray(vf.read_bytes())
     if damage == "flip":
         data[-40] ^= 0xFF
-    elif damage == "reorder":  # swap the last two float32 rows' first values
-        d = 384 * 4
-        data[-2 * d:-d], data[-d:] = data[-d:], data[-2 * d:-d]
+    elif damage == "reorder":  # two blocks of the stored vectors swapped: every byte there, in another order
+        a, b, d = len(data) // 3, 2 * len(data) // 3, 64
+        assert data[a:a + d] != data[b:b + d]
+        data[a:a + d], data[b:b + d] = data[b:b + d], data[a:a + d]
     elif damage == "truncate":
         data = data[:len(data) // 2]
     if damage == "delete":
@@ -121,43 +153,82 @@ def test_damaged_vectors_are_an_error_naming_the_file_and_repair_restores_the_an
     kv_mtimes = kv_files(out, mtime)
     _, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
                              progress=False, repair=True)
-    assert rep.kv_bytes_written == 0  # every KV file was reused: its token ids matched
+    assert rep.kv_bytes_written == 0  # every KV record was reused: its token ids matched
     assert kv_files(out, mtime) == kv_mtimes
     assert verify_index(out)["ok"] and answer(out, smollm2, embedder) == before
 
 
-@pytest.mark.parametrize("damage", ["token_id", "last_line", "text", "bytes"])
+@pytest.mark.parametrize("damage", ["token_id", "text", "row_deleted", "pages", "bytes"])
 def test_a_damaged_chunk_table_is_an_error_and_kv_is_never_repaired_from_it(index_copy, smollm2, embedder, damage):
+    """A row edited behind lazy-rag's back fails its checksum wherever it is read (a query, verify);
+    a missing row, damaged pages or a file that is no database fail on load (and an update refuses
+    to build on them). Each names index.sqlite and --repair; no KV is ever encoded from such a
+    table; --repair rebuilds it from the sources, reusing the KV."""
     src, out = index_copy
-    manifest = json.loads((out / "manifest.json").read_text())
-    table = out / manifest["chunks_file"]
-    lines = table.read_text().splitlines(keepends=True)
-    rec = json.loads(lines[0])
+    db = IndexDB(out)
+    rowid, cid, tokens, text = db.one("SELECT rowid, id, token_ids, text FROM chunks ORDER BY rowid")
+    db.close()
     if damage == "token_id":
-        rec["token_ids"][3] += 1
-        lines[0] = json.dumps(rec) + "\n"
-    elif damage == "text":
-        rec["text"] = rec["text"] + " (edited)"  # what the sources would show, not what the model read
-        lines[0] = json.dumps(rec) + "\n"
-    elif damage == "last_line":
-        lines = lines[:-1]
-    table.write_text("".join(lines)) if damage != "bytes" else table.write_bytes(b"\xff\xfe\x00garbage")
+        tokens = bytearray(tokens)
+        tokens[12] ^= 0x01  # the fourth token id, one bit off
+        sql(out, "UPDATE chunks SET token_ids = ? WHERE rowid = ?", (bytes(tokens), rowid))
+    elif damage == "text":  # what the sources would show, not what the model read
+        sql(out, "UPDATE chunks SET text = ? WHERE rowid = ?", (text + " (edited)", rowid))
+    elif damage == "row_deleted":
+        sql(out, "DELETE FROM chunks WHERE rowid = ?", (rowid,))
+    else:
+        sql(out, "SELECT 1")  # everything in the main file (no log beside it)
+        db_file = out / "index.sqlite"
+        data = bytearray(db_file.read_bytes())
+        if damage == "pages":  # every page but the first (the header and the schema) overwritten
+            data[4096:] = bytes(len(data) - 4096)
+        else:
+            data[:] = b"\xff\xfe\x00garbage"
+        db_file.write_bytes(bytes(data))
     kv_before = kv_files(out, Path.read_bytes)
-    with pytest.raises(LazyIndexError, match=rf"{manifest['chunks_file']}.*--repair"):
-        LazyIndex.load(out, llm=smollm2, embedder=embedder)
-    with pytest.raises(LazyIndexError, match="--repair"):  # an update refuses to build on it too
-        LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
-    assert not verify_index(out)["ok"]
+    if damage in ("token_id", "text"):
+        index = LazyIndex.load(out, llm=smollm2, embedder=embedder)  # rows are read (and checked) when used
+        with pytest.raises(LazyIndexError, match=rf"index.sqlite is damaged.*{cid}.*--repair"):
+            index.by_id[cid]
+        with pytest.raises(LazyIndexError, match=r"index.sqlite.*--repair"):  # a query that would use it
+            index.query(QUESTION, top_k=len(index.records), max_new_tokens=2)
+    else:
+        with pytest.raises(LazyIndexError, match=r"index.sqlite.*--repair"):
+            LazyIndex.load(out, llm=smollm2, embedder=embedder)
+        with pytest.raises(LazyIndexError, match="--repair"):  # an update refuses to build on it too
+            LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
+                            progress=False)
+    report = verify_index(out)
+    assert not report["ok"] and any("index.sqlite" in p and "--repair" in p for p in report["problems"])
     assert kv_files(out, Path.read_bytes) == kv_before
-    LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False,
-                    repair=True)
-    assert verify_index(out)["ok"]
+    _, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
+                             progress=False, repair=True)
+    assert verify_index(out)["ok"] and answer(out, smollm2, embedder)
+    assert rep.kv_bytes_written == 0  # every chunk's KV found in the segments (even with no database to say where)
 
 
 def chunk_table(out: Path) -> list:
-    """The committed chunk records (sorted), as stored."""
-    m = json.loads((out / "manifest.json").read_text())
-    return sorted((out / m["chunks_file"]).read_text().splitlines())
+    """The committed chunk records (sorted), as JSON lines."""
+    db = IndexDB(out)
+    try:
+        return sorted(json.dumps({"id": r[0], "source": r[1], "ordinal": r[2], "text": r[3]}, ensure_ascii=False)
+                      for r in db.rows("SELECT id, source, ordinal, text FROM chunks"))
+    finally:
+        db.close()
+
+
+def index_content(out: Path) -> list:
+    """Everything the index holds: the database's rows (whatever SQLite's file bytes are: a
+    checkpoint rewrites them without changing a row) and every other file's bytes but the lock's
+    (its text names the last holder)."""
+    db = IndexDB(out)
+    try:
+        rows = [(t, sorted(db.rows(f"SELECT * FROM {t}"))) for t in ("settings", "chunks", "files", "segments",
+                                                                       "pending_kv")]
+    finally:
+        db.close()
+    return rows + sorted((p.relative_to(out).as_posix(), p.read_bytes()) for p in out.rglob("*") if p.is_file()
+                         and p.name != ".lock" and not p.name.startswith("index.sqlite"))
 
 
 def test_repair_keeps_files_indexed_from_other_sources_and_refuses_to_drop_unreadable_ones(index_copy, smollm2,
@@ -172,26 +243,23 @@ def test_repair_keeps_files_indexed_from_other_sources_and_refuses_to_drop_unrea
     assert {json.loads(r)["source"].rsplit("/", 1)[1] for r in table} == {"lighthouse.md", "bakery.md", "harbour.md"}
 
     def damage_vectors():
-        vf = out / json.loads((out / "manifest.json").read_text())["vectors_file"]
+        vf = out / settings(out)["vectors_file"]
         vf.write_bytes(vf.read_bytes()[:-40] + bytes(40))
 
     damage_vectors()
     _, rep = LazyIndex.build([other], out, **opts, repair=True)  # names only one of the two sources
     assert chunk_table(out) == table and verify_index(out)["ok"]
-    assert rep.kv_bytes_written == 0 and kv_files(out, mtime) == kv_mtimes  # every KV file reused
+    assert rep.kv_bytes_written == 0 and kv_files(out, mtime) == kv_mtimes  # every KV record reused
     assert rep.files_removed == 0 and rep.skipped_files == []
     # a file of the source not named is gone: the repair cannot rebuild its chunks; it says so and changes nothing
     (src / "bakery.md").unlink()
     damage_vectors()
-    def files():  # every index file but the lock (its text names the last holder)
-        return sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file() and p.name != ".lock")
-
-    before = files()
+    before = index_content(out)
     gone = str((src / "bakery.md").resolve())
     with pytest.raises(LazyIndexError, match=rf"1 file\(s\) .* not named here .*{re.escape(gone)} \(unreadable.*"
                                              r"Nothing was changed.*--drop-missing"):
         LazyIndex.build([other], out, **opts, repair=True)
-    assert files() == before
+    assert index_content(out) == before
     res = CliRunner().invoke(app, ["index", str(other), "--out", str(out), "--repair", "--chunk-size", "24",
                                    "--chunk-overlap", "0"])
     assert res.exit_code == 2 and "--drop-missing" in res.output and "Traceback" not in res.output, res.output
@@ -230,7 +298,8 @@ def test_a_source_emptied_or_made_binary_loses_its_chunks_and_is_named(index_cop
 def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2, embedder, monkeypatch, where):
     src, out = index_copy
     before = answer(out, smollm2, embedder)
-    names_before = sorted(p.name for p in out.rglob("*"))
+    names_before = sorted(p.name for p in out.rglob("*") if not sidecar(p))
+    content_before = index_content(out)
     (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899, long and "
                                 "detailed enough to need several chunks of KV. " * 3)
     real_write, calls = ChunkStore.write, []
@@ -238,14 +307,14 @@ def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2
     def full_after_one(self, chunk_id, token_ids, kv):
         calls.append(chunk_id)
         if len(calls) > 1:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.path(chunk_id)))
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.kv_dir))
         return real_write(self, chunk_id, token_ids, kv)
 
     import lazy_rag.index as index_mod
 
     real_atomic = index_mod._atomic_write_bytes
 
-    def full_at_vectors(path, data):  # after the new chunk table was written
+    def full_at_vectors(path, data):  # inside the commit, after the new rows were written
         if path.name.startswith("vectors-"):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_atomic(path, data)
@@ -256,7 +325,8 @@ def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2
         monkeypatch.setattr(index_mod, "_atomic_write_bytes", full_at_vectors)
     with pytest.raises(LazyIndexError, match="disk is full.*previous index is unchanged.*removed"):
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
-    assert sorted(p.name for p in out.rglob("*")) == names_before
+    assert sorted(p.name for p in out.rglob("*") if not sidecar(p)) == names_before
+    assert index_content(out) == content_before  # the segments cut back to their committed lengths
     monkeypatch.undo()
     assert answer(out, smollm2, embedder) == before and verify_index(out)["ok"]
 
@@ -270,7 +340,7 @@ def test_a_build_that_cannot_fit_is_refused_before_writing(tmp_path, smollm2, em
     monkeypatch.setattr(index_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(LazyIndexError, match=r"needs .* GiB, but .* has 0.00 GiB free.*--kv-dtype bfloat16"):
         LazyIndex.build([src], tmp_path / "idx", llm=smollm2, embedder=embedder, progress=False)
-    assert not list((tmp_path / "idx").rglob("*.safetensors"))
+    assert not list((tmp_path / "idx").rglob("*.kvseg"))
 
 
 def test_killed_writers_temp_files_are_removed_by_the_next_build(index_copy, smollm2, embedder):
@@ -289,15 +359,21 @@ def test_a_reader_of_an_old_generation_writes_no_kv_and_a_write_failure_still_an
     (src / "bakery.md").write_text("The Kestrel Street Bakery closed in 1990.")
     LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     smollm2.engine.clear_cache()
-    dropped = [r for r in old.records if r.source.endswith("bakery.md")]
+    dropped = {r.id for r in old.records if r.source.endswith("bakery.md")}
+    for p in kv_dir(out).glob("seg-*.kvseg"):  # every chunk's KV gone: the old reader encodes each one
+        p.unlink()
+    content = index_content(out)
+    caplog.set_level(logging.INFO, logger="lazy_rag.store")
     res = old.query("When did the Kestrel Street Bakery open?", top_k=len(old.records), max_new_tokens=4)
-    assert res.answer is not None
-    assert not any(ChunkStore(out, "x").path(r.id).exists() for r in dropped)  # no stray KV for the new index
+    assert res.answer is not None and res.stats["chunk_sources"] == {"encoded": len(old.records)}
+    assert "rebuilt since it was loaded" in caplog.text
+    assert index_content(out) == content  # no write-back: not a row, not a segment byte for the new index
+    db = IndexDB(out)
+    assert dropped and not dropped & {r[0] for r in db.rows("SELECT id FROM chunks")}
+    db.close()
     assert verify_index(out)["stray_kv_files"] == 0
     # a read-only folder (simulated: root ignores permissions): the query is served from memory
     fresh = LazyIndex.load(out, llm=smollm2, embedder=embedder)
-    victim = fresh.records[0]
-    fresh.store.path(victim.id).unlink()
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -313,29 +389,30 @@ def test_ids_cannot_name_paths_outside_the_store(tmp_path, smollm2, embedder):
     ids = ["../../../escaped", "a/b", "ok-id_1.x"]
     index = LazyIndex.from_texts(["first text here", "second text here", "third text here"], out, llm=smollm2,
                                  embedder=embedder, ids=ids, split=False, progress=False)
-    wrapper_file = index.manifest.get("wrapper_file")  # the index's own chunk wrapper, beside its KV
-    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors")
-                   if p != (out / wrapper_file if wrapper_file else None))
-    store = f"deep/idx/{index.store.kv_dir.name}/"
-    assert len(files) == 3 and all(f.startswith(store) for f in files)
-    assert f"{store}ok-id_1.x.safetensors" in files
+    # an id is a value in a row and in its KV record's metadata, never a file name
+    made = sorted(p.relative_to(out).as_posix() for p in tmp_path.rglob("*") if p.is_file() and not sidecar(p))
+    wrapper_file = index.manifest["wrapper_file"]
+    assert made == sorted([".lock", "index.sqlite", "manifest.json", index.manifest["vectors_file"], wrapper_file,
+                           f"{index.store.folder}/seg-000001.kvseg"])
+    assert {r.id for r in index.records} == set(ids) and all(index.store.read(r.id, r.token_ids)[1] is None
+                                                             for r in index.records)
     assert index.segments("q", ["a/b"]) and verify_index(out)["ok"]
 
 
-@pytest.mark.parametrize("damage", ["no_model", "no_chunks_file", "garbled", "not_json_object"])
-def test_damaged_manifests_are_clean_errors(index_copy, damage):
+@pytest.mark.parametrize("damage", ["no_model", "no_database", "garbled", "not_json_object", "no_tables"])
+def test_damaged_settings_are_clean_errors(index_copy, damage):
     _, out = index_copy
-    mf = out / "manifest.json"
-    m = json.loads(mf.read_text())
     if damage == "no_model":
-        del m["model"]
-        mf.write_text(json.dumps(m))
-    elif damage == "no_chunks_file":
-        (out / m["chunks_file"]).unlink()
+        sql(out, "DELETE FROM settings WHERE key = 'model'")
+    elif damage == "no_database":
+        for p in out.glob("index.sqlite*"):
+            p.unlink()
     elif damage == "garbled":
-        mf.write_bytes(b"\xff\xfe{\x00}")
-    else:
-        mf.write_text("[1, 2]")
+        sql(out, "UPDATE settings SET value = ? WHERE key = 'chunking'", (b"\xff\xfe{\x00}",))  # not UTF-8 JSON
+    elif damage == "not_json_object":
+        sql(out, "UPDATE settings SET value = '[1, 2]' WHERE key = 'model'")
+    else:  # an SQLite file, but not lazy-rag's
+        sql(out, "DROP TABLE settings")
     try:
         assert not verify_index(out)["ok"]
     except LazyIndexError as e:
@@ -352,9 +429,9 @@ def test_cli_verify_and_bad_out_and_bad_request(index_copy, tmp_path):
     runner = CliRunner()
     ok = runner.invoke(app, ["verify", str(out)])
     assert ok.exit_code == 0 and "OK" in ok.output
-    kv = next(kv_dir(out).glob("*.safetensors"))
+    kv = next(kv_dir(out).glob("seg-*.kvseg"))
     data = bytearray(kv.read_bytes())
-    data[-5] ^= 0xFF
+    data[-5] ^= 0xFF  # inside the last record's tensor bytes
     kv.write_bytes(bytes(data))
     bad = runner.invoke(app, ["verify", str(out)])
     assert bad.exit_code == 1 and "checksum mismatch" in bad.output
@@ -383,22 +460,56 @@ def test_symlink_loops_and_deep_folders_are_walked_once(tmp_path):
     assert files == sorted({(deep / "note.md").resolve(), (root / "top.md").resolve()})
 
 
-def test_a_full_disk_inside_safetensors_is_an_oserror_and_leaves_no_temp_file(tmp_path, monkeypatch):
-    import torch
-
+def test_a_full_disk_inside_an_append_is_an_error_and_leaves_no_partial_record(index_copy, smollm2, embedder,
+                                                                             monkeypatch):
+    """The disk fills half-way through writing a record (not before it, as above): the build fails
+    with the message, and the segment holds not one byte of the half record."""
+    src, out = index_copy
     import lazy_rag.store as store_mod
-    from lazy_rag.store import ChunkKV
 
-    def full(tensors, path, metadata=None):
-        Path(path).write_bytes(b"partial")
-        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899.")
+    content_before = index_content(out)
 
-    monkeypatch.setattr(store_mod, "save_file", full)
-    store = ChunkStore(tmp_path, "fp")
-    with pytest.raises(OSError) as info:
-        store.write("c1", [1, 2], ChunkKV(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4)))
-    assert info.value.errno == errno.ENOSPC
-    assert list((tmp_path / "kv").iterdir()) == []
+    def full(fd, parts, off):
+        os.pwrite(fd, bytes(parts[0]) + bytes(parts[1])[:1000], off)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "_pwrite_all", full)
+    with pytest.raises(LazyIndexError, match="disk is full.*previous index is unchanged"):
+        LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+    assert index_content(out) == content_before and verify_index(out)["ok"]
+
+
+def test_a_killed_build_resumes_from_the_kv_it_checkpointed(index_copy, smollm2, embedder, monkeypatch):
+    """A build commits what it appended as pending KV every CHECKPOINT_BYTES: killed after that
+    (here: interrupted), the next build reuses that KV instead of encoding it again."""
+    src, out = index_copy
+    import lazy_rag.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 1)  # a checkpoint after every record
+    (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899, long and detailed "
+                                "enough to need several chunks of KV. " * 3)
+    real_write, calls = ChunkStore.write, []
+
+    def killed_after_three(self, chunk_id, token_ids, kv):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(chunk_id)
+        return real_write(self, chunk_id, token_ids, kv)
+
+    monkeypatch.setattr(ChunkStore, "write", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+    monkeypatch.setattr(ChunkStore, "write", real_write)
+    assert verify_index(out)["ok"]  # the previous generation, whole
+    written = []
+    monkeypatch.setattr(ChunkStore, "write", lambda self, c, t, kv: (written.append(c), real_write(self, c, t, kv))[1])
+    index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
+                                 progress=False)
+    new_ids = [r.id for r in index.records if r.source.endswith("new.md")]
+    assert len(new_ids) > 3 and set(calls) <= set(new_ids) and not set(calls) & set(written)
+    assert sorted(written + calls) == sorted(new_ids)  # encoded once each, across the two runs
+    assert verify_index(out)["ok"] and settings(out)["num_chunks"] == len(index.records)
 
 
 def test_a_build_not_on_a_terminal_prints_progress_lines(tmp_path, smollm2, embedder, capsys):

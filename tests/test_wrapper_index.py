@@ -42,8 +42,9 @@ def test_index_inside_a_wrapper_serves_the_oracle(llm, tmp_path):
     idx = _index(llm, tmp_path / "idx", w)
     m = idx.manifest
     assert m["wrapper"]["digest"] == w.digest and (tmp_path / "idx" / m["wrapper_file"]).exists()
-    assert sorted(p.name for p in (tmp_path / "idx" / f"kv-w{w.digest}").iterdir()) == \
-        ["a.safetensors", "b.safetensors", "c.safetensors"]
+    assert [p.name for p in (tmp_path / "idx").glob("kv*")] == [f"kv-w{w.digest}"]  # the wrapper's own KV folder
+    assert idx.store.kv_dir.name == f"kv-w{w.digest}" and all(idx.store.location(c) for c in "abc")
+    assert [p.name for p in idx.store.kv_dir.iterdir()] == ["seg-000001.kvseg"]
     loaded = LazyIndex.load(tmp_path / "idx", llm=llm)  # the wrapper comes from the index: no flag
     assert loaded.wrapper.digest == w.digest
     llm.engine.clear_cache()
@@ -79,8 +80,11 @@ def test_rewrap_reencodes_atomically_and_changes_the_answer(llm, tmp_path):
     segs = plain.segments("Who lived there?", ["b", "a"])
     before = llm.next_token_logits(segs, source=plain.chunk_source)
     w = _wrapper(llm, 3)
+    plain_locations = {c: plain.store.location(c) for c in "abc"}
     written = plain.rewrap(w, progress=False)
     assert written > 0 and not (tmp_path / "idx" / "kv").exists()  # the plain KV folder is gone
+    assert plain.wrapper.digest == w.digest and plain.store.kv_dir.name == f"kv-w{w.digest}"
+    assert all(plain.store.location(c) not in (None, plain_locations[c]) for c in "abc")  # every row: new KV
     fresh = LazyIndex.load(tmp_path / "idx", llm=llm)
     assert fresh.manifest["generation"] == 1 and fresh.wrapper.digest == w.digest
     llm.engine.clear_cache()
