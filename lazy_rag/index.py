@@ -64,7 +64,7 @@ from .progress import Progress
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
-                    _DTYPES, segment_name)
+                    KV_DTYPE_NAMES, _DTYPES, _fsync_dir, segment_name)
 from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
 
@@ -899,6 +899,9 @@ class LazyIndex:
         if vectors:
             embedder = embedder or Embedder(DEFAULT_EMBEDDER)
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
+        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
+        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
+            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, fp8, {', '.join(_DTYPES)}.")
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
@@ -1026,6 +1029,7 @@ class LazyIndex:
         report.chunks_total = index.manifest["num_chunks"]
         report.tokens_total = index.manifest["num_tokens"]
         report.seconds = time.perf_counter() - t0
+        index.build_report = report  # (from_texts returns the index alone)
         return index, report
 
     @classmethod
@@ -1089,6 +1093,7 @@ class LazyIndex:
                 name = f"vectors-{gen}.faiss"
                 _atomic_write_bytes(out / name, data)
                 run.new_files.append(out / name)
+                _fsync_dir(out)  # its name durable before the commit that names it
                 settings["vectors_file"] = name
                 settings["checksums"]["vectors_file"] = _sha256(data)
                 settings["vectors"] = {"kind": vindex.kind, "ntotal": vindex.ntotal, "bytes": len(data)}

@@ -58,7 +58,10 @@ from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           # e4m3 with one fp16 scale per (layer, token, KV head): half the bytes (kernels.kv_quant)
+           "float8_e4m3fn": torch.float8_e4m3fn}
+KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn"}  # what `--kv-dtype` also accepts
 
 DB_NAME = "index.sqlite"
 SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)
@@ -667,6 +670,11 @@ class ChunkStore:
     def encode(self, chunk_id: str, token_ids, kv: ChunkKV) -> bytes:
         """One record body: the KV's tensors (cast to the store's dtype unless quantised: fp8
         values mean nothing without their scales' dtype) and their metadata."""
+        if self.kv_dtype == torch.float8_e4m3fn and not kv.quantized:  # an fp8 store: quantise per row
+            from .kernels.kv_quant import quantize_rows
+
+            (k8, ks), (v8, vs) = quantize_rows(kv.k.detach()), quantize_rows(kv.v.detach())
+            kv = ChunkKV(k8, v8, ks, vs)
         tensors = {}
         for name, t in kv.tensors().items():
             t = t.detach().to("cpu")

@@ -31,6 +31,8 @@ SUFFIXES: dict[str, Suffix] = {
     "wrapper": Suffix(r"wrapper(?::.+)?", "chunks encoded inside a chunk wrapper: the model's bundled one, or "
                       "+wrapper:NAME_OR_PATH (a file from `lazy-rag tune`)",
                       index=lambda m: {"wrapper": m.group(0).partition(":")[2] or "auto"}),
+    "fp8": Suffix(r"fp8", "chunk KV stored in fp8 (e4m3, one scale per token and KV head; `lazy-rag index "
+                  "--kv-dtype fp8`)", index=lambda m: {"kv_dtype": "fp8"}),
     "epic": Suffix(r"epic\d+", "the first N tokens of every chunk recomputed at query time (EPIC)",
                    recovery="boundary"),
     "prophet": Suffix(r"prophet\d+(?:\.\d+)?", "P% of the chunk tokens, those the question attends to most, "

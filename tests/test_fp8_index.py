@@ -1,0 +1,52 @@
+"""An index whose chunk KV is stored in fp8 (`lazy-rag index --kv-dtype fp8`): each record holds
+e4m3 values and one fp16 scale per (layer, token, KV head), exactly the quantisation of the KV
+the model computes (kernels.kv_quant), at about half the bytes of 16-bit KV; it is read back
+into any engine (a 16-bit pool dequantises on placement) and is never mixed with another dtype."""
+import pytest
+import torch
+
+from lazy_rag import LazyIndex, LazyLLM
+from lazy_rag.errors import LazyIndexError
+from lazy_rag.kernels.kv_quant import quantize_rows
+from tests.tiny_models import tiny_model
+
+TEXTS = ["The lighthouse at Marrow Point was completed in 1871 by Agnes Thorold.",
+         "The bakery on Quay Street sells rye bread baked in a wood-fired oven every morning.",
+         "Tides in the bay rise by four metres twice a day."]
+
+
+@pytest.fixture()
+def llm(tokenizer):
+    m = tiny_model("llama", "llama3", seed=2, hidden_size=128).to(torch.bfloat16)
+    return LazyLLM(m, tokenizer, page_size=4)
+
+
+def test_fp8_records_are_the_quantised_kv_at_half_the_bytes(tmp_path, llm):
+    ids = ["a", "b", "c"]
+    plain = LazyIndex.from_texts(TEXTS, tmp_path / "bf16", llm=llm, ids=ids, split=False, vectors=False,
+                                 progress=False)
+    fp8 = LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, ids=ids, split=False, vectors=False,
+                               kv_dtype="fp8", progress=False)
+    assert fp8.manifest["kv_dtype"] == "float8_e4m3fn" and plain.manifest["kv_dtype"] == "bfloat16"
+    for r in fp8.records:
+        kv, why = fp8.store.read(r.id, r.token_ids)
+        ref, _ = plain.store.read(r.id, r.token_ids)
+        assert why is None and kv.quantized and kv.k.dtype == torch.float8_e4m3fn
+        assert kv.k_scale.dtype == torch.float16 and kv.k_scale.shape == kv.k.shape[:3]
+        (k8, ks), (v8, vs) = quantize_rows(ref.k), quantize_rows(ref.v)
+        for got, want in ((kv.k, k8), (kv.v, v8), (kv.k_scale, ks), (kv.v_scale, vs)):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+        # head_dim 32 here: 32 fp8 bytes + 2 scale bytes per row against 64 bf16 bytes
+        assert kv.nbytes / ref.nbytes == pytest.approx(34 / 64)
+    # a query over the fp8 index runs (its KV dequantised into the 16-bit pool) and reads the disk
+    llm.engine.clear_cache()
+    out = llm.generate(fp8.segments("Who built the lighthouse?", ["a", "c"]), max_new_tokens=4,
+                       source=fp8.chunk_source)
+    assert out.stats.chunk_sources == {"disk": 2}
+    # the dtype is the index's: a rebuild that asks for another is refused, naming the fix
+    with pytest.raises(LazyIndexError, match="kv_dtype"):
+        LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, ids=ids, split=False, vectors=False, progress=False,
+                             kv_dtype="bfloat16")
+    with pytest.raises(LazyIndexError, match="Unknown KV dtype"):
+        LazyIndex.from_texts(TEXTS, tmp_path / "x", llm=llm, ids=ids, split=False, vectors=False, kv_dtype="int3")
