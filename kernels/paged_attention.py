@@ -82,6 +82,27 @@ def _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype: tl.constexpr, FAST_T
 
 
 @triton.jit
+def qk_f16_scale(q1, q2, rope_scale):
+    """(q_mul, q_div): powers of two for an fp16 QK dot over fp8 keys (QK_F16). e4m3 -> fp16 is
+    one cvt per pair of keys' elements against e4m3 -> fp16 -> bf16 (one more per element), so
+    with bf16 compute the query is taken to fp16 instead, times q_mul, and the scores times
+    q_div = 1 / q_mul (folded into the scalar qk scale: nothing in the KV loop).
+    Range: q_mul puts the tile's bound B = max over rows and pairs of sqrt(q1^2 + q2^2) *
+    max(|rope_scale|, 1), which bounds every rotated (or unrotated) query element, in
+    [2^13, 2^14): no element can pass fp16's 65504, whatever q's size; and the tile's largest
+    elements get fp16's 11-bit significand (bf16: 8), any element above B * 2^-27 a normal fp16.
+    Exact: both factors are powers of two, from B's exponent field E clamped to [14, 254]
+    (q_mul = 2^(140 - E), q_div = 2^(E - 140): a zero or NaN bound gives finite factors)."""
+    nrm = tl.max(tl.max(q1 * q1 + q2 * q2, axis=1), axis=0)
+    bound = tl.sqrt(nrm) * tl.maximum(tl.abs(rope_scale), 1.0)
+    e = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 14), 254)
+    q_mul = ((267 - e) << 23).to(tl.float32, bitcast=True)
+    q_div = ((e - 13) << 23).to(tl.float32, bitcast=True)
+    return q_mul, q_div
+
+
+@triton.jit
 def _scaled_pv(p, v8, vs, dtype: tl.constexpr, SCALE_V_TILE: tl.constexpr):
     """The P @ V operands for fp8 values with per-key scales vs [BLOCK_N] (fp32): P's column n
     times vs[n] and v8 converted (exact), since P @ (v8 * vs[:, None]) == (P * vs[None, :]) @ v8:
@@ -153,11 +174,16 @@ def _paged_attn_kernel(
     WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
+    QK_F16: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     dtype = Q.dtype.element_ty      # the compute dtype (the pool's, unless it is fp8)
+    if QK_F16:
+        qk_dtype = tl.float16       # fp8 keys: the QK dot in fp16 (see qk_f16_scale)
+    else:
+        qk_dtype = dtype
 
     b, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP, BLOCK_M, ROWS)
     dh = tl.arange(0, HALF)
@@ -168,12 +194,17 @@ def _paged_attn_kernel(
     q2 = tl.load(Q + q_off + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
     qp = tl.load(QPOS + qi, mask=row_ok, other=-1)           # padded rows see no key
     freq = tl.load(INV_FREQ + dh)
+    if QK_F16:
+        q_mul, q_div = qk_f16_scale(q1, q2, rope_scale)
+        q1 = q1 * q_mul
+        q2 = q2 * q_mul
+        qk_scale_log2 = qk_scale_log2 * q_div
 
     if ROPE_MODE == 1:
-        qa, qb = _rotate_query(q1, q2, qp, freq, rope_scale, dtype, FAST_TRIG)
+        qa, qb = _rotate_query(q1, q2, qp, freq, rope_scale, qk_dtype, FAST_TRIG)
     else:
-        qa = q1.to(dtype)
-        qb = q2.to(dtype)
+        qa = q1.to(qk_dtype)
+        qb = q2.to(qk_dtype)
     p_start = tl.load(INDPTR + b)
     cur_shift = p_start * 0 - 2147483647       # no shift seen yet
     p_end = tl.load(INDPTR + b + 1)
@@ -220,7 +251,8 @@ def _paged_attn_kernel(
         elif ROPE_MODE == 2:
             s0 = tl.load(ROT_SHIFT + e0)
             if s0 != cur_shift:      # a new chunk: rotate the query once for all its tiles
-                qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, dtype, FAST_TRIG)
+                qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, qk_dtype,
+                                       FAST_TRIG)
                 cur_shift = s0
             if MULTI_SHIFT == 3:
                 s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
@@ -229,15 +261,15 @@ def _paged_attn_kernel(
         k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
         if KV_FP8:
             # e4m3 -> compute dtype is exact; the per-token scales multiply the scores below
-            k1 = k1.to(dtype)
-            k2 = k2.to(dtype)
+            k1 = k1.to(qk_dtype)
+            k2 = k2.to(qk_dtype)
             s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
             ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
         if ROPE_MODE == 1:
             k1f = k1.to(tl.float32)
             k2f = k2.to(tl.float32)
-            k1 = (k1f * ck - k2f * sk).to(dtype)
-            k2 = (k2f * ck + k1f * sk).to(dtype)
+            k1 = (k1f * ck - k2f * sk).to(qk_dtype)
+            k2 = (k2f * ck + k1f * sk).to(qk_dtype)
         sc = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
         sc = tl.dot(qb, tl.trans(k2), acc=sc, input_precision=DOT_PREC)
         if ROPE_MODE == 2:
@@ -245,7 +277,7 @@ def _paged_attn_kernel(
                 # PPT == 2: redo the dots for the second page only when it starts a new
                 # chunk (a uniform scalar branch: keeps the loop software-pipelined).
                 if s1 != s0:
-                    qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, dtype,
+                    qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, qk_dtype,
                                              FAST_TRIG)
                     sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
                     sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
@@ -260,7 +292,7 @@ def _paged_attn_kernel(
                 todo = k_ok & (sh != s0)
                 while tl.max(todo.to(tl.int32), axis=0) > 0:
                     su = tl.min(tl.where(todo, sh, 2147483647), axis=0)
-                    qa2, qb2 = _rotate_query(q1, q2, qp - su, freq, rope_scale, dtype,
+                    qa2, qb2 = _rotate_query(q1, q2, qp - su, freq, rope_scale, qk_dtype,
                                              FAST_TRIG)
                     sc2 = tl.dot(qa2, tl.trans(k1), input_precision=DOT_PREC)
                     sc2 = tl.dot(qb2, tl.trans(k2), acc=sc2, input_precision=DOT_PREC)
@@ -406,7 +438,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            max_tiles_hint: int, num_splits: int | None, out: torch.Tensor | None,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
-           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+           qk_f16: bool | None = None):
     """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
     kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
@@ -416,13 +449,15 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
-    q is then in the compute dtype."""
+    q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 (qk_f16_scale; None: with
+    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
-    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale)
     mode = rope_mode_code(rope_mode, table)
+    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale,
+                      qk_f16 if qk_f16 is not None else mode != ROPE_MODES["rotate_k"])
     G = H // Hkv
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)
@@ -469,10 +504,12 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     return (out, row_lse) if return_lse else out
 
 
-def fp8_args(q, k_pages, v_pages, k_scale, v_scale) -> dict:
+def fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16: bool = True) -> dict:
     """The attention kernels' fp8 keyword arguments (both kernels): none for pages in q's dtype
     (the arguments stay None, specialized away: the kernels compile as without them), else the
-    scale tensors, their page and head strides, KV_FP8 and SCALE_V_TILE (fp16 compute)."""
+    scale tensors, their page and head strides, KV_FP8, SCALE_V_TILE (fp16 compute) and QK_F16
+    (the QK dot in fp16: qk_f16_scale; taken with bf16 compute when qk_f16, and with fp32
+    compute only when forced, qk_f16 == "force", for the CPU tests)."""
     check_scales(k_pages, k_scale, "k_pages")
     check_scales(v_pages, v_scale, "v_pages")
     if k_scale is None:
@@ -483,4 +520,5 @@ def fp8_args(q, k_pages, v_pages, k_scale, v_scale) -> dict:
     return dict(K_SCALE=k_scale, V_SCALE=v_scale, stride_ksp=k_scale.stride(0),
                 stride_ksh=k_scale.stride(1), stride_vsp=v_scale.stride(0),
                 stride_vsh=v_scale.stride(1), KV_FP8=True,
-                SCALE_V_TILE=q.dtype == torch.float16)
+                SCALE_V_TILE=q.dtype == torch.float16,
+                QK_F16=bool(qk_f16) and (q.dtype == torch.bfloat16 or qk_f16 == "force"))

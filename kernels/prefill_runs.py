@@ -110,7 +110,8 @@ def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
 def _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh, zero, s0, INV_FREQ,
                    rope_scale, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                    ROWS: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr,
-                   FAST_TRIG: tl.constexpr, BY_TOKEN: tl.constexpr):
+                   FAST_TRIG: tl.constexpr, BY_TOKEN: tl.constexpr, q_mul=None,
+                   SCALE_Q: tl.constexpr = False):
     """The tile's query [ROWS, D] rotated by (position - s0) (fp32 angle (m - s0) * freq,
     cos/sin times rope_scale, as the reference), one full-width tile in the pool dtype for a
     single K=D dot. Loaded from Q again at each run, so no fp32 copy of q stays live across the
@@ -124,7 +125,8 @@ def _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh, zero, s0, INV_
     `zero` is 0, but opaque to the compiler (the caller's min(e, 0)): every index here is
     built on it, so that none of this function's address / mask / position tensors is hoisted
     out of the run loop, where they would hold registers across the KV loops (measured in
-    the sm_90 compile: spills without it)."""
+    the sm_90 compile: spills without it).
+    SCALE_Q: q times q_mul (a power of two, paged_attention.qk_f16_scale) before the rotation."""
     r = tl.arange(0, ROWS) + zero
     qi = q0 + r // GP
     row_ok = (r // GP < BLOCK_M) & (r % GP < G) & (qi < q_end)
@@ -142,6 +144,9 @@ def _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh, zero, s0, INV_
         q_off = q_row[:, None] + f[None, :]
         x1 = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(Q + q_off + D // 2, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if SCALE_Q:
+            x1 = x1 * q_mul
+            x2 = x2 * q_mul
         r1 = (x1 * c - x2 * s).to(dtype)
         r2 = (x2 * c + x1 * s).to(dtype)
         return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (ROWS, D))
@@ -154,6 +159,9 @@ def _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh, zero, s0, INV_
         y = tl.load(Q + q_row[:, None] + partner[None, :], mask=row_ok[:, None],
                     other=0.0).to(tl.float32)
         y = tl.where((d < D // 2)[None, :], -y, y)
+        if SCALE_Q:
+            x = x * q_mul
+            y = y * q_mul
         freq = tl.load(INV_FREQ + d % (D // 2))
         c, s = cos_sin((qp - s0).to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
         return (x * (c * rope_scale) + y * (s * rope_scale)).to(dtype)
@@ -166,14 +174,20 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             e_a, e_b, D: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
             HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
-            stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False):
+            stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
+            PV_DTYPE: tl.constexpr = None):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
     hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
     guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
     KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
-    paged_attention._scaled_pv."""
+    paged_attention._scaled_pv, in PV_DTYPE (None: qr's dtype; the compute dtype where qr is fp16
+    for the QK dot, QK_F16)."""
     dtype = qr.dtype
+    if PV_DTYPE is None:
+        pv_dtype = dtype
+    else:
+        pv_dtype = PV_DTYPE
     n = tl.arange(0, BLOCK_N)
     slot = n // PAGE
     off = n % PAGE
@@ -237,7 +251,7 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
         v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)
         if KV_FP8:
             vs = tl.load(VS_h + pid * stride_vsp + off, mask=k_ok, other=0.0).to(tl.float32)
-            pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
+            pv, v = _scaled_pv(p, v, vs, pv_dtype, SCALE_V_TILE)
         else:
             pv = p.to(dtype)
         acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
@@ -264,6 +278,7 @@ def _prefill_runs_kernel(
     ROTATE_BY_TOKEN: tl.constexpr, WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
+    QK_F16: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -296,8 +311,23 @@ def _prefill_runs_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    if QK_F16:
+        # fp8 keys, bf16 compute: the QK dot in fp16 (paged_attention.qk_f16_scale), the query
+        # times q_mul, the scores times q_div (in the scalar scale)
+        hf = tl.arange(0, D // 2)
+        q_h = Q + q_row[:, None] + hf[None, :]
+        q_mul, q_div = paged_attention.qk_f16_scale(
+            tl.load(q_h, mask=row_ok[:, None], other=0.0).to(tl.float32),
+            tl.load(q_h + D // 2, mask=row_ok[:, None], other=0.0).to(tl.float32), rope_scale)
+        qk_scale_log2 = qk_scale_log2 * q_div
+        qk_dtype: tl.constexpr = tl.float16
+    else:
+        q_mul = None
+        qk_dtype: tl.constexpr = dtype
     if not ROTATE_Q:   # rope_mode "none": q as given, loop-invariant for the whole program
         qr = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        if QK_F16:
+            qr = (qr.to(tl.float32) * q_mul).to(tl.float16)
 
     while e < e_hi:
         if ROTATE_Q:
@@ -311,18 +341,19 @@ def _prefill_runs_kernel(
             # stays inside this loop instead of holding registers across the KV loops
             qr = _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh,
                                 tl.minimum(e, 0), s0, INV_FREQ, rope_scale, G, GP, BLOCK_M,
-                                ROWS, D, dtype, FAST_TRIG, ROTATE_BY_TOKEN)
+                                ROWS, D, qk_dtype, FAST_TRIG, ROTATE_BY_TOKEN, q_mul, QK_F16)
         if not HAS_SLOT_POS:
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                     stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                     SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, e, mid,
                                     D, PAGE, PPT, BLOCK_N, DOT_PREC, False, HAS_SLOT_POS,
-                                    KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE)
+                                    KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE,
+                                    dtype)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
-                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE)
+                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -357,7 +388,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
                 num_warps: int | None = None, num_stages: int | None = None,
                 split_target: float = 2.0, return_lse: bool = False,
                 q_rotation: str = "token", k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None):
+                v_scale: torch.Tensor | None = None, qk_f16: bool | str = True):
     """The runs kernel's launcher; arguments and result as paged_attention.launch (rope_mode
     "rotate_q" or "none" only). Split-KV splits each sequence's entries into ranges of
     tiles_per_split * PPT entries, sized from max_tiles_hint on the host as the tiles kernel.
@@ -369,7 +400,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert D & (D - 1) == 0, "head_dim a power of two"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
-    scaled = paged_attention.fp8_args(q, k_pages, v_pages, k_scale, v_scale)
+    scaled = paged_attention.fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16)
     assert q_rotation in ("token", "row"), q_rotation
     mode = rope_mode_code(rope_mode, table)
     if mode not in (ROPE_MODES["rotate_q"], ROPE_MODES["none"]):

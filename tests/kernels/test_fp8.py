@@ -300,3 +300,31 @@ def test_copy_rotate_run_fp8(n, page, first_slot, shift):
     a = dequantize_rows(k_a[:, dpage, :, doff], ks_a[:, dpage, :, doff])
     b = dequantize_rows(k_b[:, dpage, :, doff], ks_b[:, dpage, :, doff])
     assert ((a - b).abs().amax(-1) <= 2.0 ** -3 * b.abs().amax(-1) + 1e-30).all()
+
+
+# -- the fp16 QK dot over fp8 keys (QK_F16, paged_attention.qk_f16_scale) -----------------------
+
+@pytest.mark.parametrize("q_exp", [0, 24, -30])
+@pytest.mark.parametrize("rope_mode,kernel", [("rotate_q", "decode"), ("none", "decode"),
+                                              ("rotate_q", "runs"), ("none", "runs")])
+def test_qk_f16_guard(q_exp, rope_mode, kernel):
+    """With bf16 compute the kernels take the QK dot over fp8 keys in fp16, the query times a
+    power of two that puts its tile's bound in [2^13, 2^14). Forced here with fp32 compute (the
+    interpreter has no bf16): within fp16's tolerance of the reference, for queries 2^24 times
+    larger (past fp16's range unguarded: 65504 ~ 2^16) and 2^-30 times smaller (below fp16's
+    subnormals) than the other tests'."""
+    c = Case(SEQS if kernel == "runs" else MIXED, CHUNKS, Hkv=2, G=4, D=64, page=16,
+             dtype=torch.float32, seed=11, pos_base=64 if kernel == "runs" else 0)
+    (k8, v8, ks, vs), deq = fp8_pages(c, seed=5)
+    c.q = c.q * 2.0 ** q_exp
+    if kernel == "decode":
+        out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode=rope_mode,
+                          num_splits=2, k_scale=ks, v_scale=vs, qk_f16="force")
+    else:
+        plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=8)
+        out = lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
+                           rope_mode=rope_mode, plan=plan, block_n=32, k_scale=ks, v_scale=vs,
+                           qk_f16="force")
+    ref = _ref(c, deq, rope_mode)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
