@@ -2,9 +2,12 @@
 
 The kernel drops a ``flock`` when its holder exits, however it exits (``kill -9`` included), so
 a killed writer never leaves a stale lock behind; the file's text only names the holder for the
-error message. Builds hold the lock for their whole run (read the old generation, write, commit,
-clean up); a query that repairs a KV file takes it without waiting and writes only if the index
-is still at the generation it loaded, so no reader writes KV for chunks a newer build dropped.
+error message. The holder is the only process that appends to the KV segments or writes the
+index's database: builds hold the lock for their whole run (read the old generation, append,
+commit, compact, clean up), and a query that repairs a KV record takes it without waiting and
+writes only if the index is still at the commit it loaded, so no reader writes KV for chunks a
+newer build dropped. Readers take no lock: SQLite's snapshots and the segments' committed lengths
+keep what they read whole while the holder writes.
 """
 from __future__ import annotations
 
