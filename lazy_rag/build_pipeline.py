@@ -16,6 +16,7 @@ are measured, so a build can say which stage bounds it (``PipelineStats``).
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -47,8 +48,17 @@ class PipelineStats:
 class KVWriter:
     """Writes (record, KV) pairs to ``store`` from one background thread, in order."""
 
-    def __init__(self, store, written: list, stats: PipelineStats, max_pending_bytes: int):
+    def __init__(self, store, written: list, stats: PipelineStats, max_pending_bytes: int, threads: int | None = None):
         self.store, self.written, self.stats = store, written, stats
+        # records are prepared (copied into their layout, checksummed) on a pool: those copies and
+        # CRCs release the GIL, and one thread of them was the 8B build's bottleneck; the appends
+        # stay in order on the writer thread
+        self.pool = None
+        if hasattr(store, "prepare"):
+            from concurrent.futures import ThreadPoolExecutor
+
+            n = threads or max(1, min(8, (os.cpu_count() or 2) - 1))
+            self.pool = ThreadPoolExecutor(n, thread_name_prefix="lazy-rag-kv-prepare")
         self.max_pending = max(int(max_pending_bytes), 1)
         self.pending = 0
         self.cond = threading.Condition()
@@ -68,13 +78,20 @@ class KVWriter:
             self._raise()
             self.pending += nbytes
         self.stats.encoder_wait_s += time.perf_counter() - t0
+        if self.pool is not None:
+            kvs = [self.pool.submit(self.store.prepare, r.id, r.token_ids, kv) for r, kv in zip(records, kvs)]
         self.items.put((records, kvs, nbytes, on_written))
 
     def close(self) -> None:
         """Wait until everything queued is written; raises the writer's error, if any."""
         self.items.put(_STOP)
         self.thread.join()
+        self._shutdown()
         self._raise()
+
+    def _shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def abort(self) -> None:
         """Stop after the batch being written (the caller failed); never raises."""
@@ -83,6 +100,7 @@ class KVWriter:
             self.cond.notify_all()
         self.items.put(_STOP)
         self.thread.join()
+        self._shutdown()
 
     def _raise(self) -> None:
         if self.error is not None and not isinstance(self.error, _Aborted):
@@ -103,6 +121,8 @@ class KVWriter:
                     # fails); a segment store keeps its own account of what it appended
                     path_of = getattr(self.store, "path", None)
                     for r, kv in zip(records, kvs):
+                        if self.pool is not None:  # a future of store.prepare: write takes its record
+                            kv = kv.result()
                         self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
                         if path_of is not None:
                             self.written.append(path_of(r.id))

@@ -82,11 +82,18 @@ def index(
     wrapper: str = typer.Option("auto", help="Chunk wrapper every chunk is encoded inside: auto (an existing index's, "
                                              "else the model's bundled one), none, a bundled name (`lazy-rag models`) "
                                              "or a file from `lazy-rag tune`."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Estimate chunks, tokens, disk bytes and time (from a sample "
+                                                          "of the files and timed probes on this machine); write "
+                                                          "nothing."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES (an index of an older
     lazy-rag in --out is converted in place, keeping its KV)."""
     _quiet_libraries()
     from .index import LazyIndex
+
+    if dry_run:
+        _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper)
+        return
 
     try:
         idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
@@ -112,6 +119,35 @@ def index(
               f"{_human(rep.kv_bytes_written)} of KV written{moved} in {rep.seconds:.1f} s -> {out_dir}"
               + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots)" if w is not None else ""),
               markup=False, highlight=False)
+
+
+def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper) -> None:
+    from .build_estimate import estimate_build
+    from .embedder import Embedder
+    from .llm import LazyLLM
+
+    try:
+        llm = LazyLLM.from_pretrained(model, device=device)
+        w = llm.host.resolve_wrapper(wrapper)  # a new index's ("auto": the model's bundled wrapper)
+        est = estimate_build([str(s) for s in sources], out_dir, llm, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
+                             kv_dtype=kv_dtype, wrapper_slots=w.slots if w is not None else 0, embedder=Embedder())
+    except LazyRagError as e:
+        _fail(e)
+    t = Table(title=f"Dry run: indexing {', '.join(map(str, sources))} into {out_dir} (nothing written)")
+    t.add_column("estimate"), t.add_column("value")
+    how = "exact" if est["exact"] else f"from {est['sampled_files']} of {est['files']} files"
+    rows = [("files", f"{est['files']:,} ({est['files_skipped']} skipped)"), ("chunks", f"{est['chunks']:,} ({how})"),
+            ("tokens", f"{est['tokens']:,}"),
+            ("KV on disk", f"{_human(est['kv_bytes'])} ({est['kv_bytes_per_token']:,.0f} B/token, {est['kv_dtype']})"),
+            ("vectors", _human(est["vector_bytes"])),
+            ("free disk", f"{_human(est['disk_free_bytes'])}" + ("" if est["fits_on_disk"] else "  (does NOT fit)")),
+            ("encode", f"{est['encode_tokens_per_s']:,.0f} tokens/s on {est['device']}"),
+            ("write", f"{est['write_bytes_per_s'] / 1e9:.2f} GB/s"),
+            ("time", f"~{est['total_s']:,.0f} s (chunking {est['chunking_s']:.0f} s, embedding {est['embedding_s']:.0f} s, "
+                     f"KV {est['kv_s']:.0f} s, bound by {est['bound']})")]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
 
 
 @app.command()
