@@ -273,15 +273,21 @@ def one_size(a) -> dict:
     asks = [(records[i].text.split(".")[0][:120] + "?", [records[j].id for j in rng.sample(range(len(records)),
              min(a.top_k, len(records)))]) for i in rng.sample(range(len(records)), min(a.queries, len(records)))]
 
+    from collections import Counter
+
     def ttft(mode: str, cold: bool) -> float:
-        times = []
+        times, tiers = [], Counter()
         for q, ids in asks:
             if cold:
                 llm.engine.clear_cache()
                 drop_page_cache(out)
             gen = llm.generate(index.segments(q, ids), max_new_tokens=1, mode=mode, source=index.chunk_source)
             times.append(gen.stats.as_dict()["ttft_ms"])
+            tiers.update(gen.stats.chunk_sources)
         times.sort()
+        if cold:  # which path each cold chunk took (disk read or encoded again), and why
+            rec["query_cold_chunk_sources"] = dict(tiers)
+            rec["read_or_encode"] = llm.engine.planner.chooser.as_dict()
         return round(times[len(times) // 2], 2)
 
     ttft("lazy", False)  # first use: compile, fill the tiers

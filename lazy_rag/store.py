@@ -236,6 +236,25 @@ def _pwrite_all(fd: int, parts: list, off: int) -> None:
             views[0] = views[0][n:]
 
 
+def _writeback_starter():
+    """Linux's sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE) through ctypes (Python has no
+    binding), or None elsewhere: it starts writing a range's dirty pages to the disk and returns
+    without waiting."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_START_WRITEBACK = _writeback_starter()
+SYNC_FILE_RANGE_WRITE = 2
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -502,7 +521,14 @@ class _Appender:
             self.roll()
         off = self.ends[self.seg]
         parts = body if isinstance(body, list) else [body]
-        _pwrite_all(self._fds[self.seg], [RECORD_HEADER.pack(RECORD_MAGIC, crc, length), *parts], off)
+        fd = self._fds[self.seg]
+        _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, crc, length), *parts], off)
+        if _START_WRITEBACK is not None:
+            # the disk starts on this record now, not at the next checkpoint's fsync: a build's
+            # writes then keep the disk busy while the encoder runs, instead of the page cache
+            # filling up and the writer waiting on one long fsync every checkpoint (the 8B build
+            # wrote at 38% of the disk's bandwidth that way)
+            _START_WRITEBACK(fd, off, span, SYNC_FILE_RANGE_WRITE)
         self.ends[self.seg] = off + span
         self.appended += span
         return KVLocation(self.seg, off + RECORD_HEADER.size, length, crc)
