@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels.rope import RopeTable
+from ..requests import CHUNK_MODES
 from .chunk_tiers import ChunkTiers, chunk_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
@@ -159,8 +160,10 @@ class KVPlanner:
         instead of one forward each. The entries wait in ``seq.prefetched`` (held) for the mode's
         admission to take them (``_acquire_chunk``)."""
         store = seq.source.store
-        if seq.source.shared_prefix_ids or not seq.layout.spans:
-            return  # chunks after a shared prefix are encoded one by one with it held (place_chunk)
+        if seq.mode not in CHUNK_MODES or seq.source.shared_prefix_ids or not seq.layout.spans:
+            # prefix and full reuse no chunk; chunks after a shared prefix are encoded one by one
+            # with it held (place_chunk)
+            return
         pending, tokens, short = [], 0, None
         try:
             for _, ids, cid, prefix, _ in self._chunks(seq):
