@@ -26,4 +26,4 @@ def test_dry_run_counts_what_the_build_makes_and_writes_nothing(tmp_path, tokeni
     assert kv_bytes_per_token(llm, "fp8") == s.kv_bytes_per_token + 4 * s.num_layers * s.num_kv_heads
     assert kv_bytes_per_token(llm, "auto") == 2 * s.kv_bytes_per_token  # bf16
     assert est["kv_bytes"] == est["tokens"] * kv_bytes_per_token(llm, "fp8")
-    assert est["encode_tokens_per_s"] > 0 and est["write_bytes_per_s"] > 0 and est["total_s"] >= est["kv_s"] > 0
+    assert est["encode_tokens_per_s"] > 0 and est["write_bytes_per_s"] > 0 and est["total_s"] >= est["kv_s"] >= 0  # rounded to 0.1 s
