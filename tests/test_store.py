@@ -95,6 +95,22 @@ def test_fp8_kv_and_its_scales_round_trip(tmp_path):
     data[loc.off + loc.length - 2] ^= 0x01  # inside the last tensor's bytes
     path.write_bytes(bytes(data))
     assert ChunkStore(tmp_path, "fp").read("q", [7, 8, 9, 10, 11])[1] == "checksum mismatch (corrupt)"
+    # the engine's read (record CRC only, no per-tensor pass) catches it too
+    assert ChunkStore(tmp_path, "fp").read_nowait("q", [7, 8, 9, 10, 11], tensor_crcs=False)[1] in (
+        "checksum mismatch (corrupt)", "not in memory")
+    assert ChunkStore(tmp_path, "fp").read("q", [7, 8, 9, 10, 11], tensor_crcs=False)[1] == "checksum mismatch (corrupt)"
+
+
+def test_a_read_is_one_buffer_whose_views_are_the_tensors(tmp_path):
+    """``read`` copies a record once, into one uint8 buffer; the tensors are views of it (the
+    engine's reads go straight to pinned memory this way), equal to what was written."""
+    store = ChunkStore(tmp_path, "fp")
+    kv = kv_of(3)
+    store.write("a", [1, 2, 3], kv)
+    got, why = store.read("a", [1, 2, 3], tensor_crcs=False)
+    assert why is None and same(got, kv)
+    assert got.k.untyped_storage().data_ptr() == got.v.untyped_storage().data_ptr()
+    assert store.in_memory("missing") is None  # no record: nothing to tell
 
 
 def test_a_new_segment_starts_past_the_size_limit(tmp_path, monkeypatch):

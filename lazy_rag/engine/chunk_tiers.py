@@ -12,10 +12,10 @@ Pool convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): a chunk's keys ro
 chunk-local positions 0..L-1, so that a table entry with rot_shift = the chunk's start gives the
 kernels the exact logical rotation. Stored KV (host tier, disk) is unrotated.
 
-fp8 (an engine whose pool is float8_e4m3fn): the host tier holds the chunk's KV in the pool's
-format, ``ChunkKV`` with fp8 k / v and fp16 per-token scales (half the bytes), under a key of its
-own (``host_key``), so a tier shared by engines of both formats never hands one the other's KV;
-a store's KV of the other format is converted once as it is read. ``place`` dequantises the
+fp8 (an engine whose pool is float8_e4m3fn, or a store of fp8 KV): the host tier holds a chunk's
+KV in the format it was stored or encoded in (``ChunkKV`` with fp8 k / v and fp16 per-token
+scales: half the bytes), under a key of that format (``host_key``); a fetch looks for the pool's
+format first, and ``place`` converts the other on the pool's device. ``place`` dequantises the
 unrotated keys, rotates them in fp32 and quantises them again into the pool: a placed key is
 rounded twice, Q(rot(DQ(Q(k)))), where a key written by the forward is rounded once, Q(rot(k))
 (measured on keys with outlier channels: relative rms error 0.022 against 0.017, per-row max
@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..lru import ByteLRU
-from ..kernels import FP8, dequantize_rows, quantize_rows
+from ..kernels import FP8, dequantize_rows
 from ..kernels.rope import RopeTable
 from ..segments import token_ids_key
 from ..store import ChunkKV, ChunkStore
@@ -55,17 +55,6 @@ def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = ()) -> tu
 def host_key(key: tuple, quantized: bool) -> tuple:
     """The host tier's key of a chunk's KV in a format: fp8 KV apart from unquantised KV."""
     return (*key, "fp8") if quantized else key
-
-
-def as_format(kv: ChunkKV, kv_dtype: torch.dtype | None) -> ChunkKV:
-    """``kv`` in the format of a pool of ``kv_dtype`` (None: as it is): quantised per token for an
-    fp8 pool, dequantised to ``kv_dtype`` for another."""
-    if kv_dtype is None or kv.quantized == (kv_dtype == FP8):
-        return kv
-    if kv_dtype == FP8:
-        (k8, ks), (v8, vs) = quantize_rows(kv.k), quantize_rows(kv.v)
-        return ChunkKV(k8, v8, ks, vs)
-    return ChunkKV(dequantize_rows(kv.k, kv.k_scale, kv_dtype), dequantize_rows(kv.v, kv.v_scale, kv_dtype))
 
 
 @functools.lru_cache(maxsize=2048)
@@ -94,47 +83,78 @@ class ChunkTiers:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.host: ByteLRU[ChunkKV] = ByteLRU(host_bytes, lambda c: c.nbytes)
         self.counters: Counter = Counter()
-        self._stream = None
+        self._stream = None       # CUDA side stream: host -> pool placements, pool -> host copies
 
-    def to_host(self, kv: ChunkKV) -> ChunkKV:
+    def to_host(self, kv: ChunkKV, wait: bool = True) -> ChunkKV:
         """A host copy of ``kv`` (every tensor: an fp8 chunk's scales too; pinned on a CUDA
-        machine), not kept in the tier."""
+        machine), not kept in the tier. ``wait=False`` (CUDA KV, pinned host): the copies are
+        queued on the side stream and this returns at once; only the GPU may read the copy
+        before they finish (``place`` orders its reads after them), so the caller must not
+        hand it to the host (a store write)."""
+        tensors = kv.tensors()
+        if not wait and self.pin and all(t.is_cuda for t in tensors.values()):
+            stream = self._side_stream(next(iter(tensors.values())).device)
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            out = {}
+            with torch.cuda.stream(stream):
+                for name, t in tensors.items():
+                    out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                    t.record_stream(stream)
+            return ChunkKV.from_tensors(out)
         out = {}
-        for name, t in kv.tensors().items():
+        for name, t in tensors.items():
             t = t.detach().to("cpu")
-            out[name] = t.pin_memory() if self.pin else t
+            out[name] = t.pin_memory() if self.pin and not t.is_pinned() else t
         return ChunkKV.from_tensors(out)
+
+    def _side_stream(self, device) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
 
     def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None,
               store: ChunkStore | None, kv_dtype: torch.dtype | None = None, chooser=None,
               batch_tokens: int = 0) -> tuple[ChunkKV | None, str | None]:
-        """(KV on the host, "host" or "disk"), or (None, None) when the chunk must be encoded, or
+        """(KV on the host, "host" or "disk"; in the format it was stored or encoded in, which
+        ``place`` converts to the pool's), or (None, None) when the chunk must be encoded, or
         (None, "recompute") when its stored KV is intact but not in memory and ``chooser``
         (``read_or_encode.ReadOrEncode``) finds encoding it faster than reading it from the disk
         (``batch_tokens``: tokens already to be encoded in the same forward); the record is then
         left as it is. A stored file that is damaged, foreign or (in a precomputed index) missing
         is reported and will be repaired by ``keep`` after the encode. ``kv_dtype``: the asking
-        pool's dtype; the KV comes in its format (``as_format``: a store's KV of the other format
-        converted)."""
+        pool's dtype (its format's host copy is looked up first)."""
         fp8 = kv_dtype == FP8
-        key = host_key(key, fp8)
-        kv = self.host.get(key)
-        if kv is not None:
-            self.counters["host_hits"] += 1
-            return kv, "host"
+        for k in (host_key(key, fp8), host_key(key, not fp8)):  # the pool's format first
+            kv = self.host.get(k)
+            if kv is not None:
+                self.counters["host_hits"] += 1
+                return kv, "host"
         self.counters["host_misses"] += 1
         if store is None or chunk_id is None:
             return None, None
         kv, why = None, NOT_IN_MEMORY
+        # a segment store reads straight into pinned memory, checking the record's CRC only
+        fast = {"pin": self.pin, "tensor_crcs": False} if getattr(store, "reads_pinned", False) else {}
         nowait = getattr(store, "read_nowait", None) if chooser is not None and chooser.calibrated else None
-        if nowait is not None:  # in the page cache: read it (memory bandwidth); else weigh the disk
-            kv, why = nowait(chunk_id, tuple(token_ids))
+        probe = getattr(store, "in_memory", None) if nowait is not None else None
+        # in the page cache? Then the read costs its copy and CRC at the measured page-cache rate
+        # (an 8B model's 32 MB chunk: ~20 ms on the H100 machine, slower than encoding it again
+        # in a prefill), else the disk's rate: weighed against encoding either way
+        cached = probe(chunk_id) if probe is not None else None
+        if cached and chooser.should_encode(store.stored_bytes(chunk_id), len(token_ids), batch_tokens, cached=True):
+            self.counters["recomputed_not_read"] += 1
+            return None, "recompute"
+        if nowait is not None and cached is not False:
+            t0 = time.perf_counter()
+            kv, why = nowait(chunk_id, tuple(token_ids), **fast)
+            if kv is not None and cached:
+                chooser.observe_read(kv.nbytes, time.perf_counter() - t0, cached=True)
         if why == NOT_IN_MEMORY:
             if nowait is not None and chooser.should_encode(store.stored_bytes(chunk_id), len(token_ids), batch_tokens):
                 self.counters["recomputed_not_read"] += 1
                 return None, "recompute"
             t0 = time.perf_counter()
-            kv, why = store.read(chunk_id, tuple(token_ids))
+            kv, why = store.read(chunk_id, tuple(token_ids), **fast)
             if kv is not None and nowait is not None:  # a read that went to the disk: its rate
                 chooser.observe_read(kv.nbytes, time.perf_counter() - t0)
         if kv is None:
@@ -146,16 +166,21 @@ class ChunkTiers:
             return None, None
         self.counters["disk_hits"] += 1
         self.counters["bytes_from_disk"] += kv.nbytes
-        kv = self.to_host(as_format(kv, kv_dtype))
-        self.host.put(key, kv)
+        # kept as stored: ``place`` converts on the pool's device (an 8B chunk's fp8 KV dequantised
+        # on the host for a bf16 pool took ~25 ms of CPU per 16 MB)
+        kv = self.to_host(kv)
+        self.host.put(host_key(key, kv.quantized), kv)
         return kv, "disk"
 
     def keep(self, key, kv: ChunkKV, token_ids: Sequence[int], chunk_id: str | None,
-             store: ChunkStore | None) -> ChunkKV:
-        """Freshly encoded KV: into the host tier, and written back to the request's store."""
+             store: ChunkStore | None, wait: bool = True) -> ChunkKV:
+        """Freshly encoded KV: into the host tier, and written back to the request's store.
+        ``wait=False``: the host copy may still be in flight when this returns (``to_host``),
+        unless the store write needs its bytes."""
         self.counters["encoded"] += 1
         self.counters["encoded_tokens"] += kv.num_tokens
-        kv = self.to_host(kv)
+        writes = store is not None and chunk_id is not None
+        kv = self.to_host(kv, wait=wait or writes)
         self.host.put(host_key(key, kv.quantized), kv)
         if store is not None and chunk_id is not None:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
@@ -167,8 +192,8 @@ class ChunkTiers:
         an fp8 pool: keys dequantised, rotated in fp32 and (fp8 pool) quantised again, per token."""
         self.counters["bytes_to_pool"] += kv.nbytes
         cuda = pool.device.type == "cuda"
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(device=pool.device)
+        if cuda:
+            self._side_stream(pool.device)
         ctx = torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext()
         if cuda:  # pages may have just been freed by work still queued on the compute stream
             self._stream.wait_stream(torch.cuda.current_stream(pool.device))

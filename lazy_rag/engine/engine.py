@@ -145,6 +145,12 @@ class Engine:
             for row, tok, seq in zip(rows, toks, seqs):
                 seq.kv_len = seq.num_tokens
                 self._accept(seq, row, tok)
+            # the chunks a prefill encoded go to the cache once its first token is out (host copies:
+            # off the time to first token); a request that finished just now did it as it was released
+            t2 = time.perf_counter()
+            for seq in step.prefill:
+                self.planner.publish_encoded(seq)
+            self.timers["publish_encoded_s"] += time.perf_counter() - t2
             self.num_steps += 1
             return True
 

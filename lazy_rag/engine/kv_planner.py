@@ -26,6 +26,14 @@ them into one compact private run with explicit positions; block overwrites thei
 A chunk's KV comes from the first of: the pool, the host tier, the request's disk store, and
 encoding by the model (straight into the chunk's pool pages, then kept in the host tier and
 written back to the store). One key scheme throughout (``chunk_tiers.chunk_key``).
+
+A lazy request encodes its missing chunks in its own prefill forward: each is an ``EncodeJob``
+packed ahead of the request's tokens (``seq.encode_jobs``), written in every layer before the
+request's attention reads it, into pages the request owns until ``publish`` hands them to the
+cache. An encode then costs its tokens' share of a forward the request runs anyway, not a forward
+of its own (on an 8B model a separate encode forward cost ~31 ms before the prefill's own: a cold
+query was 3x slower than re-encoding everything in ``full``). Block mode copies its chunks before
+the prefill and a selector reads them before it, so both still encode in a forward of their own.
 """
 from __future__ import annotations
 
@@ -41,6 +49,12 @@ from .page_manager import PageManager
 from .page_pool import OutOfPages
 from .read_or_encode import ReadOrEncode
 from .sequence import EncodeJob, Run, Sequence
+
+
+class ChunkBeingEncoded(OutOfPages):
+    """A chunk this admission needs is being encoded by another admitted request's prefill: the
+    admission is refused like one short of pages, and retried after that prefill has cached the
+    chunk (one step later), rather than encoding it a second time in the same forward."""
 
 
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -60,6 +74,7 @@ class KVPlanner:
         self.pool = pm.pool
         self.inv_freq = rope_table.inv_freq.to(self.pool.device, torch.float32)
         self.chooser = ReadOrEncode()  # read a cold chunk's KV from the disk, or encode it again
+        self.encoding: dict = {}       # chunk key -> the admitted request whose prefill encodes it
 
     # -- scheduler protocol ---------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
@@ -115,6 +130,9 @@ class KVPlanner:
         return True
 
     def release(self, seq: Sequence) -> None:
+        self.publish_encoded(seq)  # chunks its prefill computed are cached (none if it never ran)
+        for key in seq.pending_chunks:
+            self.encoding.pop(key, None)
         self.pm.release_all(seq.held)
         self.pm.free(seq.private)
         seq.clear_kv()
@@ -164,16 +182,31 @@ class KVPlanner:
             # prefix and full reuse no chunk; chunks after a shared prefix are encoded one by one
             # with it held (place_chunk)
             return
+        # lazy: encoded in the request's own prefill forward (module docstring), whose fixed cost
+        # is paid anyway: the chooser weighs only the chunk's tokens against its read
+        in_prefill = seq.mode == "lazy" and not seq.recovery.selects
+        own = len(self._new_positions(seq)) if in_prefill else 0
         pending, tokens, short = [], 0, None
         try:
             for _, ids, cid, prefix, _ in self._chunks(seq):
                 key = chunk_key(ids, prefix)
-                if key in seq.prefetched or self.pm.lookup(key) is not None:
+                if key in seq.prefetched or key in seq.pending_chunks or self.pm.lookup(key) is not None:
                     continue  # resident (or listed twice): the admission acquires it
+                if key in self.encoding:
+                    raise ChunkBeingEncoded(f"chunk {cid or key[-1][:12]} is being encoded by request "
+                                            f"{self.encoding[key].id}")
                 if not self.chooser.calibrated and store is not None and hasattr(store, "read_nowait"):
                     self._calibrate()
                 kv, tier = self.tiers.fetch(key, ids, cid, store, kv_dtype=self.pool.dtype, chooser=self.chooser,
-                                            batch_tokens=tokens)
+                                            batch_tokens=tokens + own)
+                if kv is None and in_prefill:
+                    pages = tuple(self.pm.allocate(self.pool.pages_for(len(ids))))  # OutOfPages: refused
+                    seq.private += pages
+                    seq.pending_chunks[key] = (pages, ids, cid, tier == "recompute")
+                    self.encoding[key] = seq
+                    seq.encode_jobs.append(EncodeJob(list(ids), [], [Run(0, len(ids), pages, 0)]))
+                    tokens += len(ids)
+                    continue
                 try:
                     e = self.pm.insert(key, len(ids), cost=len(ids))
                 except OutOfPages as err:  # encode what fits (it stays cached), then refuse
@@ -216,7 +249,9 @@ class KVPlanner:
         return time.perf_counter()
 
     def _calibrate(self) -> None:
-        """Time probe encodes of a short and a long dummy chunk (``ReadOrEncode.calibrate``)."""
+        """Time probe encodes of a short and a long dummy chunk (``ReadOrEncode.calibrate``). On a
+        GPU the probes are long enough that their difference is the per-token cost, not launch
+        noise (32 vs 512 tokens gave 1e-9 s per token on an H100 for Qwen2.5-0.5B)."""
         def encode(n: int) -> None:
             pages = self.pm.allocate(self.pool.pages_for(n))
             try:
@@ -224,7 +259,10 @@ class KVPlanner:
                 self._clock()
             finally:
                 self.pm.free(pages)
-        self.chooser.calibrate(encode)
+        small, large = (256, 2048) if self.pool.device.type == "cuda" else (32, 512)
+        room = (self.pool.num_free + self.pm.evictable_pages) * self.pool.page_size
+        large = min(large, max(small + 1, room // 2))  # a probe fits in the pool
+        self.chooser.calibrate(encode, small, large)
 
     def _acquire_chunk(self, seq: Sequence, ids, chunk_id, prefix):
         taken = seq.prefetched.pop(chunk_key(ids, prefix), None)
@@ -269,9 +307,19 @@ class KVPlanner:
         return list(seq.layout.uncached) + list(range(len(seq.prompt), seq.num_tokens))
 
     def _admit_lazy(self, seq: Sequence) -> None:
+        counted = set()
         for start, ids, cid, prefix, skip in self._chunks(seq):
-            e = self._acquire_chunk(seq, ids, cid, prefix)
-            seq.cached_runs.append(Run(start, len(ids), tuple(e.pages), start, frozenset(range(skip))))
+            key = chunk_key(ids, prefix)
+            pending = seq.pending_chunks.get(key)
+            if pending is None:
+                pages = tuple(self._acquire_chunk(seq, ids, cid, prefix).pages)
+            else:  # encoded by this request's prefill
+                pages = pending[0]
+                if key not in counted:
+                    counted.add(key)
+                    seq.chunk_sources += ["misses", "from_recomputed" if pending[3] else "from_encoded"]
+                    seq.encoded_now += len(ids)
+            seq.cached_runs.append(Run(start, len(ids), pages, start, frozenset(range(skip))))
         seq.compute_pos = self._new_positions(seq)
         for pos, n in contiguous_runs(seq.compute_pos):
             self._private_run(seq, pos, n)
@@ -369,3 +417,22 @@ class KVPlanner:
             if self.pm.lookup(keys[b]) is None:
                 seq.private.remove(page)
                 seq.held.append(self.pm.adopt(keys[b], [page], ps))
+
+    def publish_encoded(self, seq: Sequence) -> None:
+        """After the prefill: the chunks it encoded go to the cache (pool pages adopted, KV to the
+        host tier and, if new, to the store). Nothing to do before the prefill has run (a request
+        released before it: its pages are simply freed) or after a first call."""
+        if not seq.encoded_kv:
+            return
+        store = seq.source.store
+        assert len(seq.encoded_kv) == len(seq.pending_chunks), "the prefill did not capture every chunk it encoded"
+        for (key, (pages, ids, cid, valid_on_disk)), kv in zip(seq.pending_chunks.items(), seq.encoded_kv):
+            self.encoding.pop(key, None)
+            # a chunk recomputed because reading it was slower keeps its record as it is; without a
+            # write the host copy need not be waited for (the first token is out already)
+            self.tiers.keep(key, kv, ids, cid, None if valid_on_disk else store, wait=False)
+            if self.pm.lookup(key) is None:  # else another request cached it first: ours stay private
+                mine = set(pages)
+                seq.private = [p for p in seq.private if p not in mine]
+                seq.held.append(self.pm.adopt(key, list(pages), len(ids), cost=len(ids)))
+        seq.pending_chunks, seq.encode_jobs, seq.encoded_kv = {}, [], []

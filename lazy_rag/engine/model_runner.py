@@ -62,14 +62,16 @@ class ModelRunner:
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
-                capture: bool = False, num_layers: int | None = None, virtual: bool = True):
+                capture: bool | int = False, num_layers: int | None = None, virtual: bool = True):
         """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
         ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q unrotated and k as stored.
         ``num_layers``: stop after that many layers. ``virtual=False``: no id is a chunk wrapper's
-        slot (decode steps; a captured graph must not read the wrapper table). Returns (fp32 logits of ``logits_rows`` or
-        None, captured unrotated K and V [layers, n, Hkv, D] or None). No host syncs and no
+        slot (decode steps; a captured graph must not read the wrapper table). ``capture``: keep the
+        unrotated K and V of every token (True) or of the first ``capture`` tokens (an int).
+        Returns (fp32 logits of ``logits_rows`` or None, captured unrotated K and V
+        [layers, captured, Hkv, D] or None). No host syncs and no
         allocation that depends on values: a decode step through it can be captured in a graph."""
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
@@ -77,14 +79,15 @@ class ModelRunner:
         cos, sin = p.rope_table.cos_sin(pos, p.dtype)
         kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
         caught = None
-        if capture:
-            caught = (torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
-                      torch.empty(depth, n, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
+        m = n if capture is True else int(capture)
+        if m:
+            caught = (torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
+                      torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
         x = p.embed_ids(ids, virtual)
         for i, layer in enumerate(p.layers[:depth]):
             q, k, v = p.project_qkv(layer, p.norm(layer.input_layernorm, x))
-            if capture:
-                caught[0][i], caught[1][i] = k, v
+            if m:
+                caught[0][i], caught[1][i] = k[:m], v[:m]
             k_stored = apply_cos_sin(k, kcos, ksin)
             if write_page is not None:
                 self.pool.write_tokens(i, write_page, write_slot, k_stored, v)
@@ -108,19 +111,31 @@ class ModelRunner:
     def run(self, seqs) -> torch.Tensor:
         """Compute every sequence's ``compute_pos`` tokens; returns fp32 logits [len(seqs), vocab]
         of each sequence's last new token (after a CUDA-graph step, a view of the graph's output
-        buffer: valid until the next ``run``)."""
-        if self.graphs is not None and is_decode_step(seqs):
-            out = self.graphs.run(seqs)
-            if out is not None:
-                return out
-        if self.append_graphs is not None:
-            out = self.append_graphs.run(seqs)
-            if out is not None:
-                return out
-        batch = self._pack(seqs)
-        last = torch.tensor([b - 1 for _, b in batch.spans], device=self.pool.device)
-        logits, _ = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                                 StepAttention(self, seqs, batch), key_pos=batch.key_pos, logits_rows=last)
+        buffer: valid until the next ``run``). A sequence's ``encode_jobs`` (chunks it encodes in
+        its prefill, ``kv_planner``) run in the same forward ahead of every sequence's tokens, so
+        each layer writes their KV before anyone attends to it; their captured KV is left in the
+        sequence's ``encoded_kv``."""
+        jobs = [j for s in seqs for j in getattr(s, "encode_jobs", ())]
+        if not jobs:
+            if self.graphs is not None and is_decode_step(seqs):
+                out = self.graphs.run(seqs)
+                if out is not None:
+                    return out
+            if self.append_graphs is not None:
+                out = self.append_graphs.run(seqs)
+                if out is not None:
+                    return out
+        batch = self._pack(jobs + seqs)
+        last = torch.tensor([b - 1 for _, b in batch.spans[len(jobs):]], device=self.pool.device)
+        encoded = batch.spans[len(jobs) - 1][1] if jobs else 0
+        # pack_fresh: the chunks join the sequences' kernel launch (one per layer), not one SDPA each
+        logits, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                                      StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
+                                      key_pos=batch.key_pos, logits_rows=last, capture=encoded)
+        if jobs:
+            kvs = iter(self._chunk_kvs(*caught, batch.spans[:len(jobs)], to_host=False))
+            for s in seqs:
+                s.encoded_kv = [next(kvs) for _ in getattr(s, "encode_jobs", ())]
         return logits
 
     @torch.inference_mode()
@@ -131,17 +146,21 @@ class ModelRunner:
         build: one DMA into pinned memory per tensor instead of a copy and a pin per chunk, which
         made the 8B build's encode 2-3x slower than its forward)."""
         batch = self._pack(jobs)
-        _, (k, v) = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+        _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                  StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
                                  capture=True)
+        return self._chunk_kvs(*caught, batch.spans, to_host)
+
+    def _chunk_kvs(self, k, v, spans, to_host: bool) -> list[ChunkKV]:
+        """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format."""
         tensors = (k, v) if not self.pool.quantized else (*quantize_rows(k), *quantize_rows(v))
         if self.pool.quantized:  # (k8, k_scale, v8, v_scale) -> ChunkKV's order
             tensors = (tensors[0], tensors[2], tensors[1], tensors[3])
         if to_host:
             if k.device.type == "cuda":
                 tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors)
-            return [ChunkKV(*(t[:, a:b] for t in tensors)) for a, b in batch.spans]
-        return [ChunkKV(*(t[:, a:b].clone() for t in tensors)) for a, b in batch.spans]
+            return [ChunkKV(*(t[:, a:b] for t in tensors)) for a, b in spans]
+        return [ChunkKV(*(t[:, a:b].clone() for t in tensors)) for a, b in spans]
 
     # -- choosing the chunk tokens to recompute (Recovery.select) -----------------------------------
     @torch.inference_mode()

@@ -1,30 +1,40 @@
-"""Read a chunk's stored KV from the disk, or encode the chunk again: whichever is faster here.
+"""Read a chunk's stored KV (from the page cache or the disk), or encode the chunk again:
+whichever is faster here.
 
 Reusing KV that must come from a disk is often slower than recomputing it (SIFT, arXiv
 2606.09441): an 8B model's KV is 128 KB per token, so at the ~1 GB/s of a cloud disk 5 chunks of
-2048 tokens take ~1.3 s to read, while an H100 encodes them in ~0.3 s. KV already in the page
-cache (or the host tier, or the pool) is always read: that is memory bandwidth. So when the
-store says a chunk's record is not in memory (a read that would wait for the disk), the engine
-compares the two estimates below and encodes the chunk if that is faster; the record on disk is
-left as it is (it is valid), and the request's stats count the chunk as ``recomputed``.
+2048 tokens take ~1.3 s to read, while an H100 encodes them in ~0.3 s. Even the page cache is not
+free: a read there is a copy and a CRC32 pass on one CPU core (~1.8 GB/s on the H100 machine), so
+an 8B chunk of 256 tokens (32 MB) takes ~20 ms to read and ~3 ms to encode in a lazy request's
+own prefill forward (``kv_planner``). KV in the host tier or the pool is always used. For a
+record in the store, the engine asks whether it is in the page cache (a one-byte RWF_NOWAIT
+read), compares the estimates below and encodes the chunk if that is faster; the record is left
+as it is (it is valid), and the request's stats count the chunk as ``recomputed``.
 
-Both rates are measured on this machine as the engine runs: every disk read that missed the page
-cache (bytes / seconds) and every chunk encode (one forward for a batch of chunks: a fixed cost
-per forward plus a cost per token, fitted from a probe at first use and refreshed by each encode),
-each an exponentially weighted average. Until the first cold read is measured the disk is
-assumed at ``DEFAULT_DISK_BPS`` (the H100 device machine's disk read 0.8-1.4 GB/s cold).
+All rates are measured on this machine as the engine runs: every read from the disk and from the
+page cache (bytes / seconds), and chunk encodes (a fixed cost per forward plus a cost per token,
+fitted from timed probes at first use; an encode in a request's prefill pays no fixed cost, so
+it refreshes nothing), each an exponentially weighted average. Until the first reads are measured
+the disk is assumed at ``DEFAULT_DISK_BPS`` (the H100 device machine's disk read 0.8-1.4 GB/s
+cold) and the page cache at ``DEFAULT_PAGE_CACHE_BPS``.
 """
 from __future__ import annotations
 
 import time
 
 DEFAULT_DISK_BPS = 1.0e9
+# a read from the page cache: a copy and a CRC32 pass on one CPU core (~1.8 GB/s measured on the
+# H100 device machine, 2026-11-24), not memory bandwidth
+DEFAULT_PAGE_CACHE_BPS = 2.0e9
 ALPHA = 0.3  # weight of the newest measurement
 
 
 class ReadOrEncode:
-    def __init__(self, disk_bps: float = DEFAULT_DISK_BPS, alpha: float = ALPHA):
+    def __init__(self, disk_bps: float = DEFAULT_DISK_BPS, alpha: float = ALPHA,
+                 page_cache_bps: float = DEFAULT_PAGE_CACHE_BPS):
         self.disk_bps = float(disk_bps)
+        self.page_cache_bps = float(page_cache_bps)
+        self.page_cache_measured = 0
         self.alpha = alpha
         self.disk_measured = 0            # cold reads measured so far
         self.forward_s: float | None = None   # fixed cost of one encode forward
@@ -36,27 +46,33 @@ class ReadOrEncode:
     def calibrated(self) -> bool:
         return self.token_s is not None
 
-    def read_seconds(self, nbytes: int) -> float:
-        return nbytes / self.disk_bps
+    def read_seconds(self, nbytes: int, cached: bool = False) -> float:
+        return nbytes / (self.page_cache_bps if cached else self.disk_bps)
 
     def encode_seconds(self, tokens: int) -> float:
         return (self.forward_s or 0.0) + tokens * (self.token_s or 0.0)
 
-    def should_encode(self, nbytes: int, tokens: int, batch_tokens: int = 0) -> bool:
-        """Encode a chunk of ``tokens`` (``nbytes`` of stored KV not in memory) rather than read it?
-        ``batch_tokens``: tokens already chosen for encoding in this forward (their fixed cost is
-        paid already, so this chunk adds only its tokens)."""
+    def should_encode(self, nbytes: int, tokens: int, batch_tokens: int = 0, cached: bool = False) -> bool:
+        """Encode a chunk of ``tokens`` rather than read its ``nbytes`` of stored KV from the disk
+        (``cached``: from the page cache)? ``batch_tokens``: tokens already in the forward that
+        would encode it (its fixed cost is paid already, so this chunk adds only its tokens)."""
         if not self.calibrated:
             return False
         extra = tokens * self.token_s + (0.0 if batch_tokens else (self.forward_s or 0.0))
-        return extra < self.read_seconds(nbytes)
+        return extra < self.read_seconds(nbytes, cached)
 
     # -- measurements ---------------------------------------------------------------------------
-    def observe_read(self, nbytes: int, seconds: float) -> None:
-        """A read that went to the disk (the page cache missed it)."""
+    def observe_read(self, nbytes: int, seconds: float, cached: bool = False) -> None:
+        """A read that went to the disk (the page cache missed it), or (``cached``) one from the
+        page cache."""
         if nbytes <= 0 or seconds <= 0:
             return
         rate = nbytes / seconds
+        if cached:
+            n, old = self.page_cache_measured, self.page_cache_bps
+            self.page_cache_bps = rate if n == 0 else (1 - self.alpha) * old + self.alpha * rate
+            self.page_cache_measured += 1
+            return
         self.disk_bps = rate if self.disk_measured == 0 else (1 - self.alpha) * self.disk_bps + self.alpha * rate
         self.disk_measured += 1
 
@@ -74,15 +90,20 @@ class ReadOrEncode:
         times = {}
         for n in (small, large):
             encode(n)
-            t0 = time.perf_counter()
-            encode(n)
-            times[n] = time.perf_counter() - t0
+            runs = []
+            for _ in range(2):  # the faster of two: a probe delayed by other work is not the rate
+                t0 = time.perf_counter()
+                encode(n)
+                runs.append(time.perf_counter() - t0)
+            times[n] = min(runs)
         per_token = max(times[large] - times[small], 0.0) / (large - small)
         self.token_s = max(per_token, 1e-9)
         self.forward_s = max(times[small] - small * self.token_s, 0.0)
 
     def as_dict(self) -> dict:
         return {"disk_gbps": round(self.disk_bps / 1e9, 3), "disk_reads_measured": self.disk_measured,
+                "page_cache_gbps": round(self.page_cache_bps / 1e9, 3),
+                "page_cache_reads_measured": self.page_cache_measured,
                 "encode_forward_ms": None if self.forward_s is None else round(self.forward_s * 1e3, 3),
                 "encode_tokens_per_s": None if not self.token_s else round(1 / self.token_s, 1),
                 "encodes_measured": self.encodes_measured}

@@ -77,6 +77,11 @@ class Sequence:
         self.block_copies: list = []      # block mode: (chunk entry, start) to copy before prefill
         self.recompute_pages: list[int] = []  # reserved for the selected tokens' compact private run
         self.recompute_budget = 0         # how many chunk tokens the selector recomputes
+        # lazy mode: chunks no tier held (or slower to read than to encode), encoded by this
+        # request's own prefill forward (kv_planner._place_missing_chunks), then cached (publish)
+        self.encode_jobs: list = []       # their EncodeJobs, computed ahead of the request's tokens
+        self.pending_chunks: dict = {}    # key -> (pages, token ids, chunk id, record valid on disk), per job
+        self.encoded_kv: list = []        # their captured KV after the prefill (ModelRunner.run)
         self.needs_selection = False      # selection of the tokens to recompute is pending
         self.needs_prefill = False
         self.kv_len = 0                   # tokens whose KV is in the pool
@@ -96,7 +101,8 @@ class Sequence:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return len(self.compute_pos)
+        """Tokens its prefill forward computes: its own and those of the chunks it encodes."""
+        return len(self.compute_pos) + sum(len(j.tokens) for j in self.encode_jobs)
 
     @property
     def recomputed(self) -> int:

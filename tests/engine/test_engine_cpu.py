@@ -110,6 +110,7 @@ def test_decode_graph_inputs_reproduce_the_eager_step(llm):
         logits = eng.runner.run(seqs).cpu()
         for seq in step.prefill:
             seq.needs_prefill = False
+            eng.planner.publish_encoded(seq)  # the chunks its prefill encoded go to the cache (Engine.step)
         for row, seq in zip(logits, seqs):
             seq.kv_len = seq.num_tokens
             eng._accept(seq, row)
@@ -156,8 +157,11 @@ def test_append_graph_inputs_reproduce_the_eager_step(llm):
     assert token_bucket(TOKEN_BUCKETS[-1] + 1) is None
     assert all(b / a <= 1.5 for a, b in zip(TOKEN_BUCKETS[1:], TOKEN_BUCKETS[2:]))
     eng = engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
-    seqs = _first_prefill_step(eng, workload(3, seed=6), "lazy")
-    assert len(seqs) == 3 and all(s.cached_runs for s in seqs)
+    reqs = workload(3, seed=6)
+    # chunks cached first: a step of requests that encode a chunk in their prefill runs eagerly
+    eng.generate([dict(segments=s, mode="lazy", max_new_tokens=1) for s, _ in reqs])
+    seqs = _first_prefill_step(eng, reqs, "lazy")
+    assert len(seqs) == 3 and all(s.cached_runs and not s.encode_jobs for s in seqs)
     graphs = AppendGraphs(eng.runner, page_step=4)
     packed = graphs.pack(seqs)
     assert packed is not None
@@ -192,24 +196,31 @@ def test_append_graphs_leave_steps_without_the_kernels_eager(llm, mode):
 
 
 def test_refused_admission_does_not_turn_its_own_placement_into_a_hit(llm):
-    """A chunk placed by an admission that then ran out of pages is still cached; when the same
-    request is admitted later it must count as the miss (and tier) it was, not as a pool hit."""
+    """A chunk placed (from the host tier) by an admission that then ran out of pages is still
+    cached; when the same request is admitted later it must count as the miss (and tier) it was,
+    not as a pool hit. A lazy request encodes its missing chunks in its own prefill, so a refused
+    one has encoded nothing: the chunks are put in the host tier by a first request here."""
     from lazy_rag.engine.sequence import Sequence
 
     eng = engine(llm, num_pages=6, page_size=4)  # 2 + 2 chunk pages + 2 private (head, question)
     segs = [[300, 301], Chunk(list(range(400, 408)), chunk_id="a"), Chunk(list(range(500, 508)), chunk_id="b"),
             [600, 601, 602]]
+    first = eng.generate([dict(segments=segs, mode="lazy", max_new_tokens=1)])[0]
+    assert first.stats.chunk_sources == {"encoded": 2}
+    eng.pm.evict_unreferenced()            # the pool forgets them; the host tier keeps them
+    before = eng.stats()
     seq = Sequence(llm.prepare(segs), "lazy")
     blocker = eng.pm.allocate(3)           # another owner holds 3 of the 6 pages
     assert not eng.planner.admit(seq)      # chunk a placed (2 pages), chunk b does not fit
     assert eng.pm.lookup(next(iter(seq.placed_by_refused))) is not None
     eng.pm.free(blocker)
     assert eng.planner.admit(seq)
-    # a: placed (encoded) by the refused attempt; b: found no pages then, so it was not encoded
-    # until this admission
-    assert seq.chunk_sources_seen == ["misses", "from_encoded", "misses", "from_encoded"]
+    # a: placed by the refused attempt; b: found no pages then, so it was not placed until this one
+    assert seq.chunk_sources_seen == ["misses", "from_host", "misses", "from_host"]
     st = eng.stats()
-    assert st.get("chunk_hits", 0) == 0 and st["chunk_misses"] == 2 and st["tier_encoded"] == 2
+    assert st.get("chunk_hits", 0) == before.get("chunk_hits", 0) == 0
+    assert st["chunk_misses"] - before["chunk_misses"] == 2
+    assert st["chunk_from_host"] - before.get("chunk_from_host", 0) == 2
     eng.planner.release(seq)
     eng.pm.check()
 

@@ -21,6 +21,10 @@ def test_cost_model_prefers_the_cheaper_path_and_learns_both_rates():
     assert c.should_encode(10 << 20, 500, batch_tokens=100)  # the forward is paid already: 5 ms < 10 ms
     c.observe_read(100 << 20, 1.0)                 # the disk is slower than assumed: ~0.1 GB/s
     assert c.disk_bps == pytest.approx((100 << 20) / 1.0) and c.should_encode(5 << 20, 500)
+    # from the page cache (2 GB/s until measured) 50 MB take 26 ms: still slower than 15 ms
+    assert c.should_encode(50 << 20, 500, cached=True) and not c.should_encode(20 << 20, 500, cached=True)
+    c.observe_read(100 << 20, 0.01, cached=True)   # ~10 GB/s: reading 50 MB (5 ms) beats encoding
+    assert not c.should_encode(50 << 20, 500, cached=True) and c.page_cache_measured == 1
     c.observe_encode(1000, 0.010 + 1000 * 3e-5)    # encodes are slower than the probe said
     assert c.token_s == pytest.approx(0.7 * 1e-5 + 0.3 * 3e-5)
     assert c.as_dict()["disk_reads_measured"] == 1 and c.as_dict()["encodes_measured"] == 1
@@ -42,17 +46,24 @@ def test_calibration_fits_a_fixed_and_a_per_token_cost(monkeypatch):
 
 
 class ColdStore:
-    """A store whose records are intact but, per ``read_nowait``, never in the page cache; counts
-    reads and writes. ``record_bytes``: what a record weighs on disk (the cost of reading it)."""
+    """A store whose records are intact but never in the page cache (``cached=False``, per
+    ``in_memory`` and ``read_nowait``) or always (``cached=True``); counts reads and writes.
+    ``record_bytes``: what a record weighs (the cost of reading it)."""
 
     precomputed = True
 
-    def __init__(self, kv_by_id, record_bytes):
-        self.kv_by_id, self.record_bytes = kv_by_id, record_bytes
+    def __init__(self, kv_by_id, record_bytes, cached=False):
+        self.kv_by_id, self.record_bytes, self.cached = kv_by_id, record_bytes, cached
         self.reads = self.nowait_reads = self.writes = 0
+
+    def in_memory(self, chunk_id):
+        return self.cached
 
     def read_nowait(self, chunk_id, token_ids):
         self.nowait_reads += 1
+        if self.cached:
+            self.reads += 1
+            return self.kv_by_id[chunk_id], None
         return None, NOT_IN_MEMORY
 
     def stored_bytes(self, chunk_id):
@@ -82,27 +93,43 @@ def segments():
     return [[11, 12, 13]] + [Chunk(ids, chunk_id=cid) for cid, ids in CHUNKS.items()] + [[30, 31, 32]]
 
 
-def test_missing_chunks_are_encoded_in_one_forward(llm, monkeypatch):
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_missing_chunks_are_encoded_in_one_forward(llm, monkeypatch, mode):
+    """lazy: the three missing chunks ride in the request's own prefill forward (no encode
+    forward at all); block copies its chunks before its prefill, so it encodes them in one forward
+    of their own. Either way the answer equals that of chunks already cached."""
     eng = llm.engine
-    reference = llm.next_token_logits(segments(), mode="lazy")  # placed one way
+    reference = llm.next_token_logits(segments(), mode=mode)
     eng.clear_cache()
-    calls = []
-    real = eng.runner.encode
-    monkeypatch.setattr(eng.runner, "encode", lambda jobs, **kw: calls.append(len(jobs)) or real(jobs, **kw))
-    out = llm.generate(segments(), max_new_tokens=1, mode="lazy")
-    assert calls == [3]  # three chunks, one forward
+    encodes, forwards = [], []
+    real_encode, real_forward = eng.runner.encode, eng.runner.forward
+    monkeypatch.setattr(eng.runner, "encode", lambda jobs, **kw: encodes.append(len(jobs)) or real_encode(jobs, **kw))
+    monkeypatch.setattr(eng.runner, "forward", lambda *a, **kw: forwards.append(a[0].numel()) or real_forward(*a, **kw))
+    out = llm.generate(segments(), max_new_tokens=1, mode=mode)
+    chunk_tokens = sum(len(ids) for ids in CHUNKS.values())
+    if mode == "lazy":
+        assert encodes == [] and len(forwards) == 1 and forwards[0] > chunk_tokens
+    else:
+        # then its prefill (on CUDA it may replay a captured graph, which calls no forward)
+        assert encodes == [3] and forwards[0] == chunk_tokens
     assert out.stats.chunk_sources == {"encoded": 3}
-    torch.testing.assert_close(llm.next_token_logits(segments(), mode="lazy"), reference, rtol=1e-4, atol=1e-4)
+    monkeypatch.undo()
+    # the chunks are cached now: the next request reads them from the pool
+    again = llm.generate(segments(), max_new_tokens=1, mode=mode)
+    assert again.stats.chunk_sources == {"pool": 3}
+    torch.testing.assert_close(llm.next_token_logits(segments(), mode=mode), reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("record_bytes, path", [(10 << 30, "recomputed"), (1, "disk")])
-def test_a_cold_chunk_is_read_or_encoded_by_cost_and_answers_the_same(llm, record_bytes, path):
+@pytest.mark.parametrize("record_bytes, cached, path", [(10 << 30, False, "recomputed"), (1, False, "disk"),
+                                                         (10 << 30, True, "recomputed"), (1, True, "disk")])
+def test_a_cold_chunk_is_read_or_encoded_by_cost_and_answers_the_same(llm, record_bytes, cached, path):
+    """From the disk or from the page cache, a record is read or encoded again by cost."""
     eng = llm.engine
     kvs = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False)))
     reference = llm.generate(segments(), max_new_tokens=3, mode="lazy")
     for mode in ("lazy", "block"):
         eng.clear_cache()
-        store = ColdStore(kvs, record_bytes)
+        store = ColdStore(kvs, record_bytes, cached)
         planner = eng.planner
         planner.chooser.forward_s, planner.chooser.token_s = 1e-3, 1e-6  # calibrated: 1 ms + 1 us/token
         out = llm.generate(segments(), max_new_tokens=3, mode=mode, source=ChunkSource((), store))
@@ -111,5 +138,5 @@ def test_a_cold_chunk_is_read_or_encoded_by_cost_and_answers_the_same(llm, recor
         assert store.reads == (3 if path == "disk" else 0)
         if mode == "lazy":
             assert out.token_ids == reference.token_ids
-        if path == "disk":  # a read that went to the disk teaches the chooser the disk's rate
-            assert planner.chooser.disk_measured >= 3
+        if path == "disk":  # each read teaches the chooser the rate of where it came from
+            assert (planner.chooser.page_cache_measured if cached else planner.chooser.disk_measured) >= 3
