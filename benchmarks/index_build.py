@@ -22,9 +22,10 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
   update   1% of the documents (at least one) changed, the build run again: seconds, and as a
            percentage of the full build.
   query    retrieval + TTFT (``max_new_tokens=1``) of a few questions, warm (KV in the pool /
-           host tier / page cache), cold (the engine's tiers cleared and the index's files dropped
-           from the page cache with posix_fadvise(DONTNEED) after an fsync), and the same prompt
-           in ``full`` mode (re-encoding everything).
+           host tier), page cache (the engine's tiers cleared, the index's files read once so
+           they are in the page cache), cold (the engine's tiers cleared and the index's files
+           dropped from the page cache with posix_fadvise(DONTNEED) after an fsync), and the same
+           prompt in ``full`` mode (re-encoding everything).
 Writes a JSON list of flat records (benchmark ``index_build``, one record per size and KV dtype)
 to ``--out`` (default benchmarks/results/index_build_<device>.json) and prints a table.
 """
