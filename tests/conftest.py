@@ -38,3 +38,14 @@ def device():
     """Where the tiny-model parity tests run: cpu in CI; tests/gpu_parity.sh sets cuda."""
     return torch.device(os.environ.get("LAZY_RAG_TEST_DEVICE", "cpu"))
 
+
+
+@pytest.fixture(autouse=True)
+def _queries_read_stored_kv(request, monkeypatch):
+    """A query over an index reads the KV it stored: whether re-encoding a chunk would be faster
+    depends on this machine's timings (``engine.read_or_encode``), which a test must not. The
+    choice itself is tested in tests/engine/test_read_or_encode.py with set costs."""
+    if request.node.path.name != "test_read_or_encode.py":
+        from lazy_rag.engine.read_or_encode import ReadOrEncode
+
+        monkeypatch.setattr(ReadOrEncode, "should_encode", lambda self, *a, **kw: False)
