@@ -18,7 +18,8 @@ from lazy_rag.embedder import Embedder
 from lazy_rag.errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from lazy_rag.index import describe_index, verify_index
 from lazy_rag.index_lock import writer_lock
-from lazy_rag.store import COMPACT_BELOW, ChunkStore, IndexDB, format1_file_name
+from lazy_rag.store import ChunkStore, IndexDB, format1_file_name
+from helpers import index_settings, index_sql
 from tiny_models import tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
@@ -47,24 +48,6 @@ def built(corpus, tmp_path, smollm2, embedder):
                                     chunk_overlap=16, progress=False)
     assert index.wrapper is not None and index.store.kv_dir.name == f"kv-w{index.wrapper.digest}"
     return index, report, out
-
-
-def settings_of(out: Path) -> dict:
-    db = IndexDB(out)
-    try:
-        return db.settings()
-    finally:
-        db.close()
-
-
-def sql(out: Path, statement: str, args=()) -> None:
-    """Change the index's database behind lazy-rag's back (damage, as a test makes it)."""
-    db = IndexDB(out)
-    try:
-        with db.transaction() as cur:
-            cur.execute(statement, args)
-    finally:
-        db.close()
 
 
 def segment_files(kv_dir: Path) -> dict:
@@ -227,7 +210,7 @@ def test_a_build_holds_no_chunk_kv_in_memory(corpus, tmp_path, smollm2, embedder
 
 def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2, embedder, monkeypatch):
     index, _, out = built
-    before = settings_of(out)
+    before = index_settings(out)
     (corpus / "new.md").write_text("The ferry to Vellin Island costs twelve crowns.\n")
     import lazy_rag.store as store_mod
 
@@ -237,7 +220,7 @@ def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2
     monkeypatch.setattr(store_mod.ChunkStore, "write", killed)
     with pytest.raises(KeyboardInterrupt):
         LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16, progress=False)
-    assert settings_of(out) == before
+    assert index_settings(out) == before
     assert len(LazyIndex.load(out, llm=smollm2, embedder=embedder).records) == len(index.records)
     assert verify_index(out)["ok"]
     # a first build killed midway leaves no index that loads
@@ -267,7 +250,7 @@ def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder
     elif damage == "truncate":
         os.truncate(segment, loc.off + loc.length // 2)  # a copy cut short half-way through the record
     elif damage == "unlocated":  # the row has no KV (a precomputed index: it should)
-        sql(out, "UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL WHERE id = ?",
+        index_sql(out, "UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL WHERE id = ?",
             (rec.id,))
     else:
         segment.unlink()

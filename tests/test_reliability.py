@@ -5,7 +5,6 @@ of every index file and row checked on load, on read and by `lazy-rag verify`, `
 checkpointed KV, guarded write-backs by queries, ids that try to name paths, and clean errors for
 damaged settings."""
 import errno
-import gc
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from lazy_rag.errors import InvalidRequestError, LazyIndexError, LazyRagError
 from lazy_rag.index import kv_subdir, verify_index
 from lazy_rag.index_lock import writer_lock
 from lazy_rag.store import ChunkStore, IndexDB
+from helpers import index_settings, index_sql
 
 DOCS = {
     "lighthouse.md": "The Marrow Point Lighthouse was completed in 1871. Its lamp burned whale oil until 1902. "
@@ -53,30 +53,9 @@ def index_copy(tmp_path, smollm2, embedder):
     return src, tmp_path / "idx"
 
 
-def settings(out: Path) -> dict:
-    db = IndexDB(out)
-    try:
-        return db.settings()
-    finally:
-        db.close()
-
-
-def sql(out: Path, statement: str, args=()) -> None:
-    """Change the index's database behind lazy-rag's back (damage or forgery, as a test makes it),
-    and checkpoint it: everything in the main file."""
-    gc.collect()  # indexes loaded earlier in the test release their snapshots
-    db = IndexDB(out)
-    try:
-        with db.transaction() as cur:
-            cur.execute(statement, args)
-        db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    finally:
-        db.close()
-
-
 def kv_dir(out: Path) -> Path:
     """The folder of the index's KV segments (kv-w<digest> when its chunks are inside a wrapper, as by default)."""
-    return out / kv_subdir(settings(out).get("wrapper"))
+    return out / kv_subdir(index_settings(out).get("wrapper"))
 
 
 def kv_files(out: Path, read) -> dict:
@@ -130,7 +109,7 @@ def test_damaged_vectors_are_an_error_naming_the_file_and_repair_restores_the_an
                                                                                       damage):
     src, out = index_copy
     before = answer(out, smollm2, embedder)
-    manifest = settings(out)
+    manifest = index_settings(out)
     vf = out / manifest["vectors_file"]
     data = bytearray(vf.read_bytes())
     if damage == "flip":
@@ -171,13 +150,13 @@ def test_a_damaged_chunk_table_is_an_error_and_kv_is_never_repaired_from_it(inde
     if damage == "token_id":
         tokens = bytearray(tokens)
         tokens[12] ^= 0x01  # the fourth token id, one bit off
-        sql(out, "UPDATE chunks SET token_ids = ? WHERE rowid = ?", (bytes(tokens), rowid))
+        index_sql(out, "UPDATE chunks SET token_ids = ? WHERE rowid = ?", (bytes(tokens), rowid))
     elif damage == "text":  # what the sources would show, not what the model read
-        sql(out, "UPDATE chunks SET text = ? WHERE rowid = ?", (text + " (edited)", rowid))
+        index_sql(out, "UPDATE chunks SET text = ? WHERE rowid = ?", (text + " (edited)", rowid))
     elif damage == "row_deleted":
-        sql(out, "DELETE FROM chunks WHERE rowid = ?", (rowid,))
+        index_sql(out, "DELETE FROM chunks WHERE rowid = ?", (rowid,))
     else:
-        sql(out, "SELECT 1")  # everything in the main file (no log beside it)
+        index_sql(out, "SELECT 1")  # everything in the main file (no log beside it)
         db_file = out / "index.sqlite"
         data = bytearray(db_file.read_bytes())
         if damage == "pages":  # every page but the first (the header and the schema) overwritten
@@ -243,7 +222,7 @@ def test_repair_keeps_files_indexed_from_other_sources_and_refuses_to_drop_unrea
     assert {json.loads(r)["source"].rsplit("/", 1)[1] for r in table} == {"lighthouse.md", "bakery.md", "harbour.md"}
 
     def damage_vectors():
-        vf = out / settings(out)["vectors_file"]
+        vf = out / index_settings(out)["vectors_file"]
         vf.write_bytes(vf.read_bytes()[:-40] + bytes(40))
 
     damage_vectors()
@@ -403,16 +382,16 @@ def test_ids_cannot_name_paths_outside_the_store(tmp_path, smollm2, embedder):
 def test_damaged_settings_are_clean_errors(index_copy, damage):
     _, out = index_copy
     if damage == "no_model":
-        sql(out, "DELETE FROM settings WHERE key = 'model'")
+        index_sql(out, "DELETE FROM settings WHERE key = 'model'")
     elif damage == "no_database":
         for p in out.glob("index.sqlite*"):
             p.unlink()
     elif damage == "garbled":
-        sql(out, "UPDATE settings SET value = ? WHERE key = 'chunking'", (b"\xff\xfe{\x00}",))  # not UTF-8 JSON
+        index_sql(out, "UPDATE settings SET value = ? WHERE key = 'chunking'", (b"\xff\xfe{\x00}",))  # not UTF-8 JSON
     elif damage == "not_json_object":
-        sql(out, "UPDATE settings SET value = '[1, 2]' WHERE key = 'model'")
+        index_sql(out, "UPDATE settings SET value = '[1, 2]' WHERE key = 'model'")
     else:  # an SQLite file, but not lazy-rag's
-        sql(out, "DROP TABLE settings")
+        index_sql(out, "DROP TABLE settings")
     try:
         assert not verify_index(out)["ok"]
     except LazyIndexError as e:
@@ -509,7 +488,7 @@ def test_a_killed_build_resumes_from_the_kv_it_checkpointed(index_copy, smollm2,
     new_ids = [r.id for r in index.records if r.source.endswith("new.md")]
     assert len(new_ids) > 3 and set(calls) <= set(new_ids) and not set(calls) & set(written)
     assert sorted(written + calls) == sorted(new_ids)  # encoded once each, across the two runs
-    assert verify_index(out)["ok"] and settings(out)["num_chunks"] == len(index.records)
+    assert verify_index(out)["ok"] and index_settings(out)["num_chunks"] == len(index.records)
 
 
 def test_a_build_not_on_a_terminal_prints_progress_lines(tmp_path, smollm2, embedder, capsys):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers import small_llm
+from tests.helpers import chunk_workload, small_llm
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.oracle import greedy_block_diagonal, greedy_causal
 from lazy_rag.segments import Chunk
@@ -30,16 +30,7 @@ def engine(llm, **options) -> Engine:
 
 
 def workload(n, seed=0, num_chunks=6):
-    rng = random.Random(seed)
-    chunks = [[rng.randrange(200, 5000) for _ in range(rng.randint(5, 13))] for _ in range(num_chunks)]
-    head = [rng.randrange(200, 5000) for _ in range(6)]
-    reqs = []
-    for _ in range(n):
-        picked = rng.sample(range(num_chunks), 3)
-        segs = [head] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in picked]
-        segs.append([rng.randrange(200, 5000) for _ in range(rng.randint(2, 5))])
-        reqs.append((segs, rng.randint(2, 6)))
-    return reqs
+    return chunk_workload(n, seed, num_chunks, max_chunk_len=13, max_new=6)
 
 
 def oracle(llm, reqs, mode):

@@ -17,13 +17,11 @@ records the first-token logits' deviation (3-5% of the largest logit on this tin
 model, whose K/V elements move by ~2-3% rms) and bounds it loosely (10%); it is a measurement,
 not a derived bound: the derived check is the twin above.
 """
-import random
-
 import pytest
 import torch
 
-from helpers import rel_err
-from lazy_rag import Chunk, ChunkSource, LazyLLM
+from helpers import chunk_workload, rel_err
+from lazy_rag import ChunkSource, LazyLLM
 from lazy_rag.bench.random_models import IdTokenizer
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.engine import engine as engine_module
@@ -73,16 +71,8 @@ def engines(llm, **options):
 
 
 def workload(n, seed=0, num_chunks=5):
-    rng = random.Random(seed)
-    chunks = [[rng.randrange(200, 5000) for _ in range(rng.randint(5, 14))] for _ in range(num_chunks)]
-    head = [rng.randrange(200, 5000) for _ in range(6)]
-    reqs = []
-    for _ in range(n):
-        picked = rng.sample(range(num_chunks), 3)
-        segs = [head] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in picked]
-        segs.append([rng.randrange(200, 5000) for _ in range(rng.randint(2, 5))])
-        reqs.append((segs, rng.randint(2, 3)))
-    return reqs
+    return chunk_workload(n, seed, num_chunks, max_chunk_len=14, max_new=3)
+
 
 
 @pytest.fixture(scope="module")
