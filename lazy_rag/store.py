@@ -37,6 +37,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import sqlite3
@@ -176,6 +177,18 @@ def record_metadata(body) -> dict:
     return meta
 
 
+def _first_byte_cached(fd: int, off: int) -> bool | None:
+    """Whether the byte at ``off`` of ``fd`` is in the page cache (a one-byte RWF_NOWAIT read);
+    None where the kernel or file system cannot tell."""
+    try:
+        os.preadv(fd, [bytearray(1)], off, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except (OSError, AttributeError):
+        return None
+    return True
+
+
 def record_tensors(body) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors record body: views of ``body`` when it is a uint8 tensor (the
     data starts 8-aligned, ``safetensors_parts``), else a safetensors load (copies)."""
@@ -190,10 +203,7 @@ def record_tensors(body) -> dict[str, torch.Tensor]:
         dtype = _ST_TO_TORCH[spec["dtype"]]
         a, b = spec["data_offsets"]
         shape = [int(x) for x in spec["shape"]]
-        count = 1
-        for x in shape:
-            count *= x
-        if not 0 <= a <= b <= data.numel() or (b - a) != count * dtype.itemsize or a % dtype.itemsize:
+        if not 0 <= a <= b <= data.numel() or (b - a) != math.prod(shape) * dtype.itemsize or a % dtype.itemsize:
             raise ValueError(f"tensor {name} does not fit the record")
         out[name] = data[a:b].view(dtype).view(shape)
     return out
@@ -712,15 +722,7 @@ class ChunkStore:
         read: no buffer of the record's size); None where that cannot be told."""
         loc = self.location(chunk_id)
         fd = None if loc is None else self._read_fd(loc.seg)
-        if fd is None:
-            return None
-        try:
-            os.preadv(fd, [bytearray(1)], loc.off, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return False
-        except (OSError, AttributeError):
-            return None
-        return True
+        return None if fd is None else _first_byte_cached(fd, loc.off)
 
     def _load(self, chunk_id, token_ids, nowait: bool, pin: bool, tensor_crcs: bool):
         loc = self.location(chunk_id)
@@ -740,14 +742,11 @@ class ChunkStore:
         if fd is None:
             return None, "missing"
         flags = 0
-        if nowait:
-            try:  # one byte first: a record not in memory costs a syscall, not a buffer of its size
-                os.preadv(fd, [bytearray(1)], loc.off, os.RWF_NOWAIT)
-                flags = os.RWF_NOWAIT
-            except BlockingIOError:
+        if nowait:  # one byte first: a record not in memory costs a syscall, not a buffer of its size
+            cached = _first_byte_cached(fd, loc.off)
+            if cached is False:
                 return None, NOT_IN_MEMORY
-            except (OSError, AttributeError):  # RWF_NOWAIT unsupported here: an ordinary read
-                pass
+            flags = os.RWF_NOWAIT if cached else 0  # None: RWF_NOWAIT unsupported, an ordinary read
         buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)
         view = memoryview(buf.numpy())
         got = 0

@@ -182,7 +182,7 @@ class ChunkTiers:
         writes = store is not None and chunk_id is not None
         kv = self.to_host(kv, wait=wait or writes)
         self.host.put(host_key(key, kv.quantized), kv)
-        if store is not None and chunk_id is not None:
+        if writes:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
         return kv
 
