@@ -259,10 +259,13 @@ class KVPlanner:
                 self._clock()
             finally:
                 self.pm.free(pages)
-        small, large = (256, 2048) if self.pool.device.type == "cuda" else (32, 512)
+        cuda = self.pool.device.type == "cuda"
+        small, large = (256, 2048) if cuda else (32, 512)
         room = (self.pool.num_free + self.pm.evictable_pages) * self.pool.page_size
         large = min(large, max(small + 1, room // 2))  # a probe fits in the pool
-        self.chooser.calibrate(encode, small, large)
+        # a CPU forward is slow and about linear in its tokens: one timing each (the first query
+        # of a `lazy-rag query` pays the probes), the average a floor on the per-token cost
+        self.chooser.calibrate(encode, small, large, repeats=2 if cuda else 1, linear=not cuda)
 
     def _acquire_chunk(self, seq: Sequence, ids, chunk_id, prefix):
         taken = seq.prefetched.pop(chunk_key(ids, prefix), None)

@@ -84,20 +84,27 @@ class ReadOrEncode:
         self.token_s = (1 - self.alpha) * self.token_s + self.alpha * per_token
         self.encodes_measured += 1
 
-    def calibrate(self, encode, small: int = 32, large: int = 512) -> None:
+    def calibrate(self, encode, small: int = 32, large: int = 512, repeats: int = 2, linear: bool = False) -> None:
         """Fit the fixed and per-token encode costs from timed probes: ``encode(n)`` encodes one
-        chunk of ``n`` tokens and returns when it is done (after a warm-up of each size)."""
+        chunk of ``n`` tokens and returns when it is done (after a warm-up of each size); each
+        size timed ``repeats`` times, the fastest kept (a probe delayed by other work is not the
+        rate). A fit that finds the long probe no slower than the short one (noise: a busy
+        machine) takes the long probe's average per token, so that an encode never looks free;
+        so does ``linear`` (a device whose forward costs about the same per token at any size, a
+        CPU), where the average is a floor on the per-token cost."""
         times = {}
         for n in (small, large):
             encode(n)
             runs = []
-            for _ in range(2):  # the faster of two: a probe delayed by other work is not the rate
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 encode(n)
                 runs.append(time.perf_counter() - t0)
             times[n] = min(runs)
-        per_token = max(times[large] - times[small], 0.0) / (large - small)
-        self.token_s = max(per_token, 1e-9)
+        slope = (times[large] - times[small]) / (large - small)
+        average = times[large] / large
+        self.token_s = max(slope, average) if linear or slope <= 0 else slope
+        self.token_s = max(self.token_s, 1e-9)
         self.forward_s = max(times[small] - small * self.token_s, 0.0)
 
     def as_dict(self) -> dict:

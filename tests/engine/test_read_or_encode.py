@@ -42,6 +42,15 @@ def test_calibration_fits_a_fixed_and_a_per_token_cost(monkeypatch):
     c = ReadOrEncode()
     c.calibrate(encode, small=32, large=512)
     assert c.forward_s == pytest.approx(0.004) and c.token_s == pytest.approx(20e-6)
+    # linear (a CPU): the long probe's average per token is a floor: 4 ms / 512 + 20 us
+    c.calibrate(encode, small=32, large=512, linear=True)
+    assert c.token_s == pytest.approx(0.004 / 512 + 20e-6)
+
+    def noisy(n):  # a busy machine: the short probes are slowed, the long one is not slower
+        clock[0] += 0.5 if n == 32 else 0.4
+
+    c.calibrate(noisy, small=32, large=512)
+    assert c.token_s == pytest.approx(0.4 / 512)  # not ~0: an encode never looks free
     assert _time.perf_counter  # the real clock is untouched outside the module
 
 
