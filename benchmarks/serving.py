@@ -4,6 +4,7 @@ plain transformers `generate`, over request rates and KV budgets. The same runne
 
     python benchmarks/serving.py                        # CUDA: Llama-3.1-8B shape, random weights, paper workload
     python benchmarks/serving.py --out serving_h200 --rates offline,1,2,4 --budgets 1.0,0.1
+    python benchmarks/serving.py --preset decode-shared   # issue 16: lazy with/without shared-chunk grouping vs block
     python benchmarks/serving.py --plot-only benchmarks/results/serving_h200.json   # PNGs, where matplotlib is
 
 Records: benchmarks/results/<out>.json, written after every point.

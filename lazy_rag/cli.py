@@ -524,6 +524,7 @@ def _bench_help(name: str) -> str:
 @bench_app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
+    preset: Optional[str] = typer.Option(None, help=_bench_help("preset")),
     model: Optional[str] = typer.Option(None, help=_bench_help("model")),
     random_weights: Optional[str] = typer.Option(None, help=_bench_help("random_weights")),
     device: str = typer.Option("auto", help=_bench_help("device")),
@@ -535,11 +536,12 @@ def bench(
     output_tokens: Optional[int] = typer.Option(None, help=_bench_help("output_tokens")),
     requests: Optional[int] = typer.Option(None, help=_bench_help("requests")),
     hf_requests: Optional[int] = typer.Option(None, help=_bench_help("hf_requests")),
-    popularity: str = typer.Option("zipf", help=_bench_help("popularity")),
-    zipf_a: float = typer.Option(2.1, help=_bench_help("zipf_a")),
+    popularity: Optional[str] = typer.Option(None, help=_bench_help("popularity")),
+    zipf_a: Optional[float] = typer.Option(None, help=_bench_help("zipf_a")),
     rates: Optional[str] = typer.Option(None, help=_bench_help("rates")),
     budgets: Optional[str] = typer.Option(None, help=_bench_help("budgets")),
-    systems: str = typer.Option("lazy,block,prefix,full,transformers", help=_bench_help("systems")),
+    systems: Optional[str] = typer.Option(None, help=_bench_help("systems")),
+    shared_chunks: Optional[str] = typer.Option(None, help=_bench_help("shared_chunks")),
     page_size: int = typer.Option(64, help=_bench_help("page_size")),
     max_num_seqs: Optional[int] = typer.Option(None, help=_bench_help("max_num_seqs")),
     max_batched_tokens: int = typer.Option(16384, help=_bench_help("max_batched_tokens")),
@@ -551,20 +553,21 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help=_bench_help("as_json")),
     progress: str = typer.Option("auto", help=_bench_help("progress")),
 ):
-    """Serve the paper's RAG workload (CPU: a small SmolLM2 variant) in every mode; write JSON
-    records and PNG plots to benchmarks/results/ and print a summary table."""
+    """Serve the paper's RAG workload (CPU: a small SmolLM2 variant) in every mode, or a named
+    --preset; write JSON records and PNG plots to benchmarks/results/ and print a summary table."""
     if ctx.invoked_subcommand is not None:
         return
     _quiet_libraries()
     from .bench.command import run_command
 
     try:
-        run_command(model=model, random_weights=random_weights, device=device, dtype=dtype, docs=docs,
-                    doc_tokens=doc_tokens, k=k, question_tokens=question_tokens, output_tokens=output_tokens,
-                    requests=requests, hf_requests=hf_requests, popularity=popularity, zipf_a=zipf_a, rates=rates,
-                    budgets=budgets, systems=systems, page_size=page_size, max_num_seqs=max_num_seqs,
-                    max_batched_tokens=max_batched_tokens, host_gb=host_gb, seed=seed, out=out_name,
-                    results_dir=results_dir, plots=plots, as_json=as_json, progress=progress)
+        run_command(preset=preset, model=model, random_weights=random_weights, device=device, dtype=dtype,
+                    docs=docs, doc_tokens=doc_tokens, k=k, question_tokens=question_tokens,
+                    output_tokens=output_tokens, requests=requests, hf_requests=hf_requests, popularity=popularity,
+                    zipf_a=zipf_a, rates=rates, budgets=budgets, systems=systems, shared_chunks=shared_chunks,
+                    page_size=page_size, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                    host_gb=host_gb, seed=seed, out=out_name, results_dir=results_dir, plots=plots,
+                    as_json=as_json, progress=progress)
     except LazyRagError as e:
         _fail(e)
 

@@ -1,6 +1,6 @@
 """The serving benchmark (lazy_rag.bench, `lazy-rag bench`) on a tiny random model: workload
-statistics, metrics, the sweep's records for every system, plots, the CLI and its errors.
-No timing assertions."""
+statistics, metrics, the sweep's records for every system, the shared_chunks sweep, presets, plots,
+the CLI and its errors. No timing assertions."""
 import json
 import math
 import os
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from lazy_rag.bench.command import run_command
+from lazy_rag.bench.command import argparse_main, resolve_options, run_command
 from lazy_rag.bench.driver import SYSTEMS
 from lazy_rag.bench.metrics import cache_metrics, latency_summary, throughput
 from lazy_rag.bench.random_models import random_llm
-from lazy_rag.bench.runner import BenchConfig, run_bench
+from lazy_rag.bench.plots import with_series
+from lazy_rag.bench.runner import BenchConfig, run_bench, summary_table
 from lazy_rag.bench.workload import WorkloadSpec, arrival_times, make_workload
 from lazy_rag.cli import app
 from lazy_rag.errors import LazyRagError
@@ -24,7 +25,8 @@ from lazy_rag.errors import LazyRagError
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(docs=6, doc_tokens=24, k=2, question_tokens=4, output_tokens=3, requests=5)
 CASE_KEYS = {"benchmark", "mode", "device", "model", "rate_rps", "budget_chunks", "budget_fraction", "popularity",
-             "zipf_a", "requests", "docs", "doc_tokens", "k", "question_tokens", "output_tokens", "seed"}
+             "zipf_a", "requests", "docs", "doc_tokens", "k", "question_tokens", "output_tokens", "seed",
+             "shared_chunks"}
 METRIC_KEYS = {f"{m}_{s}" for m in ("ttft_ms", "e2e_ms") for s in ("mean", "p50", "p99")} | {
     "throughput_rps", "output_tokens_per_s", "peak_gpu_mem_gib", "torch", "transformers", "date"}
 CACHE_KEYS = {"gpu_hit_ratio", "host_hit_ratio", "disk_hit_ratio", "encoded_ratio", "gpu_chunk_hits",
@@ -127,8 +129,9 @@ def test_runner_records_every_system_flat_with_required_keys(records):
         assert r["throughput_rps"] > 0 and 0 < r["output_tokens_per_s"] <= r["throughput_rps"] * 3 * 1.001
         assert r["peak_gpu_mem_gib"] is None  # CPU
         if r["mode"] == "transformers":
-            assert r["budget_chunks"] is None and r["budget_fraction"] is None
+            assert r["budget_chunks"] is None and r["budget_fraction"] is None and r["shared_chunks"] is None
         else:
+            assert r["shared_chunks"] == "auto"  # the engine's default: one run per point, as before
             assert r["budget_chunks"] in (6, 3) and r["budget_fraction"] == r["budget_chunks"] / 6
     for r in recs:
         if r["mode"] in ("lazy", "block"):
@@ -139,6 +142,23 @@ def test_runner_records_every_system_flat_with_required_keys(records):
             assert abs(total - 1) < 1e-3 and r["chunk_lookups"] == TINY["requests"] * TINY["k"]
         if r["mode"] in ("prefix", "full"):
             assert r["gpu_hit_ratio"] is None
+
+
+def test_shared_chunks_sweep_runs_lazy_per_value_and_other_modes_once(llm):
+    cfg = BenchConfig(spec=WorkloadSpec(**TINY), rates=(None,), budgets=(1.0,), systems=("lazy", "block", "full"),
+                      shared_chunks=("auto", "off"), page_size=8, max_num_seqs=4)
+    recs = run_bench(llm, cfg, "random:tiny-llama", progress="off")
+    # side by side in sweep order; block and full share no chunk pages: once, with the first value
+    assert [(r["mode"], r["shared_chunks"]) for r in recs] == [("lazy", "auto"), ("lazy", "off"), ("block", "auto"),
+                                                             ("full", "auto")]
+    for r in recs:
+        assert r["output_tokens_per_s"] > 0 and r["requests"] == TINY["requests"]
+    table = summary_table(recs)
+    assert "shared_chunks" in table.splitlines()[0] and "output_tokens_per_s" in table.splitlines()[0]
+    assert [" ".join(line.split()[:2]) for line in table.splitlines()[1:]] == ["lazy auto", "lazy off", "block auto",
+                                                                              "full auto"]
+    # the plots draw lazy with and without grouping as two lines, the others under their mode
+    assert [r["series"] for r in with_series(recs)] == ["lazy[auto]", "lazy[off]", "block", "full"]
 
 
 def test_plots_are_written(records, tmp_path):
@@ -171,6 +191,62 @@ def test_cli_bench_smoke_and_plot(tmp_path):
     assert (tmp_path / "smoke_throughput_vs_budget.png").exists()
 
 
+PRESET_KEYS = ("model", "random_weights", "docs", "doc_tokens", "k", "question_tokens", "output_tokens", "requests",
+               "hf_requests", "popularity", "zipf_a", "rates", "budgets", "systems", "shared_chunks", "max_num_seqs",
+               "out")
+
+
+def resolved(device, preset=None, **given):
+    return resolve_options(device, preset, **({k: None for k in PRESET_KEYS} | given))
+
+
+def test_decode_shared_preset_values_per_device():
+    gpu = resolved("cuda", "decode-shared")
+    assert {k: gpu[k] for k in PRESET_KEYS} == dict(
+        model=None, random_weights="llama-3.1-8b", docs=100, doc_tokens=2048, k=5, question_tokens=32,
+        output_tokens=256, requests=256, hf_requests=20, popularity="zipf", zipf_a=2.1, rates="offline",
+        budgets="0.25", systems="lazy,block", shared_chunks="auto,off", max_num_seqs=128, out="decode_shared_gpu")
+    cpu = resolved("cpu", "decode-shared")
+    assert (cpu["model"], cpu["random_weights"], cpu["docs"], cpu["doc_tokens"], cpu["k"], cpu["output_tokens"],
+            cpu["requests"], cpu["max_num_seqs"]) == ("smollm2", None, 20, 128, 4, 32, 16, 16)
+    assert (cpu["rates"], cpu["budgets"], cpu["systems"], cpu["shared_chunks"], cpu["popularity"]) == (
+        "offline", "0.25", "lazy,block", "auto,off", "zipf")
+    for dev in ("cuda", "cpu"):
+        uniform = resolved(dev, "decode-shared-uniform")
+        assert uniform["popularity"] == "uniform" and uniform["out"] != resolved(dev, "decode-shared")["out"]
+        assert uniform | {"popularity": "zipf", "out": None} == resolved(dev, "decode-shared") | {"out": None}
+    # no preset: the sweep of before (every system, the engine's default shared_chunks only)
+    plain = resolved("cpu")
+    assert plain["systems"] == ",".join(SYSTEMS) and plain["shared_chunks"] == "auto" and plain["budgets"] == "1.0,0.2"
+
+
+def test_explicit_options_override_the_preset():
+    o = resolved("cuda", "decode-shared", docs=7, popularity="uniform", shared_chunks="on", random_weights="tiny-llama")
+    assert (o["docs"], o["popularity"], o["shared_chunks"]) == (7, "uniform", "on")
+    assert o["model"] is None and o["random_weights"] == "tiny-llama"  # a given model replaces the preset's
+    assert o["output_tokens"] == 256 and o["budgets"] == "0.25"        # the rest stays the preset's
+    assert resolved("cpu", "decode-shared", model="tiny.gguf")["random_weights"] is None
+
+
+def test_cli_bench_preset_runs_lazy_with_and_without_grouping_beside_block(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "--preset", "decode-shared", "--random-weights", "tiny-llama", "--device",
+                                   "cpu", "--docs", "6", "--doc-tokens", "16", "--k", "2", "--question-tokens", "4",
+                                   "--output-tokens", "3", "--requests", "4", "--max-num-seqs", "4", "--page-size",
+                                   "8", "--progress", "off", "--no-plots", "--results-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    recs = json.loads((tmp_path / "decode_shared_cpu.json").read_text())  # the preset's results name
+    assert [(r["mode"], r["shared_chunks"]) for r in recs] == [("lazy", "auto"), ("lazy", "off"), ("block", "auto")]
+    for r in recs:
+        assert (r["rate_rps"], r["popularity"], r["zipf_a"], r["budget_chunks"]) == ("offline", "zipf", 2.1, 2)
+        assert (r["docs"], r["output_tokens"], r["requests"], r["max_num_seqs"]) == (6, 3, 4, 4)  # given: they win
+
+
+def test_serving_script_rejects_an_unknown_preset(capsys):
+    assert argparse_main(["--preset", "decode-sharded", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown --preset 'decode-sharded'" in err and "decode-shared, decode-shared-uniform" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--k", "9"], "--k 9 exceeds --docs 4"),
     (["--budgets", "1.5"], "outside (0, 1]"),
@@ -180,6 +256,9 @@ def test_cli_bench_smoke_and_plot(tmp_path):
     (["--popularity", "pareto"], "Unknown --popularity"),
     (["--random-weights", "gpt-5"], "Unknown random architecture 'gpt-5'"),
     (["--model", "smollm2"], "either --model or --random-weights"),
+    (["--shared-chunks", "auto,sometimes"], "Unknown --shared-chunks value 'sometimes'"),
+    (["--shared-chunks", ","], "--shared-chunks is empty"),
+    (["--preset", "decode"], "Unknown --preset 'decode'; choose one of decode-shared, decode-shared-uniform"),
 ])
 def test_cli_bench_bad_input_names_the_option(tmp_path, args, message):
     res = CliRunner().invoke(app, ["bench", *TINY_CLI, "--results-dir", str(tmp_path), *args])

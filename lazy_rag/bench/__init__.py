@@ -4,16 +4,18 @@ every mode and through plain transformers, over request rates and KV budgets.
 Modules, one job each: ``workload`` (documents, requests, arrivals), ``random_models`` (named
 architectures with random weights), ``driver`` (runs one system over one request list),
 ``metrics`` (latency percentiles, throughput, hit ratios), ``records`` (environment, JSON,
-tables), ``progress`` (progress bar), ``defaults`` (per-device settings), ``runner`` (the sweep), ``plots`` (PNG figures; needs
-matplotlib, imported only there). The core needs only torch, transformers and numpy.
+tables), ``progress`` (progress bar), ``defaults`` (per-device settings and ``--preset``
+workloads), ``runner`` (the sweep), ``plots`` (PNG figures; needs matplotlib, imported only there).
+The core needs only torch, transformers and numpy.
 """
 from importlib import import_module
 
 # Exported lazily: `lazy-rag` imports the options' help from here at start-up, and the runner pulls
 # in the engine and the kernels, which only a benchmark run needs.
 _EXPORTS = {"BenchConfig": "runner", "run_bench": "runner", "load_llm": "runner", "defaults_for": "defaults",
-            "CPU_DEFAULTS": "defaults", "GPU_DEFAULTS": "defaults", "WorkloadSpec": "workload",
-            "make_workload": "workload", "arrival_times": "workload", "plot_results": "plots"}
+            "CPU_DEFAULTS": "defaults", "GPU_DEFAULTS": "defaults", "PRESETS": "defaults",
+            "WorkloadSpec": "workload", "make_workload": "workload", "arrival_times": "workload",
+            "plot_results": "plots"}
 __all__ = list(_EXPORTS)
 
 

@@ -1,8 +1,9 @@
 """The benchmark's command: option resolution, the run, the summary, the plots.
 
 Shared by ``lazy-rag bench`` (typer, in ``lazy_rag.cli``) and ``benchmarks/serving.py`` (argparse:
-the GPU image has neither typer nor rich). Options left at None take the device's defaults
-(``defaults.GPU_DEFAULTS`` on CUDA, ``defaults.CPU_DEFAULTS`` on the CPU).
+the GPU image has neither typer nor rich). Options left at None take the preset's value
+(``--preset``, ``defaults.PRESETS``), else the device's default (``defaults.GPU_DEFAULTS`` on CUDA,
+``defaults.CPU_DEFAULTS`` on the CPU): an option given explicitly always wins.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ..errors import LazyRagError
 from .driver import SYSTEMS
-from .defaults import both, defaults_for
+from .defaults import PRESETS, both, defaults_for, preset_values
 from .random_models import ARCHITECTURES
 from .records import load_records
 from .workload import WorkloadSpec
@@ -34,13 +35,19 @@ HELP = {
     "output_tokens": f"Tokens generated per request ({both('output_tokens')}; fewer if the model emits EOS).",
     "requests": f"Requests per point ({both('requests')}).",
     "hf_requests": f"Requests per point for plain transformers, the first N of the same list ({both('hf_requests')}).",
-    "popularity": "How documents are drawn: zipf or uniform.",
-    "zipf_a": "Zipf exponent (2.1).",
+    "popularity": f"How documents are drawn: zipf or uniform ({both('popularity')}).",
+    "zipf_a": f"Zipf exponent ({both('zipf_a')}).",
     "rates": "Comma-separated arrival rates in requests/s (Poisson); 'offline' = all at once "
              f"({both('rates')}).",
     "budgets": "Comma-separated KV budgets: fraction of the documents whose KV fits the GPU pool, in (0, 1] "
                f"({both('budgets')}).",
-    "systems": f"Comma-separated systems: {','.join(SYSTEMS)}.",
+    "systems": f"Comma-separated systems: {','.join(SYSTEMS)} (default: all).",
+    "shared_chunks": "Comma-separated engine shared-chunk attention settings to compare: auto, on, off "
+                     "(EngineConfig.shared_chunks). lazy runs once per setting; block, prefix and full share no "
+                     f"chunk pages and run once, with the first ({both('shared_chunks')}).",
+    "preset": f"A named workload ({', '.join(PRESETS)}): sets the options it names for the device "
+              "(decode-shared: decode-heavy paper workload, lazy with and without shared-chunk grouping vs "
+              "block, offline, budget 0.25); options given explicitly override it.",
     "page_size": "Engine KV page size in tokens.",
     "max_num_seqs": f"Engine: most requests running at once ({both('max_num_seqs')}).",
     "max_batched_tokens": "Engine: most tokens per step.",
@@ -54,35 +61,38 @@ HELP = {
 }
 
 
-def resolve_options(device: str, **opts) -> dict:
-    """Fill the options left at None from the device's defaults; a given --model or
-    --random-weights replaces the default model choice altogether."""
+def resolve_options(device: str, preset: str | None = None, **opts) -> dict:
+    """Fill the options left at None from the preset's values, else the device's defaults; a given
+    --model or --random-weights replaces the preset's or default model choice altogether."""
     from ..models import resolve_device
 
     dev = resolve_device(device)
-    d = defaults_for(dev)
+    d = defaults_for(dev) | preset_values(preset, dev)
     if opts.get("model") or opts.get("random_weights"):
         d["model"] = d["random_weights"] = None
     return {k: (d.get(k) if v is None else v) for k, v in opts.items()} | {"device": str(dev)}
 
 
-def run_command(*, model=None, random_weights=None, device="auto", dtype="auto", docs=None, doc_tokens=None, k=None,
-                question_tokens=None, output_tokens=None, requests=None, hf_requests=None, popularity="zipf",
-                zipf_a=2.1, rates=None, budgets=None, systems=",".join(SYSTEMS), page_size=64, max_num_seqs=None,
-                max_batched_tokens=16384, host_gb=None, seed=0, out=None, results_dir=RESULTS_DIR, plots=True,
-                as_json=False, progress="auto") -> list[dict]:
-    from .runner import BenchConfig, load_llm, parse_budgets, parse_rates, parse_systems, run_bench, summary_table
+def run_command(*, preset=None, model=None, random_weights=None, device="auto", dtype="auto", docs=None,
+                doc_tokens=None, k=None, question_tokens=None, output_tokens=None, requests=None, hf_requests=None,
+                popularity=None, zipf_a=None, rates=None, budgets=None, systems=None, shared_chunks=None,
+                page_size=64, max_num_seqs=None, max_batched_tokens=16384, host_gb=None, seed=0, out=None,
+                results_dir=RESULTS_DIR, plots=True, as_json=False, progress="auto") -> list[dict]:
+    from .runner import (BenchConfig, load_llm, parse_budgets, parse_rates, parse_shared_chunks, parse_systems,
+                         run_bench, summary_table)
 
-    o = resolve_options(device, model=model, random_weights=random_weights, docs=docs, doc_tokens=doc_tokens, k=k,
-                        question_tokens=question_tokens, output_tokens=output_tokens, requests=requests,
-                        hf_requests=hf_requests, rates=rates, budgets=budgets, max_num_seqs=max_num_seqs, out=out)
+    o = resolve_options(device, preset, model=model, random_weights=random_weights, docs=docs, doc_tokens=doc_tokens,
+                        k=k, question_tokens=question_tokens, output_tokens=output_tokens, requests=requests,
+                        hf_requests=hf_requests, popularity=popularity, zipf_a=zipf_a, rates=rates, budgets=budgets,
+                        systems=systems, shared_chunks=shared_chunks, max_num_seqs=max_num_seqs, out=out)
     spec = WorkloadSpec(docs=o["docs"], doc_tokens=o["doc_tokens"], k=o["k"], question_tokens=o["question_tokens"],
-                        output_tokens=o["output_tokens"], requests=o["requests"], popularity=popularity,
-                        zipf_a=zipf_a, seed=seed)
+                        output_tokens=o["output_tokens"], requests=o["requests"], popularity=o["popularity"],
+                        zipf_a=o["zipf_a"], seed=seed)
     if host_gb is not None and not host_gb > 0:
         raise LazyRagError(f"--host-gb must be > 0 (got {host_gb}).")
     cfg = BenchConfig(spec=spec, rates=parse_rates(o["rates"]), budgets=parse_budgets(o["budgets"]),
-                      systems=parse_systems(systems), hf_requests=o["hf_requests"], page_size=page_size,
+                      systems=parse_systems(o["systems"]), shared_chunks=parse_shared_chunks(o["shared_chunks"]),
+                      hf_requests=o["hf_requests"], page_size=page_size,
                       max_num_seqs=o["max_num_seqs"], max_batched_tokens=max_batched_tokens,
                       host_bytes=None if host_gb is None else int(host_gb * (1 << 30))).validate()
     if not o["out"] or "/" in o["out"]:
@@ -128,9 +138,9 @@ def argparse_main(argv=None) -> int:
     typed = {"docs": int, "doc_tokens": int, "k": int, "question_tokens": int, "output_tokens": int, "requests": int,
              "hf_requests": int, "page_size": int, "max_num_seqs": int, "max_batched_tokens": int, "seed": int,
              "zipf_a": float, "host_gb": float, "results_dir": Path}
-    defaults = {"device": "auto", "dtype": "auto", "popularity": "zipf", "zipf_a": 2.1, "systems": ",".join(SYSTEMS),
-                "page_size": 64, "max_batched_tokens": 16384, "seed": 0, "results_dir": RESULTS_DIR,
-                "progress": "auto"}
+    # options missing here default to None: the preset's value or the device's default
+    defaults = {"device": "auto", "dtype": "auto", "page_size": 64, "max_batched_tokens": 16384, "seed": 0,
+                "results_dir": RESULTS_DIR, "progress": "auto"}
     for name, text in HELP.items():
         if name in ("plots", "as_json"):
             continue

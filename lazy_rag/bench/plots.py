@@ -1,5 +1,6 @@
 """PNG figures of a serving-benchmark results file: TTFT vs request rate per system, GPU chunk hit
-ratio vs KV budget, offline throughput vs KV budget.
+ratio vs KV budget, offline throughput vs KV budget. A run comparing shared_chunks settings
+(``--shared-chunks auto,off``) draws one line per setting of lazy (``lazy[off]`` dashed).
 
 matplotlib is imported only here, when a plot is made (the GPU image has none: plot afterwards
 from the JSON with ``lazy-rag bench plot RESULTS.json``).
@@ -27,17 +28,36 @@ def _pyplot():
     return plt
 
 
+def with_series(records) -> list[dict]:
+    """Copies of the records with ``series``, the line they are drawn on: the mode, with its
+    shared_chunks value where the records compare several for that mode (``lazy[auto]``, ``lazy[off]``)."""
+    values: dict[str, set] = {}
+    for r in records:
+        values.setdefault(r["mode"], set()).add(r.get("shared_chunks"))
+    return [r | {"series": f"{r['mode']}[{r.get('shared_chunks')}]" if len(values[r["mode"]]) > 1 else r["mode"]}
+            for r in records]
+
+
+def _mode(series: str) -> str:
+    return series.split("[", 1)[0]
+
+
 def _systems(records):
-    seen = {r["mode"] for r in records}
-    return [s for s in ORDER if s in seen] + sorted(seen - set(ORDER))
+    seen = {r["series"] for r in records}
+    return sorted(seen, key=lambda s: (ORDER.index(_mode(s)) if _mode(s) in ORDER else len(ORDER), s))
 
 
 def _budgets(records):
     return sorted({r["budget_fraction"] for r in records if r.get("budget_fraction") is not None}, reverse=True)
 
 
-def _style(system):
-    return STYLE.get(system, ("black", "."))
+def _style(series):
+    return STYLE.get(_mode(series), ("black", "."))
+
+
+def _line(series) -> dict:
+    # the engine without shared-chunk grouping: the mode's colour, dashed, hollow markers
+    return dict(linestyle="--", markerfacecolor="none") if series.endswith("[off]") else dict(linestyle="-")
 
 
 def _title(records) -> str:
@@ -57,10 +77,10 @@ def plot_ttft_vs_rate(plt, records, path: Path, stat: str = "p50") -> Path | Non
         for s in _systems(rated):
             # transformers is budget-independent: the same line on every panel
             pts = sorted((r["rate_rps"], r[f"ttft_ms_{stat}"]) for r in rated
-                         if r["mode"] == s and (r.get("budget_fraction") in (b, None)))
+                         if r["series"] == s and (r.get("budget_fraction") in (b, None)))
             if pts:
                 c, m = _style(s)
-                ax.plot(*zip(*pts), marker=m, color=c, label=s)
+                ax.plot(*zip(*pts), marker=m, color=c, label=s, **_line(s))
         ax.set_xlabel("request rate (req/s)")
         ax.set_title("KV budget: all documents" if b == 1 else f"KV budget: {b:.0%} of documents"
                      if b is not None else "")
@@ -89,14 +109,15 @@ def _vs_budget(plt, records, path: Path, key: str, ylabel: str, flat_baselines: 
     for s in _systems(budgeted):
         pts = []
         for b in _budgets(budgeted):
-            rs = [r for r in budgeted if r["mode"] == s and r["budget_fraction"] == b]
+            rs = [r for r in budgeted if r["series"] == s and r["budget_fraction"] == b]
             if rs:
                 pts.append((b, pick(rs)[key]))
         c, m = _style(s)
-        ax.plot(*zip(*sorted(pts)), marker=m, color=c, label=s)
+        ax.plot(*zip(*sorted(pts)), marker=m, color=c, label=s, **_line(s))
     if flat_baselines:
         for s in _systems(records):
-            rs = [r for r in records if r["mode"] == s and r.get("budget_fraction") is None and r.get(key) is not None]
+            rs = [r for r in records
+                  if r["series"] == s and r.get("budget_fraction") is None and r.get(key) is not None]
             if rs:
                 c, _m = _style(s)
                 ax.axhline(pick(rs)[key], color=c, linestyle="--", label=f"{s} (no KV reuse)")
@@ -117,6 +138,7 @@ def plot_results(records: list[dict], out_dir: Path, name: str) -> list[Path]:
     if not records:
         raise LazyRagError("No records to plot.")
     plt = _pyplot()
+    records = with_series(records)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     made = [plot_ttft_vs_rate(plt, records, out_dir / f"{name}_ttft_vs_rate.png"),

@@ -7,6 +7,11 @@ system runs first; each measured point gets a fresh engine (an empty GPU pool of
 size), so GPU-pool hit ratios are those of a cold pool filling under the workload. Warm-up
 requests per system before timing compile the kernels. Plain transformers does not depend on
 the KV budget: it is measured once per rate (``budget_*`` null in its records).
+
+``shared_chunks`` sweeps the engine's shared-chunk attention (``EngineConfig.shared_chunks``) like
+the budgets: lazy mode, whose running sequences read the same chunk pages, is measured once per
+value, side by side at each (budget, rate); block, prefix and full run once with the first value
+(no chunk page is shared between their sequences, so the setting changes nothing there).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 
 from ..engine import Engine
 from ..engine import EngineConfig
+from ..engine.config import SHARED_CHUNKS
 from ..engine.chunk_tiers import ChunkTiers
 from ..errors import LazyRagError
 from .driver import SYSTEMS, run_engine, run_transformers, summarize_timings
@@ -26,9 +32,14 @@ from .progress import make_progress
 from .records import environment, format_table, write_records
 from .workload import Workload, WorkloadSpec, allowed_token_ids, arrival_times, make_workload
 
-SUMMARY_COLUMNS = ["mode", "budget_fraction", "rate_rps", "requests", "ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50",
-                   "e2e_ms_p99", "throughput_rps", "output_tokens_per_s", "gpu_hit_ratio", "host_hit_ratio",
-                   "preemptions", "peak_gpu_mem_gib"]
+# engine modes whose sequences hold the same chunk pages in the pool, so that decode attention can
+# read a shared chunk once for several of them: block copies each request's chunks into its own
+# pages, prefix shares at most a cached prompt prefix, full shares nothing
+GROUPING_MODES = ("lazy",)
+
+SUMMARY_COLUMNS = ["mode", "shared_chunks", "budget_fraction", "rate_rps", "requests", "ttft_ms_p50", "ttft_ms_p99",
+                   "e2e_ms_p50", "e2e_ms_p99", "throughput_rps", "output_tokens_per_s", "gpu_hit_ratio",
+                   "host_hit_ratio", "preemptions", "peak_gpu_mem_gib"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class BenchConfig:
     rates: tuple = (None, 0.5, 1.0, 2.0, 4.0)   # requests/s; None = offline (all at once)
     budgets: tuple = (1.0, 0.5, 0.25, 0.1)      # fraction of the documents whose KV fits the pool
     systems: tuple = SYSTEMS
+    shared_chunks: tuple = ("auto",)            # EngineConfig.shared_chunks values (GROUPING_MODES run each)
     hf_requests: int = 20                       # transformers runs the first N requests only (slow)
     page_size: int = 64
     max_num_seqs: int = 32
@@ -55,6 +67,12 @@ class BenchConfig:
         for s in self.systems:
             if s not in SYSTEMS:
                 raise LazyRagError(f"Unknown system {s!r} in --systems; choose from {','.join(SYSTEMS)}.")
+        if not self.shared_chunks:
+            raise LazyRagError(f"--shared-chunks is empty; give some of {','.join(SHARED_CHUNKS)}, e.g. auto,off.")
+        for v in self.shared_chunks:
+            if v not in SHARED_CHUNKS:
+                raise LazyRagError(f"Unknown --shared-chunks value {v!r}; choose from {','.join(SHARED_CHUNKS)} "
+                                   "(comma-separated to compare them, e.g. auto,off).")
         for r in self.rates:
             if r is not None and not r > 0:
                 raise LazyRagError(f"--rates: {r} is not a positive rate; use requests/s > 0 or 'offline'.")
@@ -77,6 +95,13 @@ class BenchConfig:
 
     def budget_chunks(self, fraction: float) -> int:
         return max(1, round(fraction * self.spec.docs))
+
+    def shared_chunks_for(self, system: str) -> tuple:
+        """The shared_chunks values ``system`` is measured with: each for the grouping modes, the
+        first for the other engine modes, None (no engine) for transformers."""
+        if system == "transformers":
+            return (None,)
+        return self.shared_chunks if system in GROUPING_MODES else self.shared_chunks[:1]
 
 
 # -- parsing the command line's lists -------------------------------------------------------------
@@ -104,6 +129,11 @@ def parse_budgets(text: str) -> tuple:
 
 def parse_systems(text: str) -> tuple:
     return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def parse_shared_chunks(text: str) -> tuple:
+    """'auto,off' -> ('auto', 'off'); a repeated value is measured once. Checked in BenchConfig.validate."""
+    return tuple(dict.fromkeys(p.strip().lower() for p in text.split(",") if p.strip()))
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -159,7 +189,7 @@ class Bench:
         self.env = environment()
         self.records: list[dict] = []
 
-    # points in sweep order: (budget fraction or None, rate, system)
+    # points in sweep order: (budget fraction or None, rate, system, shared_chunks or None)
     def points(self) -> list[tuple]:
         c = self.cfg
         pts = []
@@ -168,25 +198,32 @@ class Bench:
                 for s in c.systems:
                     if s == "transformers":
                         if bi == 0:
-                            pts.append((None, r, s))
+                            pts.append((None, r, s, None))
                     else:
-                        pts.append((b, r, s))
+                        pts.extend((b, r, s, sc) for sc in c.shared_chunks_for(s))
         return pts
 
     def min_duration_s(self) -> float:
         """A lower bound of the sweep's wall time: the arrival spans of the rate points."""
         c, n = self.cfg, self.cfg.spec.requests
-        return sum((min(n, c.hf_requests) if s == "transformers" else n) / r for _b, r, s in self.points() if r)
+        return sum((min(n, c.hf_requests) if s == "transformers" else n) / r for _b, r, s, _sc in self.points() if r)
+
+    def point_label(self, system: str, shared_chunks: str | None) -> str:
+        """The system, with its shared_chunks value when the sweep compares several."""
+        if len(self.cfg.shared_chunks) > 1 and system in GROUPING_MODES:
+            return f"{system}[{shared_chunks}]"
+        return system
 
     def warm_up(self, log) -> None:
         """Encode every document into the host tier; run one short request per system (kernel
         compilation, allocator growth) on a throwaway engine."""
         w, llm = self.workload, self.llm
-        eng = self._engine(self.cfg.spec.docs)
+        eng = self._engine(self.cfg.spec.docs, self.cfg.shared_chunks[0])
         eng.encode_chunks([list(doc.content) for doc in w.docs], llm.default_source.shared_prefix_ids)
         del eng
         first = w.requests[:1]
-        for s in self.cfg.systems:
+        # every (system, shared_chunks) pair measured: grouped decode attention has kernels of its own
+        for s, sc in dict.fromkeys((s, sc) for _b, _r, s, sc in self.points()):
             if s == "transformers":
                 run_transformers(llm, first, [0.0], 2)
             else:
@@ -194,13 +231,13 @@ class Bench:
                 # variant once a batch has enough query tiles to fill the GPU without splitting
                 # the context (~1 s, which would otherwise land inside the first timed point)
                 n = min(self.cfg.max_num_seqs, len(w.requests)) if s in ("lazy", "block") else 2
-                eng = self._engine(self.cfg.spec.docs)
+                eng = self._engine(self.cfg.spec.docs, sc)
                 run_engine(eng, s, w.requests[:n], [0.0] * n, 2)
                 del eng
         log(f"warm-up: {len(w.docs)} documents encoded into the host tier "
             f"({self.tiers.host.bytes / (1 << 20):.0f} MiB)")
 
-    def _engine(self, fit: int) -> Engine:
+    def _engine(self, fit: int, shared_chunks: str) -> Engine:
         c = self.cfg
         # the engine before this one (its pool sized for a whole budget) must be gone before the
         # next pool is allocated: collect anything of it a reference cycle still holds
@@ -208,7 +245,8 @@ class Bench:
         if self.llm.device.type == "cuda":
             torch.cuda.empty_cache()
         config = EngineConfig(num_pages=pool_pages(self.llm, self.workload, c.page_size, fit), page_size=c.page_size,
-                              max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens)
+                              max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens,
+                              shared_chunks=shared_chunks)
         return Engine(self.llm.host, config, tiers=self.tiers)
 
     def run(self) -> list[dict]:
@@ -221,20 +259,21 @@ class Bench:
                 prog.start("warm-up")
                 self.warm_up(log)
                 prog.advance()
-            for b, r, s in pts:
+            for b, r, s, sc in pts:
                 rate = "offline" if r is None else f"{r:g} req/s"
-                prog.start(f"{s:<12} budget {'-' if b is None else f'{b:g}'}  {rate}")
-                rec = self.measure(b, r, s)
+                label = self.point_label(s, sc)
+                prog.start(f"{label:<12} budget {'-' if b is None else f'{b:g}'}  {rate}")
+                rec = self.measure(b, r, s, sc)
                 self.records.append(rec)
                 if self.out_path is not None:
                     write_records(self.out_path, self.records)  # after every point: a cut-off run keeps it
-                log(f"{s:<12} budget {'-' if b is None else f'{b:g}':<5} {rate:<12} TTFT p50 "
+                log(f"{label:<12} budget {'-' if b is None else f'{b:g}':<5} {rate:<12} TTFT p50 "
                     f"{rec['ttft_ms_p50']:.0f} ms  p99 {rec['ttft_ms_p99']:.0f} ms  "
-                    f"{rec['throughput_rps']:.2f} req/s")
+                    f"{rec['throughput_rps']:.2f} req/s  {rec['output_tokens_per_s']:.1f} output tok/s")
                 prog.advance()
         return self.records
 
-    def measure(self, budget: float | None, rate: float | None, system: str) -> dict:
+    def measure(self, budget: float | None, rate: float | None, system: str, shared_chunks: str | None) -> dict:
         c, spec, llm = self.cfg, self.cfg.spec, self.llm
         n = min(spec.requests, c.hf_requests) if system == "transformers" else spec.requests
         requests = self.workload.requests[:n]
@@ -250,7 +289,7 @@ class Bench:
         if system == "transformers":
             res = run_transformers(llm, requests, arrivals, spec.output_tokens)
         else:
-            eng = self._engine(fit)
+            eng = self._engine(fit, shared_chunks)
             extra["kv_pool_gib"] = gib(eng.pool.num_pages * eng.pool.bytes_per_page)
             # the whole pool in documents: the budget plus the one-request margin, which lazy mode
             # (little private KV per request) can also fill with chunks
@@ -268,6 +307,7 @@ class Bench:
                "question_tokens": spec.question_tokens, "output_tokens": spec.output_tokens, "seed": spec.seed,
                "page_size": c.page_size if system != "transformers" else None,
                "max_num_seqs": c.max_num_seqs if system != "transformers" else None,
+               "shared_chunks": shared_chunks,
                "prompt_tokens_mean": round(prompt_tokens / n, 1), "output_tokens_total": out_tokens,
                **latency_summary("ttft_ms", ttft), **latency_summary("e2e_ms", e2e),
                "wall_s": round(res.wall_s, 3), **throughput(n, out_tokens, res.wall_s)}
