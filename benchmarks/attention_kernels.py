@@ -64,9 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "runs"),
                     help="time tuning variants (records with benchmark *_sweep) before the cases; "
                          "`--sweep runs`: only the runs prefill kernel's")
-    ap.add_argument("--only", choices=("decode", "prefill", "fp8"),
+    ap.add_argument("--only", choices=("decode", "prefill", "fp8", "shared"),
                     help="time only these cases (decode: decode, decode_shared and decode_slot_pos; "
-                         "prefill: prefill and prefill_slot_pos; fp8: the fp8-vs-bf16 cases)")
+                         "prefill: prefill and prefill_slot_pos; fp8: the fp8-vs-bf16 cases; shared: "
+                         "decode_shared alone, Zipf and uniform, with shared_chunk_decode's tuning sweep)")
     return ap.parse_args(argv)
 
 
@@ -299,7 +300,7 @@ class SharedCase:
     pages for hidden_and_compact's runs (at most every chunk token of every sequence)."""
 
     def __init__(self, shape, B, n_new, rng, n_chunks=100, per_seq=5, q_tokens=32,
-                 recompute_room=False):
+                 recompute_room=False, popularity="zipf"):
         import torch
 
         cp = CHUNK // PAGE
@@ -313,7 +314,8 @@ class SharedCase:
         self.free = iter(perm[n_chunks * cp + B * priv_pages:])
         self.seqs, self.picks = [], []
         for b in range(B):
-            chunks = zipf_chunks(rng, n_chunks, per_seq)
+            chunks = (zipf_chunks(rng, n_chunks, per_seq) if popularity == "zipf"
+                      else rng.choice(n_chunks, size=per_seq, replace=False).tolist())
             self.picks.append(chunks)
             ent, p = [], 0
             for c in chunks:
@@ -357,35 +359,105 @@ class SharedCase:
         return seq_table(seqs, rows), n_recomputed
 
 
-def shared_decode_cases(shape, rec, batches, rng):
+# shared_chunk_decode variants (the first H100 sweep of rows 64/128 x block_n 64/128 x warps 4/8 x
+# stages 2/3 put rows 64, block_n 64, 4 warps, 2 stages at or near the best in every case): min_share
+# (a chunk held by fewer sequences stays in the private part) x split_target
+SHARED_TUNING = ([dict(min_share=m, split_target=t) for m in (1, 2) for t in (2, 4, 8)]
+                 + [dict(rows=128, block_n=128, num_warps=8, split_target=4)])
+
+
+def shared_chunks_of(case, shape, rows=64, min_share=1):
+    """The case's step as shared_chunk_decode takes it: chunks held by >= min_share sequences
+    grouped (SharedChunks), every other entry in a private table; `rows` query rows per work
+    tile (pairs_per_tile = rows // GP)."""
+    import triton
+
+    from lazy_rag.kernels.shared_chunks import SharedChunks
+
+    cp = CHUNK // PAGE
+    holders = {}
+    for picks in case.picks:
+        for c in picks:
+            holders[c] = holders.get(c, 0) + 1
+    grouped = sorted(c for c, n in holders.items() if n >= min_share)
+    index = {c: i for i, c in enumerate(grouped)}
+    pairs, private = [], []
+    for b, (picks, ent) in enumerate(zip(case.picks, case.seqs)):
+        own = []
+        for i, c in enumerate(picks):
+            chunk_ent = ent[i * cp:(i + 1) * cp]
+            if c in index:
+                pairs.append((b, index[c], chunk_ent[0][3], chunk_ent[0][1]))
+            else:
+                own += chunk_ent
+        private.append(own + ent[case.n_chunk_entries:])
+    chunks = []
+    for c in grouped:
+        b = next(b for b, picks in enumerate(case.picks) if c in picks)
+        i = case.picks[b].index(c)
+        chunks.append(([e[0] for e in case.seqs[b][i * cp:(i + 1) * cp]], CHUNK))
+    gp = triton.next_power_of_2(shape.H // shape.HKV)
+    shared = SharedChunks.from_pairs(chunks, pairs, len(case.seqs), max(1, rows // gp), device=DEVICE)
+    return shared, seq_table(private), sum(cp for _ in grouped) + sum(len(p) for p in private)
+
+
+def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning_sets=None):
+    """decode_shared: per-sequence lazy_decode (rotate_q / rotate_k / none), Block-Attention and
+    shared_chunk_decode (mode `shared`: each chunk held by >= min_share sequences read once; `bytes` =
+    the unique pages it reads) on the same inputs; `speedup_vs_lazy` = lazy rotate_q's time over
+    this record's. tuning_sets: shared_chunk_decode variants (rows per work tile, block_n,
+    num_warps, num_stages)."""
     import torch
 
     from lazy_rag.kernels import block_attention_decode, lazy_decode
+    from lazy_rag.kernels.shared_chunks import shared_chunk_decode
 
-    for B in batches:
-        case = SharedCase(shape, B, 1, rng)
-        T = case.T
-        q = torch.randn(B, shape.H, shape.D, device=DEVICE, dtype=shape.dtype)
-        q_pos = torch.full((B,), T - 1, dtype=torch.int32, device=DEVICE)
-        uniq = len({c for p in case.picks for c in p})
-        nbytes = B * T * shape.token_kv_bytes
-        flops = 4 * B * shape.H * T * shape.D
-        base = dict(benchmark="decode_shared", batch=B, context=T, page_size=PAGE,
-                    unique_chunks=uniq, unique_bytes=uniq * CHUNK * shape.token_kv_bytes,
-                    case=f"B{B} 5/100 zipf2.1")
-        o = torch.empty_like(q)
-        for rope_mode in ("rotate_q", "rotate_k", "none"):
-            t, timer = bench(partial(lazy_decode, q, case.k_pages, case.v_pages, case.table,
-                                     q_pos, shape.inv_freq, rope_mode=rope_mode, out=o))
-            rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode), t, timer,
-                    nbytes, flops, **kernel_report())
-        t, timer = bench(partial(block_attention_decode, q, case.k_pages, case.v_pages,
-                                 case.table, q_pos, shape.inv_freq, rope_mode="rotate_k",
-                                 max_len=T, equal_lengths=True))
-        rec.add(dict(base, mode="block", rope_mode="rotate_k"), t, timer, 3 * nbytes, flops,
-                note="bytes = KV read + copy written + copy read by SDPA")
-        del case
-        torch.cuda.empty_cache()
+    for popularity in popularities:
+        for B in batches:
+            case = SharedCase(shape, B, 1, rng, popularity=popularity)
+            T = case.T
+            q = torch.randn(B, shape.H, shape.D, device=DEVICE, dtype=shape.dtype)
+            q_pos = torch.full((B,), T - 1, dtype=torch.int32, device=DEVICE)
+            uniq = len({c for p in case.picks for c in p})
+            nbytes = B * T * shape.token_kv_bytes
+            flops = 4 * B * shape.H * T * shape.D
+            base = dict(benchmark="decode_shared", batch=B, context=T, page_size=PAGE, popularity=popularity,
+                        unique_chunks=uniq, unique_bytes=uniq * CHUNK * shape.token_kv_bytes,
+                        case=f"B{B} 5/100 {'zipf2.1' if popularity == 'zipf' else popularity}")
+            o = torch.empty_like(q)
+            t_lazy = None
+            for rope_mode in ("rotate_q", "rotate_k", "none"):
+                t, timer = bench(partial(lazy_decode, q, case.k_pages, case.v_pages, case.table,
+                                         q_pos, shape.inv_freq, rope_mode=rope_mode, out=o))
+                t_lazy = t_lazy or t
+                rec.add(dict(base, mode=lazy_mode(rope_mode), rope_mode=rope_mode), t, timer,
+                        nbytes, flops, **kernel_report())
+            ref = lazy_decode(q, case.k_pages, case.v_pages, case.table, q_pos, shape.inv_freq).float()
+            for tun in (tuning_sets or [{}]):
+                tun = dict(tun)
+                rows, min_share = tun.pop("rows", 64), tun.pop("min_share", 1)
+                shared, private, pages_read = shared_chunks_of(case, shape, rows=rows, min_share=min_share)
+                run = partial(shared_chunk_decode, q, case.k_pages, case.v_pages, private, shared, q_pos,
+                              shape.inv_freq, out=o, **tun)
+                try:
+                    t, timer = bench(run)
+                except Exception as exc:  # noqa: BLE001  (OutOfResources of a variant)
+                    print(f"  shared {tun}: {type(exc).__name__}", flush=True)
+                    continue
+                got = run().float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                rec.add(dict(base, mode="shared", rope_mode="rotate_q", pairs=shared.num_pairs,
+                             grouped_chunks=shared.chunk_len.numel(), pairs_per_tile=shared.pairs_per_tile,
+                             tuning=json.dumps(dict(tun, rows=rows, min_share=min_share)), speedup_vs_lazy=round(t_lazy / t, 2),
+                             rel_err_vs_lazy=float(f"{err:.2e}")),
+                        t, timer, pages_read * PAGE * shape.token_kv_bytes, flops)
+            t, timer = bench(partial(block_attention_decode, q, case.k_pages, case.v_pages,
+                                     case.table, q_pos, shape.inv_freq, rope_mode="rotate_k",
+                                     max_len=T, equal_lengths=True))
+            rec.add(dict(base, mode="block", rope_mode="rotate_k"), t, timer, 3 * nbytes, flops,
+                    note="bytes = KV read + copy written + copy read by SDPA")
+            del case
+            torch.cuda.empty_cache()
 
 
 def prefill_inputs(shape, B, n_new, cached):
@@ -711,6 +783,9 @@ def main(argv=None):
     if args.sweep:
         sweep(shape, rec, rng, args.sweep)
     quick = args.quick
+    if args.only == "shared":
+        shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
+                            tuning_sets=[{}] + SHARED_TUNING)
     if args.only in (None, "fp8"):
         fp8_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
                   [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng)
@@ -725,7 +800,8 @@ def main(argv=None):
     if args.only in (None, "prefill"):
         slot_pos_cases(shape, rec, [16], [512], rng)
     tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
-    suffix = "_fp8" if args.only == "fp8" else ""     # the fp8 cases alone: a file of their own
+    # the fp8 or shared cases alone: a file of their own
+    suffix = f"_{args.only}" if args.only in ("fp8", "shared") else ""
     path = write_records(args.out / f"kernels_{tag}{suffix}.json", rec.records)
     print(f"# {len(rec.records)} records in {time.time() - t0:.0f} s -> {path}")
     print(format_table([r for r in rec.records if not r["benchmark"].endswith("_sweep")],

@@ -12,6 +12,8 @@ from .page_manager import POLICIES
 
 # EngineConfig.kv_dtype -> the pool's storage dtype (None: the model's)
 KV_DTYPES = {None: None, "auto": None, "fp8": FP8, "float8_e4m3fn": FP8}
+# EngineConfig.shared_chunks: when decode attention reads a shared chunk once for every sequence
+SHARED_CHUNKS = ("auto", "on", "off")
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -38,7 +40,10 @@ class EngineConfig:
     None or "auto" in the model's dtype; "fp8": float8_e4m3fn with one fp16 scale per (layer,
     token, KV head) for K and for V (``kernels/kv_quant.py``), 50.8% of bf16's bytes at head_dim
     128, so a budget holds about twice the chunks; the kernels dequantise in registers and the
-    model still computes in its dtype."""
+    model still computes in its dtype. ``shared_chunks``: decode attention over a chunk that several
+    sequences of a step hold reads its KV once for all of them (``kernels/shared_chunks.py``);
+    "auto" groups when the step's sharing pays (``engine/shared_chunks.py``), "on" groups every chunk
+    held by two or more sequences, "off" never groups."""
 
     kv_bytes: int | None = None
     gpu_memory_fraction: float | None = None
@@ -51,11 +56,15 @@ class EngineConfig:
     cuda_graphs: bool = True
     append_graph_tokens: int = 4096
     kv_dtype: str | None = None
+    shared_chunks: str = "auto"
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
             raise LazyRagError(f"Unknown kv_dtype {self.kv_dtype!r}; choose one of "
                                f"{', '.join(str(k) for k in KV_DTYPES)}.")
+        if self.shared_chunks not in SHARED_CHUNKS:
+            raise LazyRagError(f"Unknown shared_chunks {self.shared_chunks!r}; choose one of "
+                               f"{', '.join(SHARED_CHUNKS)}.")
         if self.policy not in POLICIES:
             raise LazyRagError(f"Unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.append_graph_tokens < 0:
