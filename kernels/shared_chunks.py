@@ -55,6 +55,49 @@ from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_cou
 from .reference import paged_attention_ref
 
 
+# SharedChunks' tensor fields, in order
+FIELDS = ("chunk_indptr", "chunk_pages", "chunk_len", "tile_chunk", "tile_pair0", "tile_pairs", "pair_seq",
+          "pair_shift", "pair_pos", "seq_indptr", "seq_pairs")
+
+
+def group_pairs(chunks, pairs, num_seqs: int, pairs_per_tile: int) -> dict[str, list]:
+    """SharedChunks' fields as lists. chunks: per chunk, (its pages, its token count); pairs:
+    (sequence, chunk index, rot_shift, first logical position) in any order. Pairs are grouped by
+    chunk into work tiles of at most pairs_per_tile, a chunk's pairs spread evenly over its tiles
+    (a chunk of 17 pairs at 16 per tile: 9 + 8, not 16 + 1)."""
+    pairs = sorted(pairs, key=lambda p: (p[1], p[0]))
+    out = {f: [] for f in FIELDS}
+    out["chunk_indptr"].append(0)
+    for pages, n in chunks:
+        out["chunk_pages"].extend(pages)
+        out["chunk_indptr"].append(len(out["chunk_pages"]))
+        out["chunk_len"].append(n)
+    i = 0
+    while i < len(pairs):
+        c = pairs[i][1]
+        j = i
+        while j < len(pairs) and pairs[j][1] == c:
+            j += 1
+        n_tiles = -(-(j - i) // pairs_per_tile)
+        for k in range(n_tiles):
+            a, e = i + (j - i) * k // n_tiles, i + (j - i) * (k + 1) // n_tiles
+            out["tile_chunk"].append(c)
+            out["tile_pair0"].append(a)
+            out["tile_pairs"].append(e - a)
+        i = j
+    per_seq = [[] for _ in range(num_seqs)]
+    for k, (b, _, shift, pos) in enumerate(pairs):
+        per_seq[b].append(k)
+        out["pair_seq"].append(b)
+        out["pair_shift"].append(shift)
+        out["pair_pos"].append(pos)
+    out["seq_indptr"].append(0)
+    for ks in per_seq:
+        out["seq_pairs"].extend(ks)
+        out["seq_indptr"].append(len(out["seq_pairs"]))
+    return out
+
+
 @dataclass
 class SharedChunks:
     """One decode step's (sequence, chunk) pairs grouped by chunk (fields: module docstring)."""
@@ -75,37 +118,12 @@ class SharedChunks:
 
     @staticmethod
     def from_pairs(chunks, pairs, num_seqs: int, pairs_per_tile: int, device="cpu") -> "SharedChunks":
-        """chunks: per chunk, (its pages, its token count); pairs: (sequence, chunk index, rot_shift,
-        first logical position) in any order. Pairs are grouped by chunk into work tiles of at
-        most pairs_per_tile."""
-        pairs = sorted(pairs, key=lambda p: (p[1], p[0]))
-        ci, cp, cl = [0], [], []
-        for pages, n in chunks:
-            cp += list(pages)
-            ci.append(len(cp))
-            cl.append(n)
-        tc, t0, tn = [], [], []
-        i = 0
-        while i < len(pairs):
-            c = pairs[i][1]
-            j = i
-            while j < len(pairs) and pairs[j][1] == c and j - i < pairs_per_tile:
-                j += 1
-            tc.append(c)
-            t0.append(i)
-            tn.append(j - i)
-            i = j
-        per_seq = [[] for _ in range(num_seqs)]
-        for k, (b, _, _, _) in enumerate(pairs):
-            per_seq[b].append(k)
-        si = [0]
-        for ks in per_seq:
-            si.append(si[-1] + len(ks))
+        """SharedChunks of group_pairs' lists (arguments as there), on `device`."""
+        lists = group_pairs(chunks, pairs, num_seqs, pairs_per_tile)
         t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        return SharedChunks(
-            t(ci), t(cp), t(cl), t(tc), t(t0), t(tn), t([p[0] for p in pairs]), t([p[2] for p in pairs]),
-            t([p[3] for p in pairs]), t(si), t([k for ks in per_seq for k in ks]),
-            max((len(p) for p, _ in chunks), default=0), pairs_per_tile)
+        return SharedChunks(*(t(lists[f]) for f in FIELDS),
+                            max_chunk_pages=max((len(p) for p, _ in chunks), default=0),
+                            pairs_per_tile=pairs_per_tile)
 
     @property
     def num_pairs(self) -> int:
@@ -281,7 +299,7 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                         out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, num_splits: int | None = None,
                         block_n: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, split_target: float = 2.0) -> torch.Tensor:
+                        num_stages: int | None = None, split_target: float = 4.0) -> torch.Tensor:
     """Decode attention (rope_mode="rotate_q") of q [B, H, D] at q_pos [B] over each sequence's
     private entries (`private`, one CSR row per sequence, its own new token's page included) and its
     shared chunks (`shared`): the same result as lazy_decode over the union of both (module

@@ -34,8 +34,10 @@ import torch
 
 from ..kernels import PageTable, PrefillPlan, lazy_decode
 from ..kernels.prefill import default_block_m, plan_split_target, query_tiles
+from ..kernels.shared_chunks import shared_chunk_decode
 from .page_table import attention_path, page_rows, step_tokens, write_targets
 from .sequence import Sequence
+from .shared_chunks import packed_sizes, plan_shared_decode, unpack
 
 # token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
 # below a few hundred tokens, so the padding costs little there)
@@ -57,13 +59,19 @@ def batch_bucket(n: int) -> int:
 
 
 class DecodeAttention:
-    """One new token per sequence through the Triton decode kernel (the captured decode step)."""
+    """One new token per sequence through the Triton decode kernel (the captured decode step), or,
+    with ``shared`` (``SharedChunks``), through the shared-chunk kernel: ``table`` then lists only
+    what each sequence does not share."""
 
-    def __init__(self, runner, table, q_pos):
-        self.runner, self.table, self.q_pos = runner, table, q_pos
+    def __init__(self, runner, table, q_pos, shared=None):
+        self.runner, self.table, self.q_pos, self.shared = runner, table, q_pos, shared
 
     def __call__(self, i: int, q, k_stored, v):
         r = self.runner
+        if self.shared is not None:
+            return shared_chunk_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.shared, self.q_pos, r.inv_freq,
+                                       attention_scaling=r.parts.rope_table.attention_scaling,
+                                       sm_scale=r.parts.scaling, **r.pool.scales(i))
         return lazy_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.q_pos, r.inv_freq, rope_mode="rotate_q",
                            attention_scaling=r.parts.rope_table.attention_scaling, sm_scale=r.parts.scaling,
                            **r.pool.scales(i))
@@ -77,14 +85,20 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int = 256, page_step: int = 32):
+    def __init__(self, runner, max_batch: int = 256, page_step: int = 32, shared_chunks: str = "off",
+                 max_graphs: int = 64):
         # a weak reference: the runner owns its graphs, and a cycle would keep a dropped engine's
         # page pool (gigabytes of GPU memory) alive until the next garbage collection
         self.runner = weakref.proxy(runner)
         self.max_batch = max_batch
         self.page_step = page_step       # pages-per-sequence buckets are multiples of this
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks
+        # keyed (batch bucket, pages bucket, shared-chunk buckets or None); grouped steps vary in
+        # more ways, so the least recently used graph is dropped past max_graphs
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.max_graphs = max_graphs
         self.replays = 0
+        self.shared_replays = 0          # replays whose attention read shared chunks once
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of one decode step, or None when the batch is too large or a
@@ -95,15 +109,19 @@ class DecodeGraphs:
         packed = self.pack(seqs)
         if packed is None:
             return None
-        host, Bb, P = packed
-        cap = self.graphs.get((Bb, P)) or self._capture(Bb, P)
+        host, key = packed
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(key)
+        self.graphs.move_to_end(key)
         cap.buf.copy_(host)
         cap.graph.replay()
         self.replays += 1
+        self.shared_replays += key[2] is not None
         return cap.out[:B]
 
     # -- inputs: one int64 vector [ids | pos | slot_page | slot_off | indptr | ids | pos | len | shift]
-    def _pack(self, Bb: int, P: int, seqs, tables) -> torch.Tensor:
+    def _pack(self, Bb: int, P: int, seqs, tables, shared=None, shared_key=None) -> torch.Tensor:
         scratch = self.runner.pool.scratch_page
         ps = self.runner.pool.page_size
         ids, pos, spage, soff = [], [], [], []
@@ -131,36 +149,54 @@ class DecodeGraphs:
             shift.append(0)
             indptr.append(len(pid))
         fill = [0] * (Bb * P - len(pid))
+        grouped = []
+        if shared_key is not None:   # the shared-chunk arrays (all padding at capture)
+            grouped = (shared.packed(shared_key, Bb) if shared is not None
+                       else [0] * sum(packed_sizes(shared_key, Bb)))
         return torch.tensor(ids + pos + spage + soff + indptr + pid + fill + ppos + fill + plen + fill
-                            + shift + fill, dtype=torch.int64)
+                            + shift + fill + grouped, dtype=torch.int64)
 
-    def packed_forward(self, buf: torch.Tensor, B: int, P: int, num_layers: int | None = None) -> torch.Tensor:
+    def packed_forward(self, buf: torch.Tensor, key: tuple, num_layers: int | None = None) -> torch.Tensor:
         """The captured computation: decode logits [B, vocab] from a packed input buffer."""
+        B, P, shared_key = key
         ids, pos, spage, soff = (buf[i * B:(i + 1) * B] for i in range(4))
         t = buf[4 * B:].to(torch.int32)
         indptr, rest = t[:B + 1], t[B + 1:]
         pid, ppos, plen, shift = (rest[i * B * P:(i + 1) * B * P] for i in range(4))
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P)
-        attention = DecodeAttention(self.runner, table, pos.to(torch.int32))
+        shared = None
+        if shared_key is not None:
+            shared = unpack(rest[4 * B * P:], shared_key[:5], B, shared_key[5])
+        attention = DecodeAttention(self.runner, table, pos.to(torch.int32), shared)
         logits, _ = self.runner.forward(ids, pos, spage, soff, attention, logits_rows=slice(None), virtual=False,
                                         num_layers=num_layers)
         return logits
 
-    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int, int] | None:
-        """(packed inputs on the host, batch bucket, pages bucket) of a decode step; None when a
-        sequence's table needs explicit slot positions."""
-        tables = [page_rows(s, self.runner.pool.page_size) for s in seqs]
+    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, tuple] | None:
+        """(packed inputs on the host, graph key) of a decode step; None when a sequence's table
+        needs explicit slot positions. The key is (batch bucket, pages bucket, None) or, when the
+        step reads shared chunks once (``shared_chunks.plan_shared_decode``), its third item is the
+        shared arrays' buckets and the work tile's pairs."""
+        r = self.runner
+        ps = r.pool.page_size
+        shared = plan_shared_decode(seqs, ps, self.shared_chunks, r.parts.shape.num_heads,
+                                    r.parts.shape.num_kv_heads)
+        tables = shared.private if shared is not None else [page_rows(s, ps) for s in seqs]
         if any(t[4] is not None for t in tables):
             return None
         B = batch_bucket(len(seqs))
-        P = -(-max(len(t[0]) for t in tables) // self.page_step) * self.page_step
-        return self._pack(B, P, seqs, tables), B, P
+        P = -(-max(max(len(t[0]) for t in tables), 1) // self.page_step) * self.page_step
+        shared_key = None if shared is None else (*shared.shape(self.page_step), shared.pairs_per_tile)
+        return self._pack(B, P, seqs, tables, shared, shared_key), (B, P, shared_key)
 
-    def _capture(self, B: int, P: int) -> _Captured:
+    def _capture(self, key: tuple) -> _Captured:
+        B, P, shared_key = key
         # all padding: the warm-up touches the scratch page only
-        cap = capture(self.runner, self._pack(B, P, [], []),
-                      lambda buf, num_layers=None: self.packed_forward(buf, B, P, num_layers))
-        self.graphs[(B, P)] = cap
+        cap = capture(self.runner, self._pack(B, P, [], [], None, shared_key),
+                      lambda buf, num_layers=None: self.packed_forward(buf, key, num_layers))
+        self.graphs[key] = cap
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
         return cap
 
 

@@ -67,7 +67,7 @@ class Engine:
         self.pm = PageManager(self.pool, config.policy)
         self.tiers = tiers or ChunkTiers(config.host_bytes)
         self.runner = ModelRunner(host.parts, self.pool, config.cuda_graphs, config.max_num_seqs,
-                                  config.append_graph_tokens)
+                                  config.append_graph_tokens, config.shared_chunks)
         self.planner = KVPlanner(self.pm, self.tiers, host.rope_table, self.runner)
         self.scheduler = Scheduler(self.planner, config.max_num_seqs, config.max_batched_tokens)
         self.handles: dict[int, RequestHandle] = {}
@@ -331,6 +331,7 @@ class Engine:
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 "append_graph_replays": append.replays if append else 0,
                 "append_graphs": len(append.graphs) if append else 0,
+                "shared_chunk_steps": self.runner.shared_decode_steps + (graphs.shared_replays if graphs else 0),
                 **{k: round(v, 4) for k, v in self.timers.items()},
                 "page_size": self.pool.page_size, "bytes_per_page": self.pool.bytes_per_page}
 

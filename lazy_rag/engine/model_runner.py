@@ -40,23 +40,26 @@ from ..architecture import ModelParts
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
-from .cuda_graphs import AppendGraphs, DecodeGraphs
+from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
 from .page_pool import PagePool
 from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,
                          table_of_rows)
+from .shared_chunks import plan_shared_decode
 
 
 class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
-                 max_graph_tokens: int = 4096):
+                 max_graph_tokens: int = 4096, shared_chunks: str = "auto"):
         self.parts, self.pool = parts, pool
+        self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)
+        self.shared_decode_steps = 0         # eager decode steps that read shared chunks once
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
         self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
         self.graphs = self.append_graphs = None
         self.graph_mempool = None   # one memory pool for every captured graph (they never run at once)
         if cuda_graphs and self.use_kernels:
-            self.graphs = DecodeGraphs(self, max_graph_batch)
+            self.graphs = DecodeGraphs(self, max_graph_batch, shared_chunks=shared_chunks)
             if max_graph_tokens > 0:
                 self.append_graphs = AppendGraphs(self, max_graph_batch, max_tokens=max_graph_tokens)
 
@@ -227,12 +230,18 @@ class StepAttention:
         # launch per layer, when there are several: an index build's encode of many short chunks,
         # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
         # tokens per chunk on an H100). One long fresh prompt keeps SDPA's flash kernel.
+        encodes = pack_fresh     # a forward with chunk encodes in it is never a decode step
         pack_fresh = pack_fresh and runner.use_kernels and len(seqs) > 1
         self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
         self.scaling, self.shape = p.scaling, p.shape
         dev, ps = pool.device, pool.page_size
         kernels = runner.use_kernels
+        self.fresh, self.tails, self.torch_paths, self.paged, self.ape = [], [], [], None, []
+        self.shared = self._shared_decode(seqs, batch) if probe is None and not encodes else None
+        if self.shared is not None:
+            runner.shared_decode_steps += 1
+            return
         self.cos, self.sin = p.rope_table.cos_sin(batch.pos, p.dtype)  # for the paths that take rotated q
         self.fresh, self.tails, self.torch_paths, paged, ape = [], [], [], [], []
         for j, seq in enumerate(seqs):
@@ -265,8 +274,25 @@ class StepAttention:
                           plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev))
         self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
+    def _shared_decode(self, seqs, batch: PackedBatch) -> DecodeAttention | None:
+        """A decode step of sequences that share chunks, on the kernels: the shared-chunk decode
+        (``shared_chunks.py``), as the captured graphs run it; None otherwise."""
+        r = self.runner
+        if not (r.use_kernels and r.shared_chunks != "off" and is_decode_step(seqs)):
+            return None
+        if any(attention_path(s, True, r.pool.page_size)[0] != "paged" for s in seqs):
+            return None
+        plan = plan_shared_decode(seqs, r.pool.page_size, r.shared_chunks, self.shape.num_heads,
+                                  self.shape.num_kv_heads)
+        if plan is None:
+            return None
+        table, shared = plan.tensors(r.pool.device)
+        return DecodeAttention(r, table, batch.pos.to(torch.int32), shared)
+
     def __call__(self, i: int, q, k_stored, v):
         pool = self.runner.pool
+        if self.shared is not None:
+            return self.shared(i, q, k_stored, v)
         if self.probe is not None:
             self.probe.record(i, q, self.cos, self.sin)
         if self.paged is not None and self.paged[0] is None:  # every sequence takes the kernels

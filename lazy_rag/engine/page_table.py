@@ -14,9 +14,14 @@ def page_rows(seq, page_size: int):
     ``slot_pos`` is None when every page's slot j holds position page_pos + j (the common case),
     else one entry per page: None, or the explicit positions of its slots where some are hidden
     from this sequence (``HIDDEN_POS``). A page whose every valid slot is hidden is left out."""
+    return runs_rows(seq.cached_runs + seq.private_runs, page_size)
+
+
+def runs_rows(runs, page_size: int):
+    """``page_rows`` of some of a sequence's runs (the shared-chunk decode keeps the grouped ones out)."""
     ids, pos, lens, shift, slots = [], [], [], [], []
     any_explicit = False
-    for run in seq.cached_runs + seq.private_runs:
+    for run in runs:
         if run.positions is None and not run.hidden:
             # the common run (a whole chunk, a request's own tokens): its entries in bulk, no
             # per-page Python work (a 32-request step of the paper's workload has ~5k entries)

@@ -79,10 +79,13 @@ def test_stream_and_stop_strings(llm):
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
 
 
-def test_decode_graph_inputs_reproduce_the_eager_step(llm):
+@pytest.mark.parametrize("shared_chunks", ["off", "on"])
+def test_decode_graph_inputs_reproduce_the_eager_step(llm, shared_chunks):
     """The CUDA-graph decode path minus the capture: packing a step into one buffer (padded to
     its batch bucket, page table padded to its pages bucket, padding rows on the scratch page)
-    and running the packed forward gives the eager step's logits and leaves owned pages alone."""
+    and running the packed forward gives the eager step's logits and leaves owned pages alone.
+    shared_chunks="on": the step's chunks go through the shared-chunk decode (grouped by chunk,
+    its arrays padded to their buckets) and still give the eager per-sequence step's logits."""
     from lazy_rag.engine.cuda_graphs import DecodeGraphs, batch_bucket
     from lazy_rag.engine.page_table import is_decode_step, write_targets
 
@@ -105,13 +108,15 @@ def test_decode_graph_inputs_reproduce_the_eager_step(llm):
         for row, seq in zip(logits, seqs):
             seq.kv_len = seq.num_tokens
             eng._accept(seq, row)
-    graphs = DecodeGraphs(eng.runner, page_step=4)
+    graphs = DecodeGraphs(eng.runner, page_step=4, shared_chunks=shared_chunks)
     pool = eng.pool
     owned = [p for p in range(pool.num_pages) if pool.is_used(p)]
     before = pool.k[:, owned].clone()
-    buf, B, P = graphs.pack(seqs)
+    buf, key = graphs.pack(seqs)
+    B, P, shared_key = key
     assert B == batch_bucket(len(seqs)) == 4 and P % 4 == 0
-    packed = graphs.packed_forward(buf.to(pool.device), B, P)[:len(seqs)]
+    assert (shared_key is None) == (shared_chunks == "off")
+    packed = graphs.packed_forward(buf.to(pool.device), key)[:len(seqs)]
     # the eager step writes the same K/V again (same tokens, same slots) and must agree
     eng.runner.graphs = None
     eager = eng.runner.run(seqs)

@@ -68,6 +68,8 @@ def test_engine_is_oracle_consistent_under_concurrency(tiny_llm, mode):
     assert st["pages_private"] == 0
     if mode == "lazy":
         assert st["chunk_hits"] > 0
+        # on the kernels, decode steps read the chunks several requests hold once for all of them
+        assert (st["shared_chunk_steps"] > 0) == (tiny_llm.engine.pool.device.type == "cuda")
 
 
 def test_lazyllm_generate_and_stream_go_through_the_engine(tiny_llm):
@@ -127,6 +129,8 @@ def test_real_shape_model_64_concurrent_requests(mode, real_shape_llm):
     assert st["graph_replays"] > 0 and st["pages_private"] == 0
     if mode in ("lazy", "block"):  # their prefill steps were replayed from append graphs
         assert st["append_graph_replays"] > 0
+    if mode == "lazy":            # shared-chunk decode steps, replayed from graphs too
+        assert st["shared_chunk_steps"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA only (tests/gpu_parity.sh)")
