@@ -359,54 +359,45 @@ class SharedCase:
         return seq_table(seqs, rows), n_recomputed
 
 
-# shared_chunk_decode variants (the first H100 sweep of rows 64/128 x block_n 64/128 x warps 4/8 x
-# stages 2/3 put rows 64, block_n 64, 4 warps, 2 stages at or near the best in every case): min_share
-# (a chunk held by fewer sequences stays in the private part) x split_target
-SHARED_TUNING = ([dict(min_share=m, split_target=t) for m in (1, 2) for t in (2, 4, 8)]
-                 + [dict(rows=128, block_n=128, num_warps=8, split_target=4)])
+# shared_chunk_decode variants (rows per work tile: the engine's rule picks 32 or 64; an H100
+# sweep of rows 64/128 x block_n 64/128 x warps 4/8 x stages 2/3 put block_n 64, 4 warps,
+# 2 stages at or near the best in every case)
+SHARED_TUNING = [dict(rows=32), dict(rows=64), dict(split_target=8), dict(block_n=128, num_stages=3)]
 
 
-def shared_chunks_of(case, shape, rows=64, min_share=1):
-    """The case's step as shared_chunk_decode takes it: chunks held by >= min_share sequences
-    grouped (SharedChunks), every other entry in a private table; `rows` query rows per work
-    tile (pairs_per_tile = rows // GP)."""
+def shared_chunks_of(case, shape, rows=None):
+    """The case's decode step as the engine plans it (engine/shared_chunks.plan_shared_decode,
+    shared_chunks="on"): every chunk and each sequence's own pages as (sequence, chunk) pairs
+    of shared_chunk_decode; `rows` overrides the engine's query rows per work tile. Returns
+    (private table or None, SharedChunks, pages read)."""
+    from types import SimpleNamespace
+
     import triton
 
-    from lazy_rag.kernels.shared_chunks import SharedChunks
+    from lazy_rag.engine.sequence import Run
+    from lazy_rag.engine.shared_chunks import plan_shared_decode
 
     cp = CHUNK // PAGE
-    holders = {}
-    for picks in case.picks:
-        for c in picks:
-            holders[c] = holders.get(c, 0) + 1
-    grouped = sorted(c for c, n in holders.items() if n >= min_share)
-    index = {c: i for i, c in enumerate(grouped)}
-    pairs, private = [], []
-    for b, (picks, ent) in enumerate(zip(case.picks, case.seqs)):
-        own = []
-        for i, c in enumerate(picks):
-            chunk_ent = ent[i * cp:(i + 1) * cp]
-            if c in index:
-                pairs.append((b, index[c], chunk_ent[0][3], chunk_ent[0][1]))
-            else:
-                own += chunk_ent
-        private.append(own + ent[case.n_chunk_entries:])
-    chunks = []
-    for c in grouped:
-        b = next(b for b, picks in enumerate(case.picks) if c in picks)
-        i = case.picks[b].index(c)
-        chunks.append(([e[0] for e in case.seqs[b][i * cp:(i + 1) * cp]], CHUNK))
-    gp = triton.next_power_of_2(shape.H // shape.HKV)
-    shared = SharedChunks.from_pairs(chunks, pairs, len(case.seqs), max(1, rows // gp), device=DEVICE)
-    return shared, seq_table(private), sum(cp for _ in grouped) + sum(len(p) for p in private)
+    seqs = []
+    for ent in case.seqs:
+        runs = [Run(pos=ent[i * cp][1], length=CHUNK, pages=tuple(e[0] for e in ent[i * cp:(i + 1) * cp]),
+                    rot_shift=ent[i * cp][3]) for i in range(case.n_chunk_entries // cp)]
+        own = ent[case.n_chunk_entries:]
+        mine = Run(pos=own[0][1], length=case.n_priv, pages=tuple(e[0] for e in own), rot_shift=0)
+        seqs.append(SimpleNamespace(cached_runs=runs, private_runs=[mine], num_tokens=case.T))
+    plan = plan_shared_decode(seqs, PAGE, "on", shape.H, shape.HKV)
+    if rows is not None:
+        plan.pairs_per_tile = max(1, rows // triton.next_power_of_2(shape.H // shape.HKV))
+    private, shared = plan.tensors(DEVICE, len(seqs))
+    return private, shared, sum(len(p) for p, _ in plan.chunks)
 
 
 def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning_sets=None):
     """decode_shared: per-sequence lazy_decode (rotate_q / rotate_k / none), Block-Attention and
-    shared_chunk_decode (mode `shared`: each chunk held by >= min_share sequences read once; `bytes` =
-    the unique pages it reads) on the same inputs; `speedup_vs_lazy` = lazy rotate_q's time over
+    shared_chunk_decode (mode `shared`: the engine's plan, each chunk read once per work tile of
+    the sequences holding it, their own pages too; `bytes` = the unique pages it reads) on the same inputs; `speedup_vs_lazy` = lazy rotate_q's time over
     this record's. tuning_sets: shared_chunk_decode variants (rows per work tile, block_n,
-    num_warps, num_stages)."""
+    num_warps, num_stages, split_target)."""
     import torch
 
     from lazy_rag.kernels import block_attention_decode, lazy_decode
@@ -435,8 +426,7 @@ def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning
             ref = lazy_decode(q, case.k_pages, case.v_pages, case.table, q_pos, shape.inv_freq).float()
             for tun in (tuning_sets or [{}]):
                 tun = dict(tun)
-                rows, min_share = tun.pop("rows", 64), tun.pop("min_share", 1)
-                shared, private, pages_read = shared_chunks_of(case, shape, rows=rows, min_share=min_share)
+                private, shared, pages_read = shared_chunks_of(case, shape, rows=tun.pop("rows", None))
                 run = partial(shared_chunk_decode, q, case.k_pages, case.v_pages, private, shared, q_pos,
                               shape.inv_freq, out=o, **tun)
                 try:
@@ -448,7 +438,7 @@ def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 rec.add(dict(base, mode="shared", rope_mode="rotate_q", pairs=shared.num_pairs,
                              grouped_chunks=shared.chunk_len.numel(), pairs_per_tile=shared.pairs_per_tile,
-                             tuning=json.dumps(dict(tun, rows=rows, min_share=min_share)), speedup_vs_lazy=round(t_lazy / t, 2),
+                             tuning=json.dumps(tun), speedup_vs_lazy=round(t_lazy / t, 2),
                              rel_err_vs_lazy=float(f"{err:.2e}")),
                         t, timer, pages_read * PAGE * shape.token_kv_bytes, flops)
             t, timer = bench(partial(block_attention_decode, q, case.k_pages, case.v_pages,

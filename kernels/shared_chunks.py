@@ -262,20 +262,26 @@ def _shared_chunk_kernel(
 def _merge_shared_kernel(PRIV_O, stride_ot, stride_oh, PRIV_LSE, stride_plt,
                          PO, stride_pop, stride_pos, stride_poh, LSE, stride_lp, stride_ls,
                          SEQ_INDPTR, SEQ_PAIRS, OUT, stride_out, stride_ouh, num_splits,
-                         SP: tl.constexpr, D: tl.constexpr):
-    """out[b, h] = the private part and sequence b's pairs' split partials, weighted by
-    2^(lse - max) and normalised (online over the pairs: a sequence holds any number)."""
+                         SP: tl.constexpr, D: tl.constexpr, HAS_PRIVATE: tl.constexpr):
+    """out[b, h] = the private part (HAS_PRIVATE) and sequence b's pairs' split partials,
+    weighted by 2^(lse - max) and normalised (online over the pairs: a sequence holds any
+    number); a row with nothing to attend to gets zeros."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     s = tl.arange(0, SP)
     s_ok = s < num_splits
-    m = tl.load(PRIV_LSE + b * stride_plt + h) / LN2         # natural log -> log2
-    has = m > float("-inf")
-    m = tl.where(has, m, -1.0e30)
-    w = tl.where(has, 1.0, 0.0)
-    den = w
-    num = tl.load(PRIV_O + b.to(tl.int64) * stride_ot + h * stride_oh + d) * w
+    if HAS_PRIVATE:
+        m = tl.load(PRIV_LSE + b * stride_plt + h) / LN2         # natural log -> log2
+        has = m > float("-inf")
+        m = tl.where(has, m, -1.0e30)
+        w = tl.where(has, 1.0, 0.0)
+        den = w
+        num = tl.load(PRIV_O + b.to(tl.int64) * stride_ot + h * stride_oh + d) * w
+    else:
+        m = -1.0e30
+        den = 0.0
+        num = tl.zeros([D], dtype=tl.float32)
     j0 = tl.load(SEQ_INDPTR + b)
     j1 = tl.load(SEQ_INDPTR + b + 1)
     for j in range(j0, j1):
@@ -293,7 +299,7 @@ def _merge_shared_kernel(PRIV_O, stride_ot, stride_oh, PRIV_LSE, stride_plt,
     tl.store(OUT + b.to(tl.int64) * stride_out + h * stride_ouh + d, o.to(OUT.dtype.element_ty))
 
 
-def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, private: PageTable,
+def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, private: PageTable | None,
                         shared: SharedChunks, q_pos: torch.Tensor, inv_freq: torch.Tensor, *,
                         attention_scaling: float = 1.0, sm_scale: float | None = None,
                         out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -303,13 +309,18 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     """Decode attention (rope_mode="rotate_q") of q [B, H, D] at q_pos [B] over each sequence's
     private entries (`private`, one CSR row per sequence, its own new token's page included) and its
     shared chunks (`shared`): the same result as lazy_decode over the union of both (module
-    docstring), each shared chunk's pages read once for all its sequences. fp8 pages come with
+    docstring), each shared chunk's pages read once for all its sequences. `private` None: every
+    key is in `shared` (a decode step whose own pages are pairs too: every key precedes the
+    query, so no run needs the causal mask). fp8 pages come with
     k_scale / v_scale as in lazy_decode. Tuning: block_n keys per KV tile, num_warps, num_stages,
     num_splits (splits of a chunk's pages; None: about split_target programs per SM).
     Returns [B, H, D] in q.dtype (written into `out` if given). No host sync: capturable."""
     B, H, D = q.shape
     if not use_triton(q):
         page = k_pages.shape[2]
+        if private is None:
+            private = PageTable.from_lists([[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)],
+                                           [[] for _ in range(B)], device=q.device)
         res = paged_attention_ref(q, torch.arange(B + 1, dtype=torch.int32, device=q.device), q_pos, k_pages,
                                   v_pages, shared.union_table(private, page), inv_freq, "rotate_q",
                                   attention_scaling, sm_scale, k_scale=k_scale, v_scale=v_scale)
@@ -318,10 +329,12 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     assert D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
     # the private part, in fp32 with its log-sum-exps (natural log)
-    priv = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
-    priv, priv_lse = lazy_decode(q, k_pages, v_pages, private, q_pos, inv_freq, rope_mode="rotate_q",
-                                 attention_scaling=attention_scaling, sm_scale=sm_scale, out=priv,
-                                 return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    priv = priv_lse = q
+    if private is not None:
+        priv = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
+        priv, priv_lse = lazy_decode(q, k_pages, v_pages, private, q_pos, inv_freq, rope_mode="rotate_q",
+                                     attention_scaling=attention_scaling, sm_scale=sm_scale, out=priv,
+                                     return_lse=True, k_scale=k_scale, v_scale=v_scale)
     scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16=False)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
@@ -359,5 +372,5 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     _merge_shared_kernel[(B, H)](priv, priv.stride(0), priv.stride(1), priv_lse, priv_lse.stride(0),
                                  po, po.stride(0), po.stride(1), po.stride(2), lse, lse.stride(0), lse.stride(1),
                                  shared.seq_indptr, shared.seq_pairs, out, out.stride(0), out.stride(1), splits,
-                                 SP=triton.next_power_of_2(splits), D=D)
+                                 SP=triton.next_power_of_2(splits), D=D, HAS_PRIVATE=private is not None)
     return out

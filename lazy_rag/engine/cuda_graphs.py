@@ -126,7 +126,8 @@ class DecodeGraphs:
         ps = self.runner.pool.page_size
         ids, pos, spage, soff = [], [], [], []
         indptr, pid, ppos, plen, shift = [0], [], [], [], []
-        for seq, (a, b, c, d, _) in zip(seqs, tables):
+        for i, seq in enumerate(seqs):
+            a, b, c, d, _ = tables[i] if P else ([], [], [], [], None)
             p = seq.num_tokens - 1
             ids.append(seq.output[-1] if seq.output else seq.prompt[p])
             pos.append(p)
@@ -143,10 +144,11 @@ class DecodeGraphs:
             pos.append(0)
             spage.append(scratch)
             soff.append(0)
-            pid.append(scratch)
-            ppos.append(0)
-            plen.append(1)
-            shift.append(0)
+            if P:
+                pid.append(scratch)
+                ppos.append(0)
+                plen.append(1)
+                shift.append(0)
             indptr.append(len(pid))
         fill = [0] * (Bb * P - len(pid))
         grouped = []
@@ -163,7 +165,7 @@ class DecodeGraphs:
         t = buf[4 * B:].to(torch.int32)
         indptr, rest = t[:B + 1], t[B + 1:]
         pid, ppos, plen, shift = (rest[i * B * P:(i + 1) * B * P] for i in range(4))
-        table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P)
+        table = PageTable(indptr, pid, ppos, plen, shift, max_pages=P) if P else None
         shared = None
         if shared_key is not None:
             shared = unpack(rest[4 * B * P:], shared_key[:5], B, shared_key[5])
@@ -181,11 +183,12 @@ class DecodeGraphs:
         ps = r.pool.page_size
         shared = plan_shared_decode(seqs, ps, self.shared_chunks, r.parts.shape.num_heads,
                                     r.parts.shape.num_kv_heads)
-        tables = shared.private if shared is not None else [page_rows(s, ps) for s in seqs]
+        tables = [page_rows(s, ps) for s in seqs] if shared is None else shared.private or []
         if any(t[4] is not None for t in tables):
             return None
         B = batch_bucket(len(seqs))
-        P = -(-max(max(len(t[0]) for t in tables), 1) // self.page_step) * self.page_step
+        # P 0: no private table (every key of the step is in the shared-chunk arrays)
+        P = -(-max(len(t[0]) for t in tables) // self.page_step) * self.page_step if tables else 0
         shared_key = None if shared is None else (*shared.shape(self.page_step), shared.pairs_per_tile)
         return self._pack(B, P, seqs, tables, shared, shared_key), (B, P, shared_key)
 

@@ -286,7 +286,7 @@ class StepAttention:
                                   self.shape.num_kv_heads)
         if plan is None:
             return None
-        table, shared = plan.tensors(r.pool.device)
+        table, shared = plan.tensors(r.pool.device, len(seqs))
         return DecodeAttention(r, table, batch.pos.to(torch.int32), shared)
 
     def __call__(self, i: int, q, k_stored, v):

@@ -26,7 +26,7 @@ class SharingCase:
     rest stay in the sequence's private table."""
 
     def __init__(self, *, B, n_chunks, G, D, page, dtype, seed, pairs_per_tile=4, min_share=2,
-                 prefix=0, fp8=False, pad_tiles=0, pad_pairs=0):
+                 prefix=0, fp8=False, pad_tiles=0, pad_pairs=0, own_pairs=False):
         rnd = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
         Hkv = 2
@@ -53,6 +53,7 @@ class SharingCase:
         priv = {f: [] for f in ("ids", "pos", "len", "rot")}
         full = {f: [] for f in ("ids", "pos", "len", "rot")}
         pairs, q_pos = [], []
+        own_chunks = []          # own_pairs: each sequence's own pages as a chunk of its own
         for b in range(B):
             rows = {f: [] for f in priv}
             whole = {f: [] for f in full}
@@ -70,10 +71,14 @@ class SharingCase:
                     pairs.append((b, c, shift, pos))
                 pos += chunk_len[c] + rnd.randint(0, 3)       # gaps are allowed
             own = [next(alloc) for _ in range(npg(n_private[b]))]
+            if own_pairs:
+                own_chunks.append((own, n_private[b]))
+                pairs.append((b, n_chunks + b, 0, pos))
             for j, pg in enumerate(own):
                 entry = (pg, pos + j * page, min(page, n_private[b] - j * page), 0)
-                for f, x in zip(rows, entry):
-                    rows[f].append(x)
+                if not own_pairs:
+                    for f, x in zip(rows, entry):
+                        rows[f].append(x)
                 for f, x in zip(whole, entry):
                     whole[f].append(x)
             if n_private[b] % page:
@@ -86,12 +91,14 @@ class SharingCase:
         rnd.shuffle(pairs)
         used = sorted({c for _, c, _, _ in pairs})
         index = {c: i for i, c in enumerate(used)}
-        self.shared = SharedChunks.from_pairs([(chunk_pages[c], chunk_len[c]) for c in used],
+        every = [(p, n) for p, n in zip(chunk_pages, chunk_len)] + own_chunks
+        self.shared = SharedChunks.from_pairs([every[c] for c in used],
                                               [(b, index[c], s, p) for b, c, s, p in pairs], B, pairs_per_tile,
                                               device=DEVICE)
         if pad_tiles or pad_pairs:
             self.shared = _padded(self.shared, pad_tiles, pad_pairs)
-        self.private = PageTable.from_lists(priv["ids"], priv["pos"], priv["len"], priv["rot"], device=DEVICE)
+        self.private = (None if own_pairs else
+                        PageTable.from_lists(priv["ids"], priv["pos"], priv["len"], priv["rot"], device=DEVICE))
         self.union = PageTable.from_lists(full["ids"], full["pos"], full["len"], full["rot"], device=DEVICE)
         self.q_pos = torch.tensor(q_pos, dtype=torch.int32, device=DEVICE)
         self.q = torch.randn(B, self.H, D, generator=g).to(dtype).to(DEVICE)
@@ -155,6 +162,15 @@ def test_every_chunk_private_or_every_chunk_shared():
     together = SharingCase(B=3, n_chunks=3, G=2, D=64, page=16, dtype=dtype, seed=9, min_share=1)
     assert together.shared.num_pairs == sum(together.holders)
     assert rel_err(together.run(), together.reference()) < TOL[dtype]
+
+
+def test_no_private_part():
+    """A decode step's own pages as pairs too (private=None): every key precedes the query."""
+    dtype = DTYPES[0]
+    c = SharingCase(B=4, n_chunks=3, G=4, D=64, page=16, dtype=dtype, seed=14, own_pairs=True, min_share=1,
+                    pairs_per_tile=2)
+    assert c.private is None
+    assert rel_err(c.run(), c.reference()) < TOL[dtype]
 
 
 def test_fp8_pages():
