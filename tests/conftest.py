@@ -2,6 +2,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the engine's encode calibration is kept per machine in ~/.cache/lazy-rag: tests measure their
+# own (tests/engine/test_read_or_encode.py points it at a temporary file)
+os.environ.setdefault("LAZY_RAG_CALIBRATION", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

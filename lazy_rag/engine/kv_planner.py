@@ -37,6 +37,7 @@ the prefill and a selector reads them before it, so both still encode in a forwa
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -264,8 +265,21 @@ class KVPlanner:
         room = (self.pool.num_free + self.pm.evictable_pages) * self.pool.page_size
         large = min(large, max(small + 1, room // 2))  # a probe fits in the pool
         # a CPU forward is slow and about linear in its tokens: one timing each (the first query
-        # of a `lazy-rag query` pays the probes), the average a floor on the per-token cost
-        self.chooser.calibrate(encode, small, large, repeats=2 if cuda else 1, linear=not cuda)
+        # of a `lazy-rag query` on this machine pays the probes; later processes reuse the fit),
+        # the average a floor on the per-token cost
+        self.chooser.calibrate_kept(self._calibration_key(), encode, small=small, large=large,
+                                    repeats=2 if cuda else 1, linear=not cuda)
+
+    def _calibration_key(self) -> str:
+        """What an encode's speed depends on: the device, torch and its threads, the model's shape
+        and dtype, the pool's dtype and page size (not the weights' values)."""
+        dev = self.pool.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x{os.cpu_count()}"
+        shp = self.runner.parts.shape
+        return (f"{name} | torch {torch.__version__} threads {torch.get_num_threads()} | "
+                f"layers {shp.num_layers} hidden {shp.hidden_size} heads {shp.num_heads}/{shp.num_kv_heads} "
+                f"head_dim {shp.head_dim} vocab {shp.vocab_size} {self.runner.parts.dtype} | "
+                f"pool {self.pool.dtype} page {self.pool.page_size}")
 
     def _acquire_chunk(self, seq: Sequence, ids, chunk_id, prefix):
         taken = seq.prefetched.pop(chunk_key(ids, prefix), None)

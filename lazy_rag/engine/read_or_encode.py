@@ -17,16 +17,79 @@ fitted from timed probes at first use; an encode in a request's prefill pays no 
 it refreshes nothing), each an exponentially weighted average. Until the first reads are measured
 the disk is assumed at ``DEFAULT_DISK_BPS`` (the H100 device machine's disk read 0.8-1.4 GB/s
 cold) and the page cache at ``DEFAULT_PAGE_CACHE_BPS``.
+
+The encode fit is kept per machine and model shape in a small JSON file (``calibration_path``,
+for a day): a `lazy-rag query` is one short process, and its probes (~1.8 s for SmolLM2 on a
+2-core CPU) would otherwise be most of its time. The rates measured later still refresh it.
 """
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
 import time
+from pathlib import Path
 
 DEFAULT_DISK_BPS = 1.0e9
 # a read from the page cache: a copy and a CRC32 pass on one CPU core (~1.8 GB/s measured on the
 # H100 device machine, 2026-11-24), not memory bandwidth
 DEFAULT_PAGE_CACHE_BPS = 2.0e9
 ALPHA = 0.3  # weight of the newest measurement
+# where the encode fit is kept: LAZY_RAG_CALIBRATION=<file>, or "off" (measure in every process);
+# default <LAZY_RAG_CACHE or ~/.cache/lazy-rag>/calibration.json
+CALIBRATION_ENV = "LAZY_RAG_CALIBRATION"
+CALIBRATION_MAX_AGE_S = 24 * 3600
+log = logging.getLogger(__name__)
+
+
+def calibration_path() -> Path | None:
+    value = os.environ.get(CALIBRATION_ENV)
+    if value == "off":
+        return None
+    if value:
+        return Path(value)
+    return Path(os.environ.get("LAZY_RAG_CACHE", Path.home() / ".cache" / "lazy-rag")) / "calibration.json"
+
+
+def load_calibration(key: str, now: float | None = None) -> tuple[float, float] | None:
+    """(fixed seconds per encode forward, seconds per token) kept for ``key`` within the last
+    day, else None (no file, an unreadable one, another machine or model)."""
+    path = calibration_path()
+    if path is None:
+        return None
+    try:
+        entry = json.loads(path.read_text()).get(key)
+        if entry is None or (now or time.time()) - float(entry["measured_at"]) > CALIBRATION_MAX_AGE_S:
+            return None
+        forward_s, token_s = float(entry["forward_s"]), float(entry["token_s"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (forward_s, token_s) if forward_s >= 0 and token_s > 0 else None
+
+
+def save_calibration(key: str, forward_s: float, token_s: float) -> None:
+    """Keep a fit for ``key`` (other keys kept: a lock file serialises processes that save at
+    once, and the file is replaced atomically). A cache that cannot be written (a read-only home)
+    only costs the next process its probes."""
+    path = calibration_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = json.loads(path.read_text())
+                data = data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                data = {}
+            data[key] = {"forward_s": forward_s, "token_s": token_s, "measured_at": time.time()}
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+    except OSError as err:
+        log.warning("could not keep the encode calibration in %s (%s); the next process measures again", path, err)
 
 
 class ReadOrEncode:
@@ -40,6 +103,7 @@ class ReadOrEncode:
         self.forward_s: float | None = None   # fixed cost of one encode forward
         self.token_s: float | None = None     # cost per encoded token
         self.encodes_measured = 0
+        self.calibration = None           # where the encode fit came from: "measured" / "kept"
 
     # -- estimates ------------------------------------------------------------------------------
     @property
@@ -106,6 +170,18 @@ class ReadOrEncode:
         self.token_s = max(slope, average) if linear or slope <= 0 else slope
         self.token_s = max(self.token_s, 1e-9)
         self.forward_s = max(times[small] - small * self.token_s, 0.0)
+        self.calibration = "measured"
+
+    def calibrate_kept(self, key: str, encode, **probes) -> None:
+        """``calibrate``, unless a fit for ``key`` (this machine and model shape) was kept within
+        the last day; a fresh fit is kept for the next process."""
+        kept = load_calibration(key)
+        if kept is not None:
+            self.forward_s, self.token_s = kept
+            self.calibration = "kept"
+            return
+        self.calibrate(encode, **probes)
+        save_calibration(key, self.forward_s, self.token_s)
 
     def as_dict(self) -> dict:
         return {"disk_gbps": round(self.disk_bps / 1e9, 3), "disk_reads_measured": self.disk_measured,
@@ -113,4 +189,4 @@ class ReadOrEncode:
                 "page_cache_reads_measured": self.page_cache_measured,
                 "encode_forward_ms": None if self.forward_s is None else round(self.forward_s * 1e3, 3),
                 "encode_tokens_per_s": None if not self.token_s else round(1 / self.token_s, 1),
-                "encodes_measured": self.encodes_measured}
+                "encodes_measured": self.encodes_measured, "calibration": self.calibration}

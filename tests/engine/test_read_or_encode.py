@@ -2,6 +2,8 @@
 stored KV would come from the disk is encoded again instead when that is faster here
 (``engine.read_or_encode``): the answer is the same either way, the record on disk is left as it
 is, and the stats say which path each chunk took."""
+import time
+
 import pytest
 import torch
 
@@ -52,6 +54,51 @@ def test_calibration_fits_a_fixed_and_a_per_token_cost(monkeypatch):
     c.calibrate(noisy, small=32, large=512)
     assert c.token_s == pytest.approx(0.4 / 512)  # not ~0: an encode never looks free
     assert _time.perf_counter  # the real clock is untouched outside the module
+
+
+def test_a_fit_is_kept_per_machine_and_model_for_a_day(monkeypatch, tmp_path):
+    """A short `lazy-rag query` process reuses the probes an earlier one measured on this
+    machine for this model shape; another key, a stale or a damaged file measure again."""
+    from lazy_rag.engine import read_or_encode as roe
+
+    path = tmp_path / "cache" / "calibration.json"
+    monkeypatch.setenv("LAZY_RAG_CALIBRATION", str(path))
+    probes = []
+
+    def encode(n):
+        probes.append(n)
+
+    first = ReadOrEncode()
+    first.calibrate_kept("cpu x2 | model A", encode, small=32, large=512, repeats=1, linear=True)
+    assert first.calibration == "measured" and probes and path.exists()
+    probes.clear()
+    again = ReadOrEncode()
+    again.calibrate_kept("cpu x2 | model A", encode, small=32, large=512)
+    assert again.calibration == "kept" and probes == []
+    assert (again.forward_s, again.token_s) == (first.forward_s, first.token_s)
+    other = ReadOrEncode()
+    other.calibrate_kept("cpu x2 | model B", encode, small=32, large=512, repeats=1)
+    assert other.calibration == "measured" and probes
+    assert roe.load_calibration("cpu x2 | model A") is not None      # B's save kept A's entry
+    assert roe.load_calibration("cpu x2 | model A", now=time.time() + 2 * 86400) is None   # stale
+    path.write_text("{not json")
+    assert roe.load_calibration("cpu x2 | model A") is None
+    roe.save_calibration("k", 0.001, 1e-6)                          # a damaged file is replaced
+    assert roe.load_calibration("k") == (0.001, 1e-6)
+    monkeypatch.setenv("LAZY_RAG_CALIBRATION", "off")
+    assert roe.calibration_path() is None and roe.load_calibration("k") is None
+
+
+def test_an_unwritable_calibration_cache_only_costs_the_probes(monkeypatch, tmp_path, caplog):
+    from lazy_rag.engine import read_or_encode as roe
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LAZY_RAG_CALIBRATION", str(blocker / "calibration.json"))  # under a file
+    c = ReadOrEncode()
+    c.calibrate_kept("k", lambda n: None, small=32, large=512, repeats=1)
+    assert c.calibrated and c.calibration == "measured"
+    assert "could not keep the encode calibration" in caplog.text
 
 
 class ColdStore:
