@@ -146,7 +146,11 @@ def test_a_chunk_one_replica_encoded_is_read_by_another(tmp_path, smollm2, corpu
     for _ in range(2):
         index = LazyIndex.load(built.path, llm=smollm2, embedder=corpus_index.embedder)
         share_index_store(index, tmp_path / "shared")
-        replicas.append((index, Engine(smollm2.host, EngineConfig(kv_bytes=64 << 20, host_bytes=64 << 20))))
+        engine = Engine(smollm2.host, EngineConfig(kv_bytes=64 << 20, host_bytes=64 << 20))
+        # set read-or-encode costs instead of the probes each new engine would time (tests run
+        # with the kept calibration off; conftest makes every choice a read anyway)
+        engine.planner.chooser.forward_s, engine.planner.chooser.token_s = 0.0, 1e-3
+        replicas.append((index, engine))
     answers = []
     for index, engine in replicas:
         segments = index.segments(question, index.retrieve(question, 2))
