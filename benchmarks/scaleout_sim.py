@@ -337,11 +337,13 @@ def main():
                                    "doc_tokens": spec.doc_tokens, "k": spec.k, "requests": len(stream),
                                    "warmup_fraction": args.warmup, "concurrency_per_replica": args.concurrency,
                                    "base_ms": args.base_ms, "miss_ms": args.miss_ms, "eviction": "gdsf",
-                                   "load_factor": settings.load_factor, "home_weight": settings.home_weight, "report_s": args.report_s,
+                                   "load_factor": settings.load_factor, "home_weight": settings.home_weight,
+                                   "report_s": args.report_s,
                                    "imbalance_threshold": settings.imbalance_threshold, "seed": spec.seed},
                         "metrics": metrics, "sim_seconds": round(time.perf_counter() - t0, 2), "date": env["date"]})
                     m = records[-1]["metrics"]
-                    print(f"{popularity:8s} budget {budget:<5} replicas {n:3d} {policy:13s} hit {m['pool_hit_ratio']:.3f} "
+                    print(f"{popularity:8s} budget {budget:<5} replicas {n:3d} {policy:13s} "
+                          f"hit {m['pool_hit_ratio']:.3f} "
                           f"{m['throughput_req_per_s']:9.1f} req/s", flush=True)
     path = write_records(RESULTS / f"{args.out}.json", records)
     print(f"-> {path}")

@@ -276,8 +276,8 @@ def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, 
     from .server.ray_app import check_spec, serve_replicas
     from .server.scaleout.application import ScaleOutOptions
 
-    options = ScaleOutOptions(replicas=1 if replicas is None else replicas, min_replicas=min_replicas, max_replicas=max_replicas,
-                              gpus_per_replica=gpus_per_replica, routing=routing,
+    options = ScaleOutOptions(replicas=1 if replicas is None else replicas, min_replicas=min_replicas,
+                              max_replicas=max_replicas, gpus_per_replica=gpus_per_replica, routing=routing,
                               kv_share=None if kv_share is None else str(kv_share), drain_timeout_s=drain_timeout)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",

@@ -26,7 +26,8 @@ from . import require_ray
 
 require_ray()
 
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica  # noqa: E402
+from ray.serve.request_router import (PendingRequest, ReplicaID, ReplicaResult, RequestRouter,  # noqa: E402
+                                      RunningReplica)
 
 from .affinity import (RESIDENT_KEY, TAKEN_AT_KEY, VERSION_KEY, AffinitySettings, ChunkRoute,  # noqa: E402
                        RendezvousTable, ResidencyView, RoundRobin, rank_replicas)
@@ -49,7 +50,7 @@ class ChunkAffinityRouter(RequestRouter):
 
     def initialize_state(self, load_factor: float = AffinitySettings.load_factor,
                          imbalance_threshold: int = AffinitySettings.imbalance_threshold,
-                         policy: str = "affinity", **_unused):
+                         policy: str = "affinity"):
         self.settings = AffinitySettings(load_factor, imbalance_threshold)
         ChunkRoute(policy=policy)  # checks the name
         self.policy = policy
