@@ -37,7 +37,7 @@ from ..kernels.prefill import default_block_m, plan_split_target, query_tiles
 from ..kernels.shared_chunks import shared_chunk_decode
 from .page_table import attention_path, page_rows, step_tokens, write_targets
 from .sequence import Sequence
-from .shared_chunks import packed_sizes, plan_shared_decode, unpack
+from .shared_chunks import SharedDecode, packed_sizes, plan_shared_decode, unpack
 
 # token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
 # below a few hundred tokens, so the padding costs little there)
@@ -121,7 +121,7 @@ class DecodeGraphs:
         return cap.out[:B]
 
     # -- inputs: one int64 vector [ids | pos | slot_page | slot_off | indptr | ids | pos | len | shift]
-    def _pack(self, Bb: int, P: int, seqs, tables, shared=None, shared_key=None) -> torch.Tensor:
+    def _pack(self, Bb: int, P: int, seqs, tables, grouped_lists=None, shared_key=None) -> torch.Tensor:
         scratch = self.runner.pool.scratch_page
         ps = self.runner.pool.page_size
         ids, pos, spage, soff = [], [], [], []
@@ -153,7 +153,7 @@ class DecodeGraphs:
         fill = [0] * (Bb * P - len(pid))
         grouped = []
         if shared_key is not None:   # the shared-chunk arrays (all padding at capture)
-            grouped = (shared.packed(shared_key, Bb) if shared is not None
+            grouped = (SharedDecode.packed(grouped_lists, shared_key, Bb) if grouped_lists is not None
                        else [0] * sum(packed_sizes(shared_key, Bb)))
         return torch.tensor(ids + pos + spage + soff + indptr + pid + fill + ppos + fill + plen + fill
                             + shift + fill + grouped, dtype=torch.int64)
@@ -189,8 +189,11 @@ class DecodeGraphs:
         B = batch_bucket(len(seqs))
         # P 0: no private table (every key of the step is in the shared-chunk arrays)
         P = -(-max(len(t[0]) for t in tables) // self.page_step) * self.page_step if tables else 0
-        shared_key = None if shared is None else (*shared.shape(self.page_step), shared.pairs_per_tile)
-        return self._pack(B, P, seqs, tables, shared, shared_key), (B, P, shared_key)
+        lists = shared_key = None
+        if shared is not None:
+            lists = shared.grouped(B)
+            shared_key = (*SharedDecode.shape(lists, self.page_step), shared.pairs_per_tile)
+        return self._pack(B, P, seqs, tables, lists, shared_key), (B, P, shared_key)
 
     def _capture(self, key: tuple) -> _Captured:
         B, P, shared_key = key

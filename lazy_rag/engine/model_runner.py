@@ -243,7 +243,7 @@ class StepAttention:
             runner.shared_decode_steps += 1
             return
         self.cos, self.sin = p.rope_table.cos_sin(batch.pos, p.dtype)  # for the paths that take rotated q
-        self.fresh, self.tails, self.torch_paths, paged, ape = [], [], [], [], []
+        paged, ape = [], []
         for j, seq in enumerate(seqs):
             a, b = batch.spans[j]
             path, history = attention_path(seq, kernels, ps)

@@ -55,26 +55,29 @@ class SharedDecode:
         shared = SharedChunks.from_pairs(self.chunks, self.pairs, num_seqs, self.pairs_per_tile, device)
         return table, shared
 
-    def shape(self, page_step: int) -> tuple[int, int, int, int, int]:
-        """(pairs, tiles, chunks, chunk pages, largest chunk's pages) buckets: a graph's key."""
-        count = {}
-        for _, c, _, _ in self.pairs:
-            count[c] = count.get(c, 0) + 1
-        tiles = sum(-(-n // self.pairs_per_tile) for n in count.values())
-        nnz = sum(len(p) for p, _ in self.chunks)
-        widest = max((len(p) for p, _ in self.chunks), default=1)
-        return (bucket(len(self.pairs)), bucket(tiles), bucket(len(self.chunks)), bucket(nnz),
-                -(-widest // page_step) * page_step)
+    def grouped(self, batch: int) -> dict[str, list]:
+        """SharedChunks' fields as lists for ``batch`` sequences (``group_pairs``), once per step:
+        ``shape`` and ``packed`` both read them."""
+        return group_pairs(self.chunks, self.pairs, batch, self.pairs_per_tile)
 
-    def packed(self, key: tuple, batch: int) -> list[int]:
-        """The SharedChunks arrays of this step padded to ``key`` (``shape``'s buckets) for ``batch``
-        sequences, concatenated (``unpack`` reads them back in the graph)."""
-        lists = group_pairs(self.chunks, self.pairs, batch, self.pairs_per_tile)
+    @staticmethod
+    def shape(lists: dict, page_step: int) -> tuple[int, int, int, int, int]:
+        """(pairs, tiles, chunks, chunk pages, largest chunk's pages) buckets of ``grouped``'s
+        lists: a graph's key."""
         ci = lists["chunk_indptr"]
-        lists["chunk_indptr"] = ci + [ci[-1]] * (key[2] + 1 - len(ci))
+        widest = max((b - a for a, b in zip(ci, ci[1:])), default=1)
+        return (bucket(len(lists["pair_seq"])), bucket(len(lists["tile_chunk"])), bucket(len(ci) - 1),
+                bucket(len(lists["chunk_pages"])), -(-widest // page_step) * page_step)
+
+    @staticmethod
+    def packed(lists: dict, key: tuple, batch: int) -> list[int]:
+        """``grouped``'s lists padded to ``key`` (``shape``'s buckets) for ``batch`` sequences,
+        concatenated (``unpack`` reads them back in the graph)."""
+        ci = lists["chunk_indptr"]
+        padded = dict(lists, chunk_indptr=ci + [ci[-1]] * (key[2] + 1 - len(ci)))
         out = []
         for f, n in zip(FIELDS, packed_sizes(key, batch)):
-            out += lists[f] + [0] * (n - len(lists[f]))
+            out += padded[f] + [0] * (n - len(padded[f]))
         return out
 
 

@@ -69,10 +69,11 @@ def test_packed_arrays_round_trip_through_their_buckets():
     seqs = [seq([A, B]), seq([B, C]), seq([B]), seq([A], start=3)]
     plan = plan_shared_decode(seqs, PAGE, "auto", 8, 2)
     plan.pairs_per_tile = 2     # several tiles for B (held by three)
-    key = plan.shape(page_step=4)
-    assert key[0] == bucket(len(plan.pairs)) and key[4] == 4
     batch = 8                   # the graph's batch bucket: rows 4..7 are padding
-    buf = torch.tensor(plan.packed(key, batch), dtype=torch.int32)
+    lists = plan.grouped(batch)
+    key = plan.shape(lists, page_step=4)
+    assert key[0] == bucket(len(plan.pairs)) and key[4] == 4
+    buf = torch.tensor(plan.packed(lists, key, batch), dtype=torch.int32)
     got = unpack(buf, key, batch, plan.pairs_per_tile)
     want = SharedChunks.from_pairs(plan.chunks, plan.pairs, batch, plan.pairs_per_tile)
     for f in FIELDS:

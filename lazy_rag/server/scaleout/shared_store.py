@@ -37,34 +37,14 @@ from pathlib import Path
 import torch
 
 from ...errors import LazyRagError
-from ...store import (NOT_IN_MEMORY, RECORD_HEADER, RECORD_MAGIC, ChunkKV, ChunkStore, body_crc, body_length)
+from ...store import (NOT_IN_MEMORY, RECORD_HEADER, RECORD_MAGIC, ChunkKV, ChunkStore, _fsync_dir, _pwrite_all,
+                       body_crc, body_length)
 
 log = logging.getLogger("lazy_rag.server.scaleout")
 
 SHARED_DIR_NAME = "kv-replicas"  # default: beside the index's own KV folders
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600.0
-
-
-def _write_all(fd: int, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    off = 0
-    while views:
-        n = os.pwritev(fd, views, off)
-        off += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SharedChunkStore(ChunkStore):
@@ -163,7 +143,7 @@ class SharedChunkStore(ChunkStore):
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
             try:
-                _write_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, body_crc(body), length), *body])
+                _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, body_crc(body), length), *body], 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
