@@ -401,6 +401,12 @@ def tune(
     micro_batch: int = typer.Option(8, help="Prompts per forward (memory)."),
     header: int = typer.Option(8, help="Wrapper vectors before each chunk."),
     trailer: int = typer.Option(8, help="Wrapper vectors after each chunk."),
+    method: str = typer.Option("wrapper", help="wrapper: the vectors only; lora: the vectors plus a chunk adapter "
+                                               "(LoRA deltas applied only while chunks are encoded; the query and "
+                                               "full answers keep the checkpoint)."),
+    rank: int = typer.Option(8, help="The chunk adapter's LoRA rank (--method lora)."),
+    alpha: float = typer.Option(16.0, help="The chunk adapter's LoRA alpha (scale alpha / rank)."),
+    adapter_lr: float = typer.Option(5e-4, help="The chunk adapter's learning rate (--method lora)."),
     seed: int = typer.Option(0, help="Seed of the data sample and the batches."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA), float32, bfloat16."),
@@ -408,13 +414,14 @@ def tune(
                                                        "lazy-rag cache); a re-run with the same settings resumes."),
 ):
     """Train a chunk wrapper by self-distillation (the model frozen): the model reading chunks
-    encoded alone learns to answer as it does with full attention."""
+    encoded alone learns to answer as it does with full attention. --method lora adds a chunk
+    adapter that lives, like the vectors, only in the chunks' stored KV."""
     _quiet_libraries()
     from .tune import TuneOptions
     from .tune.run import tune_index, tune_model
 
     options = TuneOptions(header=header, trailer=trailer, steps=steps, lr=lr, batch=batch, micro_batch=micro_batch,
-                          seed=seed)
+                          seed=seed, method=method, rank=rank, alpha=alpha, adapter_lr=adapter_lr)
     log = lambda m: err.print(m, markup=False, highlight=False)  # noqa: E731
     try:
         options.check()

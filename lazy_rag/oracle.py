@@ -6,11 +6,14 @@ chunk, and every other token sees everything before it. ``lazy`` and ``block`` m
 ``causal_logits``: a plain causal forward; ``full`` and ``prefix`` must match it.
 Chunk wrapper slots (ids at and above the embedding rows, wrapper.py) enter as ``inputs_embeds``
 rows taken from the wrapper's vectors (``virtual_rows``): the same forward, mask and positions.
+A wrapper's chunk adapter (chunk_adapter.py) is on for its chunks' tokens in that forward, as
+they were encoded, and off for every other token.
 """
 from __future__ import annotations
 
 import torch
 
+from .chunk_adapter import ChunkAdapters, gated_forward
 from .segments import PromptLayout
 
 
@@ -55,8 +58,20 @@ def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tenso
     additive = torch.zeros(allow.shape, dtype=model.dtype, device=dev)
     additive.masked_fill_(~allow, torch.finfo(model.dtype).min)
     pos = torch.arange(len(layout.token_ids), device=dev)[None]
-    return model(**model_inputs(model, layout.token_ids, virtual_rows), position_ids=pos,
-                 attention_mask=additive[None, None]).logits[0].float()
+    with gated_forward(model, chunk_gate(model, layout)):
+        return model(**model_inputs(model, layout.token_ids, virtual_rows), position_ids=pos,
+                     attention_mask=additive[None, None]).logits[0].float()
+
+
+def chunk_gate(model, layout: PromptLayout) -> torch.Tensor | None:
+    """The chunk adapters' gate [1, T, adapters] of a layout: each chunk's tokens on for its
+    wrapper's adapter (None when the model has no adapter or no chunk has one)."""
+    adapters = ChunkAdapters.find(model)
+    if adapters is None:
+        return None
+    ids = layout.token_ids
+    spans = [(0, a, b, ids[a:b]) for a, b in layout.chunk_spans]
+    return adapters.gate_for(spans, (1, len(ids)), model.device)
 
 
 @torch.inference_mode()

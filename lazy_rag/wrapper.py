@@ -13,8 +13,13 @@ unchanged. The virtual ids of one wrapper are fixed for the life of a host, not 
 processes: stored KV is tied to a wrapper by its digest (in the index's fingerprint), never by
 these ids.
 
-The file: safetensors with one tensor ``vectors`` [H + T, hidden] (fp32) and metadata (format,
-H, T, the model fingerprint it was trained for, the training recipe as JSON).
+A wrapper may carry a chunk adapter (chunk_adapter.py, ``lazy-rag tune --method lora``): LoRA
+deltas applied only while its chunks are encoded. Its bytes are in the wrapper's digest.
+
+The file: safetensors with one tensor ``vectors`` [H + T, hidden] (fp32), the adapter's factors
+(``adapter.<module>.A`` / ``.B``, bf16) if it has one, and metadata (format, H, T, the model
+fingerprint it was trained for, the training recipe as JSON, the adapter's rank, alpha and
+targets as JSON).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .chunk_adapter import ChunkAdapter, ChunkAdapters
 from .errors import LazyRagError
 
 FORMAT = "lazy-rag-wrapper/1"
@@ -46,6 +52,7 @@ class ChunkWrapper:
     model_fingerprint: str = ""      # the fingerprint id(s) of the model it was trained for (matches())
     recipe: dict = field(default_factory=dict)
     name: str = ""                   # a bundled name or the file it came from
+    adapter: ChunkAdapter | None = None  # LoRA deltas applied while its chunks are encoded
 
     def __post_init__(self):
         if self.header < 0 or self.trailer < 0 or self.header + self.trailer == 0:
@@ -67,12 +74,18 @@ class ChunkWrapper:
         """What stored KV depends on: the vectors' bytes and the split into header and trailer."""
         h = hashlib.sha256(f"{self.header}|{self.trailer}|".encode())
         h.update(self.vectors.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        if self.adapter is not None:
+            h.update(json.dumps(self.adapter.describe(), sort_keys=True).encode())
+            for key, t in self.adapter.tensors().items():
+                h.update(key.encode())
+                h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def describe(self) -> dict:
         """What an index manifest records about its wrapper."""
         return {"name": self.name, "digest": self.digest, "header": self.header, "trailer": self.trailer,
-                "model_fingerprint": self.model_fingerprint}
+                "model_fingerprint": self.model_fingerprint,
+                "adapter": self.adapter.describe() if self.adapter is not None else None}
 
     def matches(self, fingerprint_id: str) -> bool:
         """Trained for the model with this fingerprint id. ``model_fingerprint`` may list several,
@@ -100,10 +113,15 @@ class ChunkWrapper:
         meta = {"format": FORMAT, "header": str(self.header), "trailer": str(self.trailer),
                 "model_fingerprint": self.model_fingerprint, "recipe": json.dumps(self.recipe, sort_keys=True),
                 "digest": self.digest}
+        tensors = {"vectors": self.vectors.detach().to("cpu", torch.float32).contiguous()}
+        if self.adapter is not None:
+            # bf16 on disk (the digest hashes bf16 values, so a loaded adapter has the same digest)
+            meta["adapter"] = json.dumps(self.adapter.describe())
+            tensors.update({k: t.detach().to("cpu", torch.bfloat16).contiguous() for k, t in self.adapter.tensors().items()})
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
-            save_file({"vectors": self.vectors.detach().to("cpu", torch.float32).contiguous()}, tmp, metadata=meta)
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -122,20 +140,22 @@ class ChunkWrapper:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 vectors = f.get_tensor("vectors").to(torch.float32).clone()
+                factors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("adapter.")}
         except Exception as e:  # truncated, garbled or not safetensors
             raise WrapperError(f"{path} is not a readable chunk wrapper ({type(e).__name__}: {e}); train it again "
                                "with `lazy-rag tune`.") from e
         if meta.get("format") != FORMAT:
             raise WrapperError(f"{path} is not a lazy-rag chunk wrapper (format {meta.get('format')!r}, want {FORMAT!r}).")
         try:
+            adapter = ChunkAdapter.from_tensors(json.loads(meta["adapter"]), factors) if meta.get("adapter") else None
             wrapper = cls(vectors, int(meta["header"]), int(meta["trailer"]), meta.get("model_fingerprint", ""),
-                          json.loads(meta.get("recipe") or "{}"), name or str(path))
-        except (KeyError, ValueError) as e:
+                          json.loads(meta.get("recipe") or "{}"), name or str(path), adapter)
+        except (KeyError, ValueError, TypeError) as e:
             raise WrapperError(f"{path} has damaged metadata ({e}); train it again with `lazy-rag tune`.") from e
         if meta.get("digest") and meta["digest"] != wrapper.digest:
             raise WrapperError(f"{path} is damaged: its vectors do not match the digest in its metadata "
                                f"({wrapper.digest} != {meta['digest']}).")
-        if not torch.isfinite(vectors).all():
+        if not torch.isfinite(vectors).all() or not all(torch.isfinite(t).all() for t in factors.values()):
             raise WrapperError(f"{path} holds non-finite values; train it again with `lazy-rag tune`.")
         return wrapper
 
@@ -203,7 +223,16 @@ class WrapperTable:
                                f"{wrapper.hidden_size}, the model's hidden size is {self.parts.shape.hidden_size}.")
         key = wrapper.digest
         if key not in self._base:
-            self._base[key] = sum(v.shape[0] for v in self._vectors)
+            base = sum(v.shape[0] for v in self._vectors)
+            if wrapper.adapter is not None:
+                adapters = ChunkAdapters.of(self.parts.model)
+                try:
+                    column = adapters.add(wrapper.adapter, key)
+                except ValueError as e:
+                    raise WrapperError(f"The chunk wrapper {wrapper.name or key} carries an adapter that does not fit "
+                                       f"this model: {e}.") from e
+                adapters.claim_slots(self.vocab_rows + base, self.vocab_rows + base + wrapper.slots, column)
+            self._base[key] = base
             self._vectors.append(wrapper.vectors.detach().to(self.parts.device, self.parts.dtype))
             self.parts.virtual_rows = torch.cat(self._vectors)
         first = self.vocab_rows + self._base[key]

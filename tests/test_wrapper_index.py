@@ -118,12 +118,39 @@ def test_tune_reduces_held_out_kl_and_writes_a_loadable_wrapper(llm, tmp_path):
     assert kl[-1] < kl[0] * 0.9, kl
     back = ChunkWrapper.load(tmp_path / "w.safetensors")
     assert back.digest == wrapper.digest and back.matches(llm.fingerprint["id"]) and back.recipe["steps"] == 16
-    assert list((tmp_path / "work").glob("teacher-*.pt")) and (tmp_path / "work" / "checkpoint.pt").exists()
+    assert list((tmp_path / "work").glob("teacher-*.pt")) and (tmp_path / "work" / "checkpoint-wrapper.pt").exists()
     # a second run with the same settings resumes from the finished checkpoint: no step runs again
     lines = []
     again, _ = train_wrapper(llm, _examples(40, random.Random(0)), options, tmp_path / "w2.safetensors",
                              tmp_path / "work", progress="none", log=lines.append)
     assert any("resuming" in s for s in lines) and again.digest == wrapper.digest
+
+
+def test_tune_lora_trains_a_chunk_adapter_that_the_engine_serves(llm, tmp_path):
+    from lazy_rag.chunk_adapter import ChunkAdapters
+    from lazy_rag.oracle import block_diagonal_logits
+    from lazy_rag.requests import ChunkSource
+
+    options = TuneOptions(header=2, trailer=2, steps=12, batch=16, micro_batch=8, lr=5e-2, held_out=8,
+                          max_answer_tokens=3, eval_every=6, method="lora", rank=2, alpha=4.0, adapter_lr=2e-2)
+    examples = _examples(40, random.Random(2))
+    wrapper, report = train_wrapper(llm, examples, options, tmp_path / "w.safetensors", tmp_path / "work",
+                                    progress="none", log=lambda m: None)
+    kl = [h["held_out_kl"] for h in report["history"]]
+    assert kl[-1] < kl[0] * 0.9, kl
+    assert ChunkAdapters.find(llm.model) is None  # the trainer's hooks are gone
+    back = ChunkWrapper.load(tmp_path / "w.safetensors")
+    assert back.adapter is not None and back.adapter.rank == 2 and back.digest == wrapper.digest
+    assert any(float(b.abs().max()) > 0 for _, b in back.adapter.weights.values())  # B moved off zero
+    # the engine serves it as the oracle defines it
+    source = ChunkSource(wrapper=back)
+    segs = examples[0].segments(llm.tokenizer)
+    ref = block_diagonal_logits(llm.model, llm.prepare(segs, source), llm.host.parts.virtual_rows)[-1]
+    assert rel_err(llm.next_token_logits(segs, source=source), ref) < 1e-4
+    # resuming restores the adapter too
+    again, _ = train_wrapper(llm, examples, options, tmp_path / "w2.safetensors", tmp_path / "work",
+                             progress="none", log=lambda m: None)
+    assert again.digest == wrapper.digest
 
 
 def test_tune_refuses_too_little_data(llm, tmp_path):

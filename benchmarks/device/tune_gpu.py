@@ -32,6 +32,10 @@ def main() -> None:
     p.add_argument("--header", type=int, default=8)
     p.add_argument("--trailer", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", default="wrapper", help="wrapper or lora (a chunk adapter too)")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--adapter-lr", type=float, default=5e-4)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=Path("."))
     a = p.parse_args()
@@ -42,7 +46,8 @@ def main() -> None:
     from lazy_rag.tune.run import tune_model
 
     options = TuneOptions(header=a.header, trailer=a.trailer, steps=a.steps, lr=a.lr, batch=a.batch,
-                          micro_batch=a.micro_batch, seed=a.seed)
+                          micro_batch=a.micro_batch, seed=a.seed, method=a.method, rank=a.rank, alpha=a.alpha,
+                          adapter_lr=a.adapter_lr)
     t0 = time.perf_counter()
     wrapper, report = tune_model(a.model, options, out=a.out / f"{a.name}.safetensors", data=a.data,
                                  examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines",

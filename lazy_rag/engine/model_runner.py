@@ -30,6 +30,7 @@ and full mode attend to their exact K/V; what they leave in the pool is quantise
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..architecture import ModelParts
+from ..chunk_adapter import ChunkAdapters
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
@@ -132,9 +134,10 @@ class ModelRunner:
         last = torch.tensor([b - 1 for _, b in batch.spans[len(jobs):]], device=self.pool.device)
         encoded = batch.spans[len(jobs) - 1][1] if jobs else 0
         # pack_fresh: the chunks join the sequences' kernel launch (one per layer), not one SDPA each
-        logits, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                                      StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
-                                      key_pos=batch.key_pos, logits_rows=last, capture=encoded)
+        with self._adapters_on(jobs, batch):
+            logits, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                                          StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
+                                          key_pos=batch.key_pos, logits_rows=last, capture=encoded)
         if jobs:
             kvs = iter(self._chunk_kvs(*caught, batch.spans[:len(jobs)], to_host=False))
             for s in seqs:
@@ -149,10 +152,20 @@ class ModelRunner:
         build: one DMA into pinned memory per tensor instead of a copy and a pin per chunk, which
         made the 8B build's encode 2-3x slower than its forward)."""
         batch = self._pack(jobs)
-        _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                                 StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
-                                 capture=True)
+        with self._adapters_on(jobs, batch):
+            _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
+                                     StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
+                                     capture=True)
         return self._chunk_kvs(*caught, batch.spans, to_host)
+
+    def _adapters_on(self, jobs, batch: "PackedBatch"):
+        """The chunk adapters (chunk_adapter.py) on for the encode jobs' tokens (the first spans
+        of ``batch``), each job's by its wrapper slots; off for every other token."""
+        adapters = ChunkAdapters.find(self.parts.model) if jobs else None
+        if adapters is None:
+            return contextlib.nullcontext()
+        spans = [(a, b, job.tokens) for job, (a, b) in zip(jobs, batch.spans)]
+        return adapters.gated(adapters.gate_for(spans, int(batch.ids.shape[0]), batch.ids.device))
 
     def _chunk_kvs(self, k, v, spans, to_host: bool) -> list[ChunkKV]:
         """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format."""

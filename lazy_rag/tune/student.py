@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..chunk_adapter import ChunkAdapters
 from ..oracle import visibility_mask
 from ..segments import assemble
 
@@ -25,9 +26,11 @@ def wrapped_layout(llm, example, answer: list[int], header: int, trailer: int):
     return layout, len(layout.token_ids) - len(answer) - 1
 
 
-def student_logp(llm, vectors: torch.Tensor, batch) -> list[torch.Tensor]:
+def student_logp(llm, vectors: torch.Tensor, batch, adapter_column: int | None = None) -> list[torch.Tensor]:
     """Log-probs (fp32) of each example's rows: [len(answer) + 1, vocab] per example.
-    ``batch``: (layout, first row, number of rows) triples."""
+    ``batch``: (layout, first row, number of rows) triples. ``adapter_column``: the trainable
+    chunk adapter's column (``ChunkAdapters``), on for the chunks' tokens only, as the engine
+    applies it when it encodes them."""
     model, parts = llm.model, llm.host.parts
     dev, dt = parts.device, parts.dtype
     L = max(len(lay.token_ids) for lay, _, _ in batch)
@@ -43,7 +46,15 @@ def student_logp(llm, vectors: torch.Tensor, batch) -> list[torch.Tensor]:
         allow[b, n:, n:] = torch.eye(L - n, dtype=torch.bool, device=dev)  # padding sees itself: no NaN
     x = parts.embed_ids(ids, virtual=True, rows=vectors)
     mask = torch.zeros(B, 1, L, L, dtype=dt, device=dev).masked_fill(~allow[:, None], torch.finfo(dt).min)
-    hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
+    gate = None
+    if adapter_column is not None:
+        adapters = ChunkAdapters.of(model)
+        gate = torch.zeros(B, L, adapters.width, dtype=dt, device=dev)
+        for b, (lay, _, _) in enumerate(batch):
+            for start, end in lay.chunk_spans:
+                gate[b, start:end, adapter_column] = 1
+    with ChunkAdapters.of(model).gated(gate):
+        hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
     rows = torch.cat([hidden[b, first:first + n] for b, (_, first, n) in enumerate(batch)])
     logp = torch.log_softmax(model.lm_head(rows).float(), dim=-1)
     return list(logp.split([n for _, _, n in batch]))

@@ -4,6 +4,8 @@ interrupted run resumes where it stopped.
 
 Defaults follow the measured 0.5B starting point (../shared/reference/lazyattention.md): 8 + 8
 fp32 vectors initialised from token embeddings, batch 64, 240 steps, lr 2e-3 (it beat 5e-4).
+``method="lora"`` trains a chunk adapter (chunk_adapter.py: LoRA deltas on while chunks are
+encoded) with the vectors, in its own parameter group (``adapter_lr``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..chunk_adapter import DEFAULT_TARGETS, ChunkAdapter, ChunkAdapters, new_adapter
 from ..errors import LazyRagError
 from ..progress import Progress
 from ..wrapper import ChunkWrapper
@@ -39,8 +42,18 @@ class TuneOptions:
     top_k: int = 64                # teacher log-probs kept per row
     max_answer_tokens: int = 24
     eval_every: int = 20
+    method: str = "wrapper"        # "wrapper": vectors only; "lora": vectors + a chunk adapter
+    rank: int = 8                  # the chunk adapter's LoRA rank (method lora)
+    alpha: float = 16.0            # its scale is alpha / rank
+    adapter_lr: float = 5e-4
+    targets: tuple = DEFAULT_TARGETS
 
     def check(self) -> None:
+        if self.method not in ("wrapper", "lora"):
+            raise LazyRagError(f"--method must be wrapper or lora (got {self.method!r}).")
+        if self.method == "lora" and (self.rank < 1 or self.adapter_lr <= 0 or not self.targets):
+            raise LazyRagError(f"--method lora needs --rank >= 1, --adapter-lr > 0 and some --targets (got "
+                               f"{self.rank}, {self.adapter_lr}, {self.targets}).")
         if self.header < 0 or self.trailer < 0 or self.header + self.trailer == 0:
             raise LazyRagError(f"A wrapper needs --header + --trailer > 0 (got {self.header} + {self.trailer}).")
         if self.steps < 1 or self.batch < 1 or self.micro_batch < 1 or self.lr <= 0 or self.top_k < 1:
@@ -57,7 +70,8 @@ def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
     return torch.stack(rows).to(llm.host.parts.device).clone()
 
 
-def _kl_of(llm, vectors, items, teacher, micro_batch: int, grad_over: int | None = None) -> torch.Tensor:
+def _kl_of(llm, vectors, items, teacher, micro_batch: int, grad_over: int | None = None,
+           column: int | None = None) -> torch.Tensor:
     """Summed KL over the rows of ``items``, micro-batch by micro-batch; with ``grad_over`` (a
     row count) the gradient of the sum divided by it is accumulated into the vectors."""
     grad = grad_over is not None
@@ -66,7 +80,7 @@ def _kl_of(llm, vectors, items, teacher, micro_batch: int, grad_over: int | None
         part = items[s:s + micro_batch]
         batch = [(*item["layout"], len(teacher.answers[item["i"]]) + 1) for item in part]
         with torch.set_grad_enabled(grad):
-            logp = student_logp(llm, vectors, batch)
+            logp = student_logp(llm, vectors, batch, column)
             kl = sum(distill_kl(lp, teacher.top_ids[it["i"]].to(lp.device), teacher.top_logp[it["i"]].to(lp.device)).sum()
                      for lp, it in zip(logp, part))
             if grad:
@@ -75,13 +89,13 @@ def _kl_of(llm, vectors, items, teacher, micro_batch: int, grad_over: int | None
     return total
 
 
-def _sample_answers(llm, vectors, items, teacher, n: int = 2) -> list[str]:
+def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None = None) -> list[str]:
     """The student's next-token choices along the teacher's answer, next to the teacher's own."""
     out = []
     with torch.no_grad():
         for item in items[:n]:
             ans = teacher.answers[item["i"]]
-            (lp,) = student_logp(llm, vectors, [(*item["layout"], len(ans) + 1)])
+            (lp,) = student_logp(llm, vectors, [(*item["layout"], len(ans) + 1)], column)
             student = lp.argmax(-1).tolist()[:len(ans)]
             out.append(f"teacher {llm.tokenizer.decode(ans).strip()!r} / student {llm.tokenizer.decode(student).strip()!r}")
     return out
@@ -113,63 +127,89 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
         p.requires_grad_(False)
     torch.manual_seed(options.seed)
     vectors = torch.nn.Parameter(_init_vectors(llm, options.header, options.trailer))
-    opt = torch.optim.AdamW([vectors], lr=options.lr, weight_decay=0.0)
+    groups = [{"params": [vectors], "lr": options.lr}]
+    adapter, column, adapters = None, None, ChunkAdapters.of(model)
+    if options.method == "lora":
+        adapter = new_adapter(model, options.rank, options.alpha, options.targets, options.seed)
+        factors = [t for pair in adapter.weights.values() for t in pair]
+        groups.append({"params": factors, "lr": options.adapter_lr})
+        column = adapters.add(adapter, key=f"tune:{id(adapter)}", trainable=True)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / options.steps))
-    settings = {**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"]}
-    ckpt = work_dir / "checkpoint.pt" if work_dir is not None else None
+    settings = json.loads(json.dumps({**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"]}))
+    ckpt = work_dir / f"checkpoint-{options.method}.pt" if work_dir is not None else None
     step, history, skipped = 0, [], 0
+
+    def state_of() -> dict:
+        return {"vectors": vectors.detach().cpu(),
+                **({k: t.detach().cpu() for k, t in adapter.tensors().items()} if adapter else {})}
+
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         if json.loads(state["settings"]) == settings:
             vectors.data.copy_(state["vectors"].to(vectors.device))
+            if adapter is not None:
+                for k, t in adapter.tensors().items():
+                    t.data.copy_(state[k].to(t.device))
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
             step, history = int(state["step"]), json.loads(state["history"])
             log(f"resuming from {ckpt} at step {step}")
 
     def held_out_kl() -> float:
-        return float(_kl_of(llm, vectors, held, teacher, options.micro_batch)) / held_rows
+        return float(_kl_of(llm, vectors, held, teacher, options.micro_batch, column=column)) / held_rows
 
-    if not history:
-        history.append({"step": 0, "held_out_kl": held_out_kl()})
-        log(f"step 0: held-out KL {history[-1]['held_out_kl']:.4f} ({n_hold} held-out examples, {len(train)} to train on)")
-    t_train = time.perf_counter()
-    with Progress(options.steps, "tuning the wrapper", progress) as bar:
-        bar.advance(step, note=f"held-out KL {history[-1]['held_out_kl']:.4f}")
-        while step < options.steps:
-            picks = random.Random(options.seed * 1_000_003 + step).sample(train, min(options.batch, len(train)))
-            rows = sum(len(teacher.answers[it["i"]]) + 1 for it in picks)
-            opt.zero_grad(set_to_none=True)
-            loss = float(_kl_of(llm, vectors, picks, teacher, options.micro_batch, rows)) / rows
-            if not math.isfinite(loss) or not bool(torch.isfinite(vectors.grad).all()):
-                # a bf16 overflow in one batch: skip it (as AMP's scaler does); many in a row is divergence
-                skipped += 1
-                if skipped > max(3, options.steps // 20):
-                    raise LazyRagError(f"The loss or its gradient was not finite in {skipped} batches (last at step "
-                                       f"{step}); lower --lr (now {options.lr}) or train in float32 (--dtype float32).")
-                log(f"step {step}: non-finite loss or gradient, batch skipped")
-                step += 1
+    try:
+        if not history:
+            history.append({"step": 0, "held_out_kl": held_out_kl()})
+            log(f"step 0: held-out KL {history[-1]['held_out_kl']:.4f} ({n_hold} held-out examples, {len(train)} to train on)")
+        t_train = time.perf_counter()
+        what = "the wrapper and its chunk adapter" if adapter else "the wrapper"
+        with Progress(options.steps, f"tuning {what}", progress) as bar:
+            bar.advance(step, note=f"held-out KL {history[-1]['held_out_kl']:.4f}")
+            while step < options.steps:
+                picks = random.Random(options.seed * 1_000_003 + step).sample(train, min(options.batch, len(train)))
+                rows = sum(len(teacher.answers[it["i"]]) + 1 for it in picks)
+                opt.zero_grad(set_to_none=True)
+                loss = float(_kl_of(llm, vectors, picks, teacher, options.micro_batch, rows, column)) / rows
+                finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+                if not math.isfinite(loss) or not finite:
+                    # a bf16 overflow in one batch: skip it (as AMP's scaler does); many in a row is divergence
+                    skipped += 1
+                    if skipped > max(3, options.steps // 20):
+                        raise LazyRagError(f"The loss or its gradient was not finite in {skipped} batches (last at step "
+                                           f"{step}); lower --lr (now {options.lr}) or train in float32 (--dtype float32).")
+                    log(f"step {step}: non-finite loss or gradient, batch skipped")
+                    step += 1
+                    sched.step()
+                    continue
+                for g in groups:
+                    torch.nn.utils.clip_grad_norm_(g["params"], 1.0)
+                opt.step()
                 sched.step()
-                continue
-            torch.nn.utils.clip_grad_norm_([vectors], 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            if step % options.eval_every == 0 or step == options.steps:
-                history.append({"step": step, "train_kl": loss, "held_out_kl": held_out_kl()})
-                for line in _sample_answers(llm, vectors, held, teacher):
-                    bar.say(f"  step {step}: {line}")
-                if ckpt is not None:
-                    _save(ckpt, {"settings": json.dumps(settings), "vectors": vectors.detach().cpu(),
-                                 "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                                 "history": json.dumps(history)})
-            bar.advance(1, note=f"train KL {loss:.4f}, held-out KL {history[-1]['held_out_kl']:.4f}")
+                step += 1
+                if step % options.eval_every == 0 or step == options.steps:
+                    history.append({"step": step, "train_kl": loss, "held_out_kl": held_out_kl()})
+                    for line in _sample_answers(llm, vectors, held, teacher, column=column):
+                        bar.say(f"  step {step}: {line}")
+                    if ckpt is not None:
+                        _save(ckpt, {"settings": json.dumps(settings), **state_of(),
+                                     "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
+                                     "history": json.dumps(history)})
+                bar.advance(1, note=f"train KL {loss:.4f}, held-out KL {history[-1]['held_out_kl']:.4f}")
+    finally:
+        if adapter is not None:
+            adapters.remove(f"tune:{id(adapter)}")
     seconds = time.perf_counter() - t_train
     recipe = {**settings, "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
               "device": str(llm.device)}
+    if adapter is not None:
+        adapter = ChunkAdapter(adapter.rank, adapter.alpha, tuple(adapter.targets),
+                               {n: (a.detach().cpu(), b.detach().cpu()) for n, (a, b) in adapter.weights.items()})
     wrapper = ChunkWrapper(vectors.detach().float().cpu(), options.header, options.trailer, llm.fingerprint["id"],
-                           recipe, name or str(out))
+                           recipe, name or str(out), adapter)
     wrapper.save(out)
     return wrapper, {"history": history, "path": str(out), **recipe}
 
