@@ -19,13 +19,14 @@ model's KV cache valid across adapters; here it keeps the base model intact for 
 The deltas are forward hooks on the checkpoint's own ``nn.Linear`` modules, not replacement
 modules: the model's ``state_dict``, and with it the model fingerprint, stays that of the
 checkpoint, and every forward (the engine's layer loop, the oracle's and the trainer's HF
-forwards) goes through the same hook. peft is not used because it gates adapters per sample,
+forwards) goes through the same hook, registered only for the forwards that encode chunks.
+peft is not used because it gates adapters per sample,
 never per token, and the engine packs chunk encodes and query tokens into one forward.
 
 The gate is set around a forward (``ChunkAdapters.gated``): a tensor [..., adapters] in the
 model's dtype whose leading dims match the linear layers' inputs ([n] in the engine's packed
-forward, [batch, length] in an HF forward). With no gate set, a hook returns at once, and a
-captured decode graph holds no adapter work.
+forward, [batch, length] in an HF forward). Outside it no hook is registered: query
+steps and captured decode graphs hold no adapter work.
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ class ChunkAdapters:
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._slots: list[tuple[int, int, int]] = []  # (first, end) virtual ids of a wrapper -> its column
         self.gate: torch.Tensor | None = None
+        self._modules: dict | None = None
 
     @classmethod
     def of(cls, model) -> "ChunkAdapters":
@@ -150,8 +152,6 @@ class ChunkAdapters:
                 w = m.weight
                 entry = (index, a.detach().to(w.device, w.dtype), (b.detach().float() * adapter.scale).to(w.device, w.dtype), 1.0)
             self._per_module.setdefault(name, []).append(entry)
-            if name not in self._hooks:
-                self._hooks[name] = m.register_forward_hook(self._hook(name))
         self.adapters.append(adapter)
         self._keys[key] = index
         return index
@@ -165,7 +165,6 @@ class ChunkAdapters:
             self._per_module[name] = [e for e in self._per_module[name] if e[0] != index]
             if not self._per_module[name]:
                 del self._per_module[name]
-                self._hooks.pop(name).remove()
         self.adapters[index] = None  # columns stay stable for the rest
         if all(a is None for a in self.adapters):
             self.adapters.clear()
@@ -220,12 +219,27 @@ class ChunkAdapters:
 
     @contextlib.contextmanager
     def gated(self, gate: torch.Tensor | None):
-        """Apply the adapters to the tokens ``gate`` selects ([..., adapters]) for one forward."""
+        """Apply the adapters to the tokens ``gate`` selects ([..., adapters]) for one forward.
+        The hooks exist only inside this context (a hooked module takes nn.Module's slow call
+        path: ~3x the eager launch time of a small model's query step if they stayed on)."""
+        if gate is None:
+            yield
+            return
         previous, self.gate = self.gate, gate
+        outer = not self._hooks
+        if outer:
+            if self._modules is None:
+                self._modules = dict(self.model.named_modules())
+            modules = self._modules
+            self._hooks = {name: modules[name].register_forward_hook(self._hook(name)) for name in self._per_module}
         try:
             yield
         finally:
             self.gate = previous
+            if outer:
+                for handle in self._hooks.values():
+                    handle.remove()
+                self._hooks = {}
 
     @property
     def width(self) -> int:

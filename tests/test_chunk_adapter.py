@@ -61,7 +61,9 @@ def test_adapted_chunks_match_the_gated_oracle(tokenizer, device, family):
     # full never sees it: the plain causal forward, adapter hooks installed or not
     full = llm.next_token_logits(segs, mode="full", source=source)
     assert rel_err(full, causal_logits(model, llm.prepare(segs, mode="full").token_ids)[-1]) < 1e-4
-    assert ChunkAdapters.find(model).gate is None
+    adapters = ChunkAdapters.find(model)
+    assert adapters.gate is None and not adapters._hooks  # hooks only while chunks are encoded
+    assert all(not m._forward_hooks for m in model.modules())
 
 
 def test_two_adapters_in_one_engine_each_reach_only_their_chunks(tokenizer, device):
