@@ -13,5 +13,5 @@ python3 -c "import lazy_rag.kernels" 2>/dev/null \
   || python3 -m pip install -q --no-deps --no-build-isolation -e .   # kernels/ installs as lazy_rag.kernels
 export LAZY_RAG_TEST_DEVICE=cuda HF_HUB_OFFLINE=1
 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py tests/engine/test_engine_oracle.py \
-  tests/engine/test_engine_cpu.py tests/engine/test_tiers.py tests/engine/test_encode_batches.py tests/engine/test_engine_faults.py tests/test_recovery.py \
+  tests/engine/test_engine_cpu.py tests/engine/test_tiers.py tests/engine/test_encode_batches.py tests/engine/test_engine_faults.py tests/test_recovery.py tests/test_wrapper.py tests/test_chunk_adapter.py \
   -k "not index_records" "$@"
