@@ -73,9 +73,9 @@ class ChunkAdapter:
         return cls(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]),
                    {n: (a, b) for n, (a, b) in weights.items()})
 
-    def check_model(self, model) -> None:
-        """ValueError unless every adapted layer exists in ``model`` with the factors' shapes."""
-        modules = dict(model.named_modules())
+    def check_model(self, modules: dict[str, torch.nn.Module]) -> None:
+        """ValueError unless every adapted layer exists in the model (``modules``: its
+        ``named_modules()``) with the factors' shapes."""
         for name, (a, b) in self.weights.items():
             m = modules.get(name)
             if not isinstance(m, torch.nn.Linear):
@@ -141,9 +141,9 @@ class ChunkAdapters:
         B; a ``trainable`` one is used as given (fp32 parameters, cast in the forward)."""
         if key in self._keys:
             return self._keys[key]
-        adapter.check_model(self.model)
+        modules = self._named_modules()
+        adapter.check_model(modules)
         index = len(self.adapters)
-        modules = dict(self.model.named_modules())
         for name, (a, b) in adapter.weights.items():
             m = modules[name]
             if trainable:
@@ -204,6 +204,11 @@ class ChunkAdapters:
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def _named_modules(self) -> dict[str, torch.nn.Module]:
+        if self._modules is None:
+            self._modules = dict(self.model.named_modules())
+        return self._modules
+
     def _hook(self, name: str):
         def hook(module, inputs, output):
             gate = self.gate
@@ -228,9 +233,7 @@ class ChunkAdapters:
         previous, self.gate = self.gate, gate
         outer = not self._hooks
         if outer:
-            if self._modules is None:
-                self._modules = dict(self.model.named_modules())
-            modules = self._modules
+            modules = self._named_modules()
             self._hooks = {name: modules[name].register_forward_hook(self._hook(name)) for name in self._per_module}
         try:
             yield
@@ -246,10 +249,11 @@ class ChunkAdapters:
         return len(self.adapters)
 
 
-def gated_forward(model, gate: torch.Tensor | None):
-    """The model's adapters applied under ``gate`` (nothing when the model has no adapter or the
-    gate is None)."""
+def encoding_chunks(model, spans, length: int | tuple, device):
+    """The context of a forward that encodes chunks: each (row..., start, end, token ids) span on
+    for its wrapper's adapter (``ChunkAdapters.gate_for``); nothing when the model has no adapter
+    or no span has one. The engine's encode steps and the oracle both enter it."""
     adapters = ChunkAdapters.find(model)
-    if adapters is None or gate is None:
+    if adapters is None:
         return contextlib.nullcontext()
-    return adapters.gated(gate)
+    return adapters.gated(adapters.gate_for(spans, length, device))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_adapter import ChunkAdapters, gated_forward
+from .chunk_adapter import encoding_chunks
 from .segments import PromptLayout
 
 
@@ -58,20 +58,10 @@ def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tenso
     additive = torch.zeros(allow.shape, dtype=model.dtype, device=dev)
     additive.masked_fill_(~allow, torch.finfo(model.dtype).min)
     pos = torch.arange(len(layout.token_ids), device=dev)[None]
-    with gated_forward(model, chunk_gate(model, layout)):
-        return model(**model_inputs(model, layout.token_ids, virtual_rows), position_ids=pos,
-                     attention_mask=additive[None, None]).logits[0].float()
-
-
-def chunk_gate(model, layout: PromptLayout) -> torch.Tensor | None:
-    """The chunk adapters' gate [1, T, adapters] of a layout: each chunk's tokens on for its
-    wrapper's adapter (None when the model has no adapter or no chunk has one)."""
-    adapters = ChunkAdapters.find(model)
-    if adapters is None:
-        return None
     ids = layout.token_ids
-    spans = [(0, a, b, ids[a:b]) for a, b in layout.chunk_spans]
-    return adapters.gate_for(spans, (1, len(ids)), model.device)
+    with encoding_chunks(model, [(0, a, b, ids[a:b]) for a, b in layout.chunk_spans], (1, len(ids)), dev):
+        return model(**model_inputs(model, ids, virtual_rows), position_ids=pos,
+                     attention_mask=additive[None, None]).logits[0].float()
 
 
 @torch.inference_mode()

@@ -9,6 +9,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 
+def random_ids(rng, n):
+    """``n`` random token ids, clear of special tokens."""
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def chunked_prompt(rng, chunks):
+    """A prompt's segments: a few ids, each chunk (a ``Chunk``) with a few ids after it, a question."""
+    from lazy_rag import Chunk
+
+    segs = [random_ids(rng, 4)]
+    for c in chunks:
+        segs += [Chunk(c), random_ids(rng, 2)]
+    return segs + [random_ids(rng, 5)]
+
+
 def small_llm(model, tokenizer, **options):
     """A LazyLLM with a small engine (256 MiB pool, 16-token pages on every device): tests build
     many, and the default pool is a fifth of the GPU."""

@@ -6,17 +6,13 @@ import random
 import pytest
 import torch
 
-from helpers import rel_err, small_llm
+from helpers import chunked_prompt, random_ids, rel_err, small_llm
 from lazy_rag import Chunk
 from lazy_rag.chunk_adapter import ChunkAdapters, new_adapter
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from lazy_rag.requests import ChunkSource
 from lazy_rag.wrapper import ChunkWrapper, WrapperError
 from tiny_models import tiny_model
-
-
-def _ids(rng, n):
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def _adapted_wrapper(model, seed=0, rank=4, targets=None):
@@ -30,13 +26,6 @@ def _adapted_wrapper(model, seed=0, rank=4, targets=None):
     return ChunkWrapper(vectors, 3, 2, adapter=adapter)
 
 
-def _segs(rng, chunks):
-    segs = [_ids(rng, 4)]
-    for c in chunks:
-        segs += [Chunk(c), _ids(rng, 2)]
-    return segs + [_ids(rng, 5)]
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_adapted_chunks_match_the_gated_oracle(tokenizer, device, family):
     model = tiny_model(family, seed=3).to(device)
@@ -45,7 +34,7 @@ def test_adapted_chunks_match_the_gated_oracle(tokenizer, device, family):
     adapted = _adapted_wrapper(model)
     source = ChunkSource(wrapper=adapted)
     rng = random.Random(0)
-    segs = _segs(rng, [_ids(rng, n) for n in (1, 12, 40)])
+    segs = chunked_prompt(rng, [random_ids(rng, n) for n in (1, 12, 40)])
     layout = llm.prepare(segs, source)
     lazy = llm.next_token_logits(segs, mode="lazy", source=source)  # registers the wrapper and its adapter
     assert llm.fingerprint == fingerprint  # hooks, not new modules: the checkpoint's fingerprint holds
@@ -72,8 +61,8 @@ def test_two_adapters_in_one_engine_each_reach_only_their_chunks(tokenizer, devi
     a = _adapted_wrapper(model, seed=1)
     b = _adapted_wrapper(model, seed=2, rank=2, targets=("q_proj", "v_proj"))
     rng = random.Random(1)
-    c1, c2 = _ids(rng, 20), _ids(rng, 9)
-    segs = _segs(rng, [c1, c2])
+    c1, c2 = random_ids(rng, 20), random_ids(rng, 9)
+    segs = chunked_prompt(rng, [c1, c2])
     first = {}
     for w in (a, b, a):
         got = llm.next_token_logits(segs, source=ChunkSource(wrapper=w))

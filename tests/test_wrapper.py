@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import rel_err, small_llm
+from helpers import chunked_prompt, random_ids, rel_err, small_llm
 from lazy_rag import Chunk
 from lazy_rag.errors import LazyRagError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
@@ -15,21 +15,10 @@ from lazy_rag.wrapper import ChunkWrapper, WrapperError
 from tiny_models import tiny_model
 
 
-def _ids(rng, n):
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
 def _wrapper(model, header=3, trailer=2, seed=0, fingerprint=""):
     g = torch.Generator().manual_seed(seed)
     hidden = model.config.hidden_size
     return ChunkWrapper(torch.randn(header + trailer, hidden, generator=g) * 0.5, header, trailer, fingerprint)
-
-
-def _segs(rng, chunks):
-    segs = [_ids(rng, 4)]
-    for c in chunks:
-        segs += [Chunk(c), _ids(rng, 2)]
-    return segs + [_ids(rng, 5)]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -39,8 +28,8 @@ def test_wrapped_chunks_match_the_inputs_embeds_oracle(tokenizer, device, family
     wrapper = _wrapper(model)
     source = ChunkSource(wrapper=wrapper)
     rng = random.Random(0)
-    chunks = [_ids(rng, n) for n in (1, 12, 40)]
-    segs = _segs(rng, chunks)
+    chunks = [random_ids(rng, n) for n in (1, 12, 40)]
+    segs = chunked_prompt(rng, chunks)
     layout = llm.prepare(segs, source)
     assert [s.end - s.start for s in layout.spans] == [len(c) + 5 for c in chunks]  # the slots are in the span
     ref = block_diagonal_logits(model, layout, llm.host.parts.virtual_rows)[-1]
@@ -61,7 +50,7 @@ def test_two_wrappers_in_one_engine_never_share_kv(tokenizer, device):
     llm = small_llm(model, tokenizer)
     a, b = _wrapper(model, seed=1), _wrapper(model, seed=2)
     rng = random.Random(1)
-    segs = _segs(rng, [_ids(rng, 20), _ids(rng, 9)])
+    segs = chunked_prompt(rng, [random_ids(rng, 20), random_ids(rng, 9)])
     la = llm.next_token_logits(segs, source=ChunkSource(wrapper=a))
     lb = llm.next_token_logits(segs, source=ChunkSource(wrapper=b))
     assert rel_err(la, lb) > 1e-3
@@ -80,7 +69,7 @@ def test_recovery_recomputes_wrapped_chunks_exactly(tokenizer, device):
     llm = small_llm(model, tokenizer)
     source = ChunkSource(wrapper=_wrapper(model, 2, 2))
     rng = random.Random(2)
-    segs = _segs(rng, [_ids(rng, 7), _ids(rng, 11)])
+    segs = chunked_prompt(rng, [random_ids(rng, 7), random_ids(rng, 11)])
     layout = llm.prepare(segs, source)
     every = llm.next_token_logits(segs, source=source, recovery="epic64")
     with torch.inference_mode():

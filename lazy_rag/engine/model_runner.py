@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..architecture import ModelParts
-from ..chunk_adapter import ChunkAdapters
+from ..chunk_adapter import encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
@@ -161,11 +161,10 @@ class ModelRunner:
     def _adapters_on(self, jobs, batch: "PackedBatch"):
         """The chunk adapters (chunk_adapter.py) on for the encode jobs' tokens (the first spans
         of ``batch``), each job's by its wrapper slots; off for every other token."""
-        adapters = ChunkAdapters.find(self.parts.model) if jobs else None
-        if adapters is None:
+        if not jobs:
             return contextlib.nullcontext()
         spans = [(a, b, job.tokens) for job, (a, b) in zip(jobs, batch.spans)]
-        return adapters.gated(adapters.gate_for(spans, int(batch.ids.shape[0]), batch.ids.device))
+        return encoding_chunks(self.parts.model, spans, int(batch.ids.shape[0]), batch.ids.device)
 
     def _chunk_kvs(self, k, v, spans, to_host: bool) -> list[ChunkKV]:
         """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format."""

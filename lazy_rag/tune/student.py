@@ -46,14 +46,13 @@ def student_logp(llm, vectors: torch.Tensor, batch, adapter_column: int | None =
         allow[b, n:, n:] = torch.eye(L - n, dtype=torch.bool, device=dev)  # padding sees itself: no NaN
     x = parts.embed_ids(ids, virtual=True, rows=vectors)
     mask = torch.zeros(B, 1, L, L, dtype=dt, device=dev).masked_fill(~allow[:, None], torch.finfo(dt).min)
-    gate = None
+    adapters, gate = ChunkAdapters.of(model), None
     if adapter_column is not None:
-        adapters = ChunkAdapters.of(model)
         gate = torch.zeros(B, L, adapters.width, dtype=dt, device=dev)
         for b, (lay, _, _) in enumerate(batch):
             for start, end in lay.chunk_spans:
                 gate[b, start:end, adapter_column] = 1
-    with ChunkAdapters.of(model).gated(gate):
+    with adapters.gated(gate):
         hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
     rows = torch.cat([hidden[b, first:first + n] for b, (_, first, n) in enumerate(batch)])
     logp = torch.log_softmax(model.lm_head(rows).float(), dim=-1)

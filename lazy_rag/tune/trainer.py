@@ -129,11 +129,12 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     vectors = torch.nn.Parameter(_init_vectors(llm, options.header, options.trailer))
     groups = [{"params": [vectors], "lr": options.lr}]
     adapter, column, adapters = None, None, ChunkAdapters.of(model)
+    adapter_key = f"tune:{id(vectors)}"  # this run's adapter, removed when it ends
     if options.method == "lora":
         adapter = new_adapter(model, options.rank, options.alpha, options.targets, options.seed)
         factors = [t for pair in adapter.weights.values() for t in pair]
         groups.append({"params": factors, "lr": options.adapter_lr})
-        column = adapters.add(adapter, key=f"tune:{id(adapter)}", trainable=True)
+        column = adapters.add(adapter, key=adapter_key, trainable=True)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / options.steps))
@@ -200,7 +201,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                 bar.advance(1, note=f"train KL {loss:.4f}, held-out KL {history[-1]['held_out_kl']:.4f}")
     finally:
         if adapter is not None:
-            adapters.remove(f"tune:{id(adapter)}")
+            adapters.remove(adapter_key)
     seconds = time.perf_counter() - t_train
     recipe = {**settings, "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
