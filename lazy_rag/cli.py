@@ -407,6 +407,10 @@ def tune(
     rank: int = typer.Option(8, help="The chunk adapter's LoRA rank (--method lora)."),
     alpha: float = typer.Option(16.0, help="The chunk adapter's LoRA alpha (scale alpha / rank)."),
     adapter_lr: float = typer.Option(5e-4, help="The chunk adapter's learning rate (--method lora)."),
+    gold_weight: float = typer.Option(0.0, help="Add cross-entropy on SQuAD's gold answers with this weight "
+                                                "(--model runs only: an index's chunks have no labels)."),
+    init: str = typer.Option("auto", help="Start from: auto (with INDEX_DIR the index's wrapper when its shape "
+                                          "fits, else token embeddings), none, or a wrapper name or file."),
     seed: int = typer.Option(0, help="Seed of the data sample and the batches."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA), float32, bfloat16."),
@@ -421,17 +425,18 @@ def tune(
     from .tune.run import tune_index, tune_model
 
     options = TuneOptions(header=header, trailer=trailer, steps=steps, lr=lr, batch=batch, micro_batch=micro_batch,
-                          seed=seed, method=method, rank=rank, alpha=alpha, adapter_lr=adapter_lr)
+                          seed=seed, method=method, rank=rank, alpha=alpha, adapter_lr=adapter_lr,
+                          gold_weight=gold_weight)
     log = lambda m: err.print(m, markup=False, highlight=False)  # noqa: E731
     try:
         options.check()
         if index_dir is not None:
             wrapper, report = tune_index(index_dir, options, examples=examples, k=top_k, device=device, out=out_file,
-                                         work_dir=work_dir, log=log)
+                                         work_dir=work_dir, log=log, init=init)
         else:
             wrapper, report = tune_model(model, options, out=out_file, data=data, examples=examples, k=top_k,
                                          device=device, dtype=dtype, work_dir=work_dir, log=log, retrieval=retrieval,
-                                         prompts=prompts)
+                                         prompts=prompts, init=init)
     except LazyRagError as e:
         _fail(e)
     h = report["history"]

@@ -2,6 +2,7 @@
 answer; the wrapper is the index's (queries need no flag, re-index keeps it, another one is
 refused naming both); `rewrap` re-encodes atomically; `lazy-rag tune` trains one whose KL
 falls, on a tiny random model in a few steps."""
+import dataclasses
 import random
 
 import pytest
@@ -118,7 +119,7 @@ def test_tune_reduces_held_out_kl_and_writes_a_loadable_wrapper(llm, tmp_path):
     assert kl[-1] < kl[0] * 0.9, kl
     back = ChunkWrapper.load(tmp_path / "w.safetensors")
     assert back.digest == wrapper.digest and back.matches(llm.fingerprint["id"]) and back.recipe["steps"] == 16
-    assert list((tmp_path / "work").glob("teacher-*.pt")) and (tmp_path / "work" / "checkpoint-wrapper.pt").exists()
+    assert list((tmp_path / "work").glob("teacher-*.pt")) and list((tmp_path / "work").glob("checkpoint-wrapper-*.pt"))
     # a second run with the same settings resumes from the finished checkpoint: no step runs again
     lines = []
     again, _ = train_wrapper(llm, _examples(40, random.Random(0)), options, tmp_path / "w2.safetensors",
@@ -151,6 +152,66 @@ def test_tune_lora_trains_a_chunk_adapter_that_the_engine_serves(llm, tmp_path):
     again, _ = train_wrapper(llm, examples, options, tmp_path / "w2.safetensors", tmp_path / "work",
                              progress="none", log=lambda m: None)
     assert again.digest == wrapper.digest
+
+
+def test_tune_gold_answers_add_a_cross_entropy_that_falls(llm, tmp_path):
+    """--gold-weight: the labelled answers' cross-entropy is trained and reported beside the KL."""
+    rng = random.Random(3)
+    examples = [dataclasses.replace(e, gold=f"castle {i % 3}") for i, e in enumerate(_examples(40, rng))]
+    options = TuneOptions(header=2, trailer=2, steps=16, batch=16, micro_batch=8, lr=5e-2, held_out=8,
+                          max_answer_tokens=3, eval_every=8, gold_weight=1.0)
+    wrapper, report = train_wrapper(llm, examples, options, tmp_path / "w.safetensors", tmp_path / "work",
+                                    progress="none", log=lambda m: None)
+    ce = [h["held_out_gold_ce"] for h in report["history"]]
+    assert ce[-1] < ce[0] * 0.9, ce
+    assert "train_gold_ce" in report["history"][-1] and wrapper.recipe["gold_weight"] == 1.0
+    # without labels the option is refused, naming it
+    with pytest.raises(LazyRagError, match="--gold-weight"):
+        train_wrapper(llm, _examples(40, rng), options, tmp_path / "w2.safetensors", None, progress="none")
+
+
+def test_tune_starts_from_a_given_wrapper(llm, tmp_path):
+    """init=: the run starts from that wrapper's vectors (an index's own tuning starts from its
+    wrapper); one of another shape is refused."""
+    options = TuneOptions(header=2, trailer=2, steps=2, batch=8, micro_batch=8, lr=1e-6, held_out=8,
+                          max_answer_tokens=3, eval_every=2)
+    examples = _examples(40, random.Random(4))
+    start = _wrapper(llm, 7, header=2, trailer=2)
+    wrapper, report = train_wrapper(llm, examples, options, tmp_path / "w.safetensors", None, progress="none",
+                                    log=lambda m: None, init=start)
+    assert torch.allclose(wrapper.vectors, start.vectors, atol=1e-4) and report["init"] == start.digest
+    fresh, _ = train_wrapper(llm, examples, options, tmp_path / "w2.safetensors", None, progress="none",
+                             log=lambda m: None)
+    assert not torch.allclose(fresh.vectors, start.vectors, atol=1e-2)  # without init: token embeddings
+    with pytest.raises(LazyRagError, match="Cannot start from wrapper"):
+        train_wrapper(llm, examples, dataclasses.replace(options, header=3), tmp_path / "w3.safetensors", None,
+                      progress="none", init=start)
+
+
+def test_tune_index_starts_from_its_wrapper_and_rewraps_it(llm, tmp_path):
+    """`lazy-rag tune INDEX_DIR`: questions the model writes for the index's chunks, a run that
+    starts from the index's wrapper, the index's KV re-encoded inside the result (oracle-exact);
+    --gold-weight is refused (an index has no labels)."""
+    from lazy_rag.tune.run import tune_index
+
+    start = _wrapper(llm, 5, header=2, trailer=2)
+    _index(llm, tmp_path / "idx", start)
+    options = TuneOptions(header=2, trailer=2, steps=4, batch=8, micro_batch=8, lr=5e-2, held_out=4,
+                          max_answer_tokens=3, eval_every=2)
+    lines = []
+    wrapper, report = tune_index(tmp_path / "idx", options, examples=24, k=2, device="cpu", progress="none",
+                                 work_dir=tmp_path / "work", log=lines.append, llm=llm)
+    assert any(start.digest in s for s in lines) and report["init"] == start.digest
+    assert wrapper.digest != start.digest and report["kv_bytes_written"] > 0
+    fresh = LazyIndex.load(tmp_path / "idx", llm=llm)
+    assert fresh.wrapper.digest == wrapper.digest
+    llm.engine.clear_cache()
+    segs = fresh.segments("Who lived there?", ["b", "a"])
+    ref = block_diagonal_logits(llm.model, llm.prepare(segs, fresh.chunk_source), llm.host.parts.virtual_rows)[-1]
+    assert rel_err(llm.next_token_logits(segs, source=fresh.chunk_source), ref) < 1e-4
+    with pytest.raises(LazyRagError, match="--gold-weight"):
+        tune_index(tmp_path / "idx", dataclasses.replace(options, gold_weight=1.0), examples=24, device="cpu",
+                   progress="none", llm=llm)
 
 
 def test_tune_refuses_too_little_data(llm, tmp_path):

@@ -36,7 +36,10 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--adapter-lr", type=float, default=5e-4)
+    p.add_argument("--gold-weight", type=float, default=0.0, help="Cross-entropy on SQuAD's gold answers, this weight.")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--work-dir", type=Path, help="Teacher cache and checkpoints (runs differing only in their "
+                                                 "training settings can share one).")
     p.add_argument("--out", type=Path, default=Path("."))
     a = p.parse_args()
 
@@ -47,11 +50,11 @@ def main() -> None:
 
     options = TuneOptions(header=a.header, trailer=a.trailer, steps=a.steps, lr=a.lr, batch=a.batch,
                           micro_batch=a.micro_batch, seed=a.seed, method=a.method, rank=a.rank, alpha=a.alpha,
-                          adapter_lr=a.adapter_lr)
+                          adapter_lr=a.adapter_lr, gold_weight=a.gold_weight)
     t0 = time.perf_counter()
     wrapper, report = tune_model(a.model, options, out=a.out / f"{a.name}.safetensors", data=a.data,
                                  examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines",
-                                 retrieval=a.retrieval, prompts=a.prompts)
+                                 retrieval=a.retrieval, prompts=a.prompts, work_dir=a.work_dir)
     report.update(benchmark="tune_wrapper", mode="lazy+wrapper", model=a.name, wrapper_digest=wrapper.digest,
                   device_name=torch.cuda.get_device_name(), torch=torch.__version__, wall_s=round(time.perf_counter() - t0, 1),
                   command="python3 " + shlex.join(sys.argv))

@@ -32,6 +32,7 @@ class Example:
     instruction: str = DEFAULT_INSTRUCTION
     system_prompt: str | None = None
     origin: str = ""                      # where it came from (a question id, a chunk id)
+    gold: str | None = None               # a labelled answer (SQuAD's first), for --gold-weight
 
     def segments(self, tokenizer) -> list:
         return build_rag_segments(tokenizer, self.question, [Chunk(list(c)) for c in self.chunks],
@@ -95,7 +96,7 @@ def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retr
         chosen.insert(rng.randrange(k), q.passage)
         instruction, system_prompt = choices[i % len(choices)]
         out.append(Example(q.question.strip(), tuple(ids(p) for p in chosen), instruction, system_prompt,
-                           origin=f"squad:{q.id}"))
+                           origin=f"squad:{q.id}", gold=q.answers[0].strip() if q.answers else None))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from ..errors import LazyRagError
 from ..models import cache_dir
 from .examples import index_examples, squad_examples
 from .trainer import TuneOptions, train_wrapper
@@ -16,14 +17,27 @@ def _work_dir(llm, *parts) -> Path:
     return cache_dir() / "tune" / key
 
 
+def _start_from(llm, init, current, options: TuneOptions):
+    """The wrapper a run starts from: ``init`` "auto" means ``current`` (an index's wrapper) when
+    it has the run's shape, "none" token embeddings, anything else a wrapper by name or path."""
+    if init is None or str(init).lower() == "none":
+        return None
+    if str(init).lower() == "auto":
+        fits = current is not None and current.adapter is None and (current.header, current.trailer) == (
+            options.header, options.trailer)
+        return current if fits else None
+    return llm.host.resolve_wrapper(init)
+
+
 def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: Path | None = None,
                examples: int = 512, k: int = 4, device: str = "auto", dtype: str = "auto",
                work_dir: Path | None = None, progress: str = "auto", log=print, llm=None, retrieval: Path | None = None,
-               prompts: str = "mixed"):
+               prompts: str = "mixed", init: str | None = "none"):
     """Train a general wrapper for ``model`` (a bundled name, a folder or a .gguf) on prompts from
     SQuAD v1.1 dev's train articles (``retrieval``: their ranking file, for retrieved distractors;
-    ``prompts``: mixed, frozen or default); returns (wrapper, report). ``out`` default:
-    ``wrapper-<model>.safetensors`` in the current folder."""
+    ``prompts``: mixed, frozen or default; ``options.gold_weight``: add cross-entropy on SQuAD's
+    gold answers); returns (wrapper, report). ``out`` default: ``wrapper-<model>.safetensors`` in
+    the current folder. ``init``: a wrapper (name or path) to start from, or "none"."""
     from ..llm import LazyLLM
 
     llm = llm or LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none")
@@ -31,20 +45,30 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
     work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts)
-    return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log)
+    start = _start_from(llm, "none" if init == "auto" else init, None, options)
+    return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start)
 
 
 def tune_index(index_dir: Path, options: TuneOptions, examples: int = 256, k: int = 4, device: str = "auto",
-               out: Path | None = None, work_dir: Path | None = None, progress: str = "auto", log=print):
+               out: Path | None = None, work_dir: Path | None = None, progress: str = "auto", log=print,
+               init: str | None = "auto", llm=None):
     """Train a wrapper for the index's own chunks (questions written by the model, no labels),
-    then re-encode the index's KV inside it (one atomic commit). Returns (wrapper, report)."""
+    then re-encode the index's KV inside it (one atomic commit). ``init`` "auto" starts from the
+    wrapper the index has (the model's bundled one, by default) when its shape fits. Returns
+    (wrapper, report)."""
     from ..index import LazyIndex
 
-    idx = LazyIndex.load(index_dir, device=device)
+    if options.gold_weight > 0:
+        raise LazyRagError("--gold-weight needs labelled answers; an index's own chunks have none (the questions are "
+                           "written by the model). Tune an index with --gold-weight 0.")
+    idx = LazyIndex.load(index_dir, device=device, llm=llm)
     log(f"writing questions for {examples} random chunks of {index_dir} ...")
     exs = index_examples(idx, examples, k=k, seed=options.seed)
     work = work_dir or _work_dir(idx.llm, "index", Path(index_dir).resolve(), examples, k, options.seed)
+    start = _start_from(idx.llm, init, idx.wrapper, options)
+    if start is not None:
+        log(f"starting from the wrapper {start.name} ({start.digest})")
     wrapper, report = train_wrapper(idx.llm, exs, options, out or work / "wrapper.safetensors", work,
-                                    progress=progress, name=f"tuned:{Path(index_dir).name}", log=log)
+                                    progress=progress, name=f"tuned:{Path(index_dir).name}", log=log, init=start)
     report["kv_bytes_written"] = idx.rewrap(wrapper, progress=progress)
     return wrapper, report

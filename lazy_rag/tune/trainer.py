@@ -9,10 +9,12 @@ encoded) with the vectors, in its own parameter group (``adapter_lr``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +49,7 @@ class TuneOptions:
     alpha: float = 16.0            # its scale is alpha / rank
     adapter_lr: float = 5e-4
     targets: tuple = DEFAULT_TARGETS
+    gold_weight: float = 0.0       # cross-entropy on labelled answers, added to the KL with this weight
 
     def check(self) -> None:
         if self.method not in ("wrapper", "lora"):
@@ -54,6 +57,8 @@ class TuneOptions:
         if self.method == "lora" and (self.rank < 1 or self.adapter_lr <= 0 or not self.targets):
             raise LazyRagError(f"--method lora needs --rank >= 1, --adapter-lr > 0 and some --targets (got "
                                f"{self.rank}, {self.adapter_lr}, {self.targets}).")
+        if not (self.gold_weight >= 0 and math.isfinite(self.gold_weight)):
+            raise LazyRagError(f"--gold-weight must be a finite number >= 0 (got {self.gold_weight}).")
         if self.header < 0 or self.trailer < 0 or self.header + self.trailer == 0:
             raise LazyRagError(f"A wrapper needs --header + --trailer > 0 (got {self.header} + {self.trailer}).")
         if self.steps < 1 or self.batch < 1 or self.micro_batch < 1 or self.lr <= 0 or self.top_k < 1:
@@ -70,23 +75,51 @@ def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
     return torch.stack(rows).to(llm.host.parts.device).clone()
 
 
-def _kl_of(llm, vectors, items, teacher, micro_batch: int, grad_over: int | None = None,
-           column: int | None = None) -> torch.Tensor:
-    """Summed KL over the rows of ``items``, micro-batch by micro-batch; with ``grad_over`` (a
-    row count) the gradient of the sum divided by it is accumulated into the vectors."""
-    grad = grad_over is not None
-    total = torch.zeros((), device=vectors.device)
+def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None = None,
+             column: int | None = None) -> dict[str, torch.Tensor]:
+    """Summed losses over ``items``, micro-batch by micro-batch, by kind: "kl" (KL to the
+    teacher over its answer rows) and "gold" (cross-entropy of a labelled answer). With
+    ``scale`` (kind -> factor) the gradient of the factor-weighted sum is accumulated into the
+    trainable tensors."""
+    grad = scale is not None
+    total = {"kl": torch.zeros((), device=vectors.device), "gold": torch.zeros((), device=vectors.device)}
     for s in range(0, len(items), micro_batch):
         part = items[s:s + micro_batch]
-        batch = [(*item["layout"], len(teacher.answers[item["i"]]) + 1) for item in part]
         with torch.set_grad_enabled(grad):
-            logp = student_logp(llm, vectors, batch, column)
-            kl = sum(distill_kl(lp, teacher.top_ids[it["i"]].to(lp.device), teacher.top_logp[it["i"]].to(lp.device)).sum()
-                     for lp, it in zip(logp, part))
+            logp = student_logp(llm, vectors, [(*item["layout"], item["rows"]) for item in part], column)
+            sums = dict.fromkeys(total, 0)
+            for lp, it in zip(logp, part):
+                if it["kind"] == "kl":
+                    i = it["i"]
+                    sums["kl"] = sums["kl"] + distill_kl(lp, teacher.top_ids[i].to(lp.device),
+                                                         teacher.top_logp[i].to(lp.device)).sum()
+                else:
+                    sums["gold"] = sums["gold"] - lp.gather(-1, it["target"].to(lp.device)[:, None]).sum()
             if grad:
-                (kl / grad_over).backward()
-        total += kl.detach()
+                loss = sum(v * scale[k] for k, v in sums.items() if torch.is_tensor(v))
+                if torch.is_tensor(loss):
+                    loss.backward()
+        for k, v in sums.items():
+            if torch.is_tensor(v):
+                total[k] += v.detach()
     return total
+
+
+def _gold_items(llm, examples, teacher, options) -> dict[int, dict]:
+    """Example index -> a cross-entropy item for each example with a labelled answer: its gold
+    answer's tokens and then the token the teacher most often ends its answers with (EOS or a
+    newline), so the student learns to stop where the model does."""
+    ends = Counter(int(teacher.top_ids[i][-1, 0]) for i, a in enumerate(teacher.answers)
+                   if len(a) < options.max_answer_tokens)
+    end = [ends.most_common(1)[0][0]] if ends else []
+    out = {}
+    for i, e in enumerate(examples):
+        if not e.gold:
+            continue
+        ids = llm.tokenizer(e.gold, add_special_tokens=False).input_ids[:options.max_answer_tokens] + end
+        out[i] = {"i": i, "kind": "gold", "rows": len(ids), "target": torch.tensor(ids),
+                  "layout": wrapped_layout(llm, e, ids, options.header, options.trailer)}
+    return out
 
 
 def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None = None) -> list[str]:
@@ -95,18 +128,29 @@ def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None
     with torch.no_grad():
         for item in items[:n]:
             ans = teacher.answers[item["i"]]
-            (lp,) = student_logp(llm, vectors, [(*item["layout"], len(ans) + 1)], column)
+            (lp,) = student_logp(llm, vectors, [(*item["layout"], item["rows"])], column)
             student = lp.argmax(-1).tolist()[:len(ans)]
             out.append(f"teacher {llm.tokenizer.decode(ans).strip()!r} / student {llm.tokenizer.decode(student).strip()!r}")
     return out
 
 
 def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path | None = None,
-                  progress: str = "auto", name: str = "", log=print) -> tuple[ChunkWrapper, dict]:
+                  progress: str = "auto", name: str = "", log=print,
+                  init: ChunkWrapper | None = None) -> tuple[ChunkWrapper, dict]:
     """Train a wrapper for ``llm`` on ``examples`` (``tune.examples``); write it to ``out``.
     ``work_dir`` holds the teacher cache and the checkpoint (a run with the same settings
-    resumes from it). Returns the wrapper and a report (held-out KL curve, timings)."""
+    resumes from it). ``init``: a wrapper of the same shape to start from (its vectors; e.g. the
+    one an index already has) instead of token embeddings. With ``options.gold_weight`` > 0 the
+    examples' labelled answers (``Example.gold``) add a cross-entropy term. Returns the wrapper
+    and a report (held-out KL curve, timings)."""
     options.check()
+    if options.gold_weight > 0 and not any(e.gold for e in examples):
+        raise LazyRagError("--gold-weight needs labelled answers, and none of these examples has one (an index's "
+                           "own chunks have none: tune it with --gold-weight 0).")
+    if init is not None and (init.header, init.trailer, init.adapter) != (options.header, options.trailer, None):
+        raise LazyRagError(f"Cannot start from wrapper {init.name} ({init.header}+{init.trailer} vectors"
+                           f"{', with a chunk adapter' if init.adapter else ''}): this run trains {options.header}+"
+                           f"{options.trailer} vectors. Match --header/--trailer, or start from token embeddings.")
     n_hold = min(options.held_out, max(MIN_HELD_OUT, len(examples) // 10))
     if len(examples) - n_hold < MIN_TRAIN:
         raise LazyRagError(f"Too little data to tune a wrapper: {len(examples)} examples, need at least "
@@ -115,18 +159,26 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     t0 = time.perf_counter()
     teacher = teacher_outputs(llm, examples, work_dir, options.top_k, options.max_answer_tokens, progress=progress)
     t_teacher = time.perf_counter() - t0
-    items = [{"i": i, "layout": wrapped_layout(llm, e, teacher.answers[i], options.header, options.trailer)}
+    items = [{"i": i, "kind": "kl", "rows": len(teacher.answers[i]) + 1,
+              "layout": wrapped_layout(llm, e, teacher.answers[i], options.header, options.trailer)}
              for i, e in enumerate(examples)]
     rng = random.Random(options.seed)
     rng.shuffle(items)
     held, train = items[:n_hold], items[n_hold:]
-    held_rows = sum(len(teacher.answers[it["i"]]) + 1 for it in held)
+    gold = _gold_items(llm, examples, teacher, options) if options.gold_weight > 0 else {}
+
+    def with_gold(picks: list) -> list:  # each example's KL item, then its gold item where it has one
+        return picks + [gold[it["i"]] for it in picks if it["i"] in gold]
+
+    held_all = with_gold(held)
+    held_rows = {k: sum(it["rows"] for it in held_all if it["kind"] == k) for k in ("kl", "gold")}
 
     model = llm.model
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(options.seed)
-    vectors = torch.nn.Parameter(_init_vectors(llm, options.header, options.trailer))
+    start = init.vectors.to(llm.host.parts.device, torch.float32) if init is not None else None
+    vectors = torch.nn.Parameter(start.clone() if start is not None else _init_vectors(llm, options.header, options.trailer))
     groups = [{"params": [vectors], "lr": options.lr}]
     adapter, column, adapters = None, None, ChunkAdapters.of(model)
     adapter_key = f"tune:{id(vectors)}"  # this run's adapter, removed when it ends
@@ -138,8 +190,11 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / options.steps))
-    settings = json.loads(json.dumps({**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"]}))
-    ckpt = work_dir / f"checkpoint-{options.method}.pt" if work_dir is not None else None
+    settings = json.loads(json.dumps({**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"],
+                                      "init": init.digest if init is not None else None}))
+    # named by the settings: runs with other settings (another --gold-weight) can share a work dir and its teacher cache
+    tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    ckpt = work_dir / f"checkpoint-{options.method}-{tag}.pt" if work_dir is not None else None
     step, history, skipped = 0, [], 0
 
     def state_of() -> dict:
@@ -158,12 +213,16 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             step, history = int(state["step"]), json.loads(state["history"])
             log(f"resuming from {ckpt} at step {step}")
 
-    def held_out_kl() -> float:
-        return float(_kl_of(llm, vectors, held, teacher, options.micro_batch, column=column)) / held_rows
+    def held_out() -> dict:
+        sums = _loss_of(llm, vectors, held_all, teacher, options.micro_batch, column=column)
+        out = {"held_out_kl": float(sums["kl"]) / held_rows["kl"]}
+        if held_rows["gold"]:
+            out["held_out_gold_ce"] = float(sums["gold"]) / held_rows["gold"]
+        return out
 
     try:
         if not history:
-            history.append({"step": 0, "held_out_kl": held_out_kl()})
+            history.append({"step": 0, **held_out()})
             log(f"step 0: held-out KL {history[-1]['held_out_kl']:.4f} ({n_hold} held-out examples, {len(train)} to train on)")
         t_train = time.perf_counter()
         what = "the wrapper and its chunk adapter" if adapter else "the wrapper"
@@ -171,11 +230,15 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             bar.advance(step, note=f"held-out KL {history[-1]['held_out_kl']:.4f}")
             while step < options.steps:
                 picks = random.Random(options.seed * 1_000_003 + step).sample(train, min(options.batch, len(train)))
-                rows = sum(len(teacher.answers[it["i"]]) + 1 for it in picks)
+                picks = with_gold(picks)
+                rows = {k: sum(it["rows"] for it in picks if it["kind"] == k) for k in ("kl", "gold")}
+                scale = {"kl": 1 / rows["kl"], "gold": options.gold_weight / max(rows["gold"], 1)}
                 opt.zero_grad(set_to_none=True)
-                loss = float(_kl_of(llm, vectors, picks, teacher, options.micro_batch, rows, column)) / rows
+                sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column)
+                loss = float(sums["kl"]) / rows["kl"]
+                gold_ce = float(sums["gold"]) / rows["gold"] if rows["gold"] else None
                 finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
-                if not math.isfinite(loss) or not finite:
+                if not math.isfinite(loss) or (gold_ce is not None and not math.isfinite(gold_ce)) or not finite:
                     # a bf16 overflow in one batch: skip it (as AMP's scaler does); many in a row is divergence
                     skipped += 1
                     if skipped > max(3, options.steps // 20):
@@ -191,7 +254,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                 sched.step()
                 step += 1
                 if step % options.eval_every == 0 or step == options.steps:
-                    history.append({"step": step, "train_kl": loss, "held_out_kl": held_out_kl()})
+                    history.append({"step": step, "train_kl": loss,
+                                    **({"train_gold_ce": gold_ce} if gold_ce is not None else {}), **held_out()})
                     for line in _sample_answers(llm, vectors, held, teacher, column=column):
                         bar.say(f"  step {step}: {line}")
                     if ckpt is not None:
