@@ -1,7 +1,7 @@
 """Benchmark the lazy-RoPE attention kernels on the GPU (Llama-3.1-8B attention shape).
 
     python benchmarks/attention_kernels.py [--out DIR] [--quick] [--sweep [all|runs]]
-                                           [--only decode|prefill|fp8] [--fp8-pv V[,V..]|all]
+                                           [--only decode|prefill|fp8]
 
 Needs a CUDA device and the package installed (`pip install -e .`, as tests/kernels/run_gpu.sh
 does). Shape: Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, llama3 RoPE),
@@ -27,9 +27,7 @@ them alone): the same inputs in bf16 pages and in float8_e4m3fn pages with per-t
 reads (fp8: head_dim + 2 bytes per token, KV head and tensor, 50.8% of bf16), so `gbps` is the
 achieved bandwidth of each and `bw_vs_bf16` the fp8 record's gbps over its bf16 twin's (the
 issue-24 target: decode >= 0.9), `speedup_vs_bf16` the time ratio. write_fp8: one layer's write
-of a step's new tokens, bf16 indexed store vs the fused quantise-and-write kernel. --fp8-pv
-times decode_fp8 once per named P @ V variant (paged_attention.FP8_PV; "all": every one; field
-`fp8_pv`, each record against the same bf16 twin); by default the kernel's default alone.
+of a step's new tokens, bf16 indexed store vs the fused quantise-and-write kernel.
 Every case also records the copy bandwidth and bf16 matmul rate measured in the same run;
 `pct_of_copy_bw` = achieved bytes/s over that copy bandwidth, `pct_of_roofline` = the larger of
 bytes/copy_bw and flops/matmul_rate over the measured time. Lazy records carry the compiled
@@ -55,8 +53,7 @@ DTYPE_NAME = "bfloat16"
 L2_FLUSH_BYTES = 256 << 20
 HIDE_FRACTION = 0.2      # slot_pos cases: share of each chunk page's slots hidden (recomputed)
 TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "kernel", "slot_pos", "kv_dtype",
-                 "fp8_pv", "time_us", "gbps", "pct_of_copy_bw", "bw_vs_bf16", "tflops",
-                 "pct_of_roofline"]
+                 "time_us", "gbps", "pct_of_copy_bw", "bw_vs_bf16", "tflops", "pct_of_roofline"]
 PREFILL_KERNELS = ("runs", "tiles")   # lazy_prefill(kernel=...): the default first
 
 
@@ -71,9 +68,6 @@ def parse_args(argv=None):
                     help="time only these cases (decode: decode, decode_shared and decode_slot_pos; "
                          "prefill: prefill and prefill_slot_pos; fp8: the fp8-vs-bf16 cases; shared: "
                          "decode_shared alone, Zipf and uniform, with shared_chunk_decode's tuning sweep)")
-    ap.add_argument("--fp8-pv", default=None,
-                    help="decode_fp8: the P @ V variants over fp8 values to time, comma-separated "
-                         "names of paged_attention.FP8_PV or `all` (default: DECODE_FP8_PV alone)")
     return ap.parse_args(argv)
 
 
@@ -594,42 +588,26 @@ def fp8_token_bytes(shape):
     return 2 * shape.HKV * (shape.D + 2)
 
 
-def add_pair(rec, base, times, nbytes, flops, kv_dtypes=("bf16", "fp8"), fp8_fields=None):
+def add_pair(rec, base, times, nbytes, flops):
     """The bf16 and fp8 records of one case, the fp8 one with its bandwidth and speed relative to
-    bf16's. times: {kv_dtype: (t_us, timer)}; nbytes: {kv_dtype: bytes read}. kv_dtypes=("fp8",):
-    the fp8 record alone (another variant against the same bf16 twin); fp8_fields: more fields
-    of the fp8 record."""
-    for kv_dtype in kv_dtypes:
+    bf16's. times: {kv_dtype: (t_us, timer)}; nbytes: {kv_dtype: bytes read}."""
+    for kv_dtype in ("bf16", "fp8"):
         t, timer = times[kv_dtype]
         extra = {}
         if kv_dtype == "fp8":
             tb = times["bf16"][0]
             extra = dict(bw_vs_bf16=round((nbytes["fp8"] / t) / (nbytes["bf16"] / tb), 3),
-                         speedup_vs_bf16=round(tb / t, 3), **(fp8_fields or {}))
+                         speedup_vs_bf16=round(tb / t, 3))
         rec.add(dict(base, kv_dtype=kv_dtype), t, timer, nbytes[kv_dtype], flops, **extra,
                 **(kernel_report() if kv_dtype == "fp8" else {}))
 
 
-def fp8_pv_variants(arg):
-    """--fp8-pv: the decode_fp8 P @ V variants to time (None: the kernel's default alone)."""
-    from lazy_rag.kernels import paged_attention
-
-    if arg is None:
-        return [None]
-    names = list(paged_attention.FP8_PV) if arg == "all" else arg.split(",")
-    for n in names:
-        if n not in paged_attention.FP8_PV:
-            raise SystemExit(f"--fp8-pv: {n!r} is none of {list(paged_attention.FP8_PV)}")
-    return names
-
-
-def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, pv_variants=(None,)):
+def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
     """decode_fp8 (private permuted pages, as `decode`), prefill_fp8 (the shared 10k case, runs
-    kernel) and write_fp8, each bf16 against fp8 on the same values; decode_fp8 once per P @ V
-    variant of pv_variants (fp8_pv_variants)."""
+    kernel) and write_fp8, each bf16 against fp8 on the same values."""
     import torch
 
-    from lazy_rag.kernels import lazy_decode, lazy_prefill, paged_attention, plan_prefill, write_kv
+    from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill, write_kv
 
     H, D = shape.H, shape.D
     q_io = lambda n: 2 * n * H * D * shape.elem_bytes  # noqa: E731  (q read, out written)
@@ -639,26 +617,19 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, pv_variants
             (k8, ks), (v8, vs) = quantize_pool(k_pages), quantize_pool(v_pages)
             outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype) for _ in range(n_sets)]
             times = {}
-            for i_pv, pv in enumerate(pv_variants):
-                tuning = {} if pv is None else dict(fp8_pv=pv)
-                for kv_dtype, pages, scales in (("bf16", (k_pages, v_pages), {}),
-                                                ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs,
-                                                                       **tuning))):
-                    if kv_dtype == "bf16" and i_pv:
-                        continue        # timed with the first variant
-                    times[kv_dtype] = bench(each(partial(
-                        lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
-                        rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)),
-                        n_sets)
-                    if kv_dtype == "bf16":
-                        bf16_report = kernel_report()
-                base = dict(benchmark="decode_fp8", batch=B, context=T, page_size=PAGE,
-                            n_sets=n_sets, case=f"B{B} x {T // 1024}k", mode="lazy",
-                            rope_mode="rotate_q", bf16_kernel=json.dumps(bf16_report))
-                add_pair(rec, base, times, {"bf16": kv_bytes + q_io(B),
-                                            "fp8": B * T * fp8_token_bytes(shape) + q_io(B)},
-                         4 * B * H * T * D, kv_dtypes=("fp8",) if i_pv else ("bf16", "fp8"),
-                         fp8_fields=dict(fp8_pv=pv or paged_attention.DECODE_FP8_PV))
+            for kv_dtype, pages, scales in (("bf16", (k_pages, v_pages), {}),
+                                            ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs))):
+                times[kv_dtype] = bench(each(partial(
+                    lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
+                    rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)), n_sets)
+                if kv_dtype == "bf16":
+                    bf16_report = kernel_report()
+            base = dict(benchmark="decode_fp8", batch=B, context=T, page_size=PAGE,
+                        n_sets=n_sets, case=f"B{B} x {T // 1024}k", mode="lazy",
+                        rope_mode="rotate_q", bf16_kernel=json.dumps(bf16_report))
+            add_pair(rec, base, times, {"bf16": kv_bytes + q_io(B),
+                                        "fp8": B * T * fp8_token_bytes(shape) + q_io(B)},
+                     4 * B * H * T * D)
             del k_pages, v_pages, k8, v8, ks, vs
             torch.cuda.empty_cache()
     for B in prefill_batches:
@@ -703,9 +674,8 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, pv_variants
         torch.cuda.empty_cache()
 
 
-def check_fp8_once(shape, pv_variants=(None,)):
-    """fp8 pages: decode and prefill vs the fp64 reference over the dequantised pages (rel err);
-    decode once per P @ V variant of pv_variants (fp8_pv_variants), "decode/<variant>"."""
+def check_fp8_once(shape):
+    """fp8 pages: decode and prefill vs the fp64 reference over the dequantised pages (rel err)."""
     import numpy as np
     import torch
 
@@ -721,11 +691,9 @@ def check_fp8_once(shape, pv_variants=(None,)):
     o = lazy_prefill(q, qo, q_pos, k8, v8, case.table, shape.inv_freq, k_scale=ks, v_scale=vs)
     errs = {"prefill": ((o.double() - r).abs().max() / r.abs().max()).item()}
     last = qo[1:].long() - 1
-    for pv in pv_variants:
-        od = lazy_decode(q[last].contiguous(), k8, v8, case.table, q_pos[last], shape.inv_freq,
-                         k_scale=ks, v_scale=vs, **({} if pv is None else dict(fp8_pv=pv)))
-        err = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
-        errs["decode" if pv is None else f"decode/{pv}"] = err
+    od = lazy_decode(q[last].contiguous(), k8, v8, case.table, q_pos[last], shape.inv_freq,
+                     k_scale=ks, v_scale=vs)
+    errs["decode"] = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
     return {k: float(f"{e:.3g}") for k, e in errs.items()}
 
 
@@ -799,7 +767,7 @@ def main(argv=None):
           f"{env['matmul_tflops']} TFLOP/s", flush=True)
     print("# bf16 check, rel err vs fp64 reference:", check_once(shape), flush=True)
     print("# fp8 check, rel err vs fp64 reference over the dequantised pages:",
-          check_fp8_once(shape, fp8_pv_variants(args.fp8_pv)), flush=True)
+          check_fp8_once(shape), flush=True)
     rec = Recorder(env)
     t0 = time.time()
     if args.sweep:
@@ -810,8 +778,7 @@ def main(argv=None):
                             tuning_sets=[{}] + SHARED_TUNING)
     if args.only in (None, "fp8"):
         fp8_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
-                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
-                  fp8_pv_variants(args.fp8_pv))
+                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng)
     if args.only in (None, "decode"):
         decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
                      [8192] if quick else [2048, 8192, 32768])

@@ -115,33 +115,6 @@ def _scaled_pv(p, v8, vs, dtype: tl.constexpr, SCALE_V_TILE: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f16(x, IN_REGS: tl.constexpr):
-    """fp8 e4m3 -> fp16 (exact; one cvt per pair of elements). IN_REGS (FP8_PV 2, GPU only):
-    as inline PTX, which Triton cannot move: a plain cast feeding tl.dot is moved after the
-    tile's shared-memory load for the dot operand (8-bit, one byte per load for V, 130 LDS.U8
-    per thread and tile in the sm_90 SASS), while here the tile is converted right after its
-    (vectorised) load and staged as fp16 (ldmatrix.trans). Not pure, or Triton moves it too."""
-    if IN_REGS:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-            "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16, is_pure=False, pack=4)
-    return x.to(tl.float16)
-
-
-@triton.jit
-def _pv_f16_scale(vs):
-    """The power of two c (fp32) that puts a tile's P * vs into fp16 (FP8_PV 1, 2): P <= 1, so
-    with 2^E <= max(vs) < 2^(E+1), c = 2^(14 - E) bounds every P[r, n] * vs[n] * c below 2^15
-    (no overflow past 65504 whatever the scales), the tile's largest values get fp16's 11-bit
-    significand (bf16's P: 8), and only values below 2^-28 of the tile's largest are subnormal.
-    E is clamped to [-24, 15] (fp16 scales; an all-masked tile, max 0, gets c = 2^38)."""
-    e = (tl.max(vs, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(e, 103), 142)
-    return ((268 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G: tl.constexpr, GP: tl.constexpr,
                BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
     """A query tile's rows (both attention kernels): row r is token r // GP of the tile and
@@ -201,7 +174,7 @@ def _paged_attn_kernel(
     WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-    QK_F16: tl.constexpr = False, FP8_PV: tl.constexpr = 0,
+    QK_F16: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -246,7 +219,6 @@ def _paged_attn_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, 2 * HALF], dtype=tl.float32)
-    acc_c = 1.0      # FP8_PV 1, 2: acc holds the output times acc_c, the last tile's c
 
     for tt in range(t_lo, t_hi):
         e0 = p_start + tt * PPT
@@ -337,30 +309,17 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8_PV == 0:
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         v = tl.load(V + v_base + kvh * stride_vh, mask=k_ok[:, None], other=0.0)
         if KV_FP8:
             vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
                          mask=k_ok, other=0.0).to(tl.float32)
-            if FP8_PV == 0:
-                pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
-            else:
-                # fp16 P @ V (launch's fp8_pv): P * vs * c and V exactly, one cvt per pair
-                # of V's elements (bf16 takes a second one per element); c = _pv_f16_scale,
-                # carried into acc with alpha (powers of two: exact)
-                c = _pv_f16_scale(vs)
-                acc = acc * (alpha * (c / acc_c))[:, None]
-                acc_c = c
-                pv = (p * (vs * c)[None, :]).to(tl.float16)
-                v = _e4m3_to_f16(v, FP8_PV == 2)
+            pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
         else:
             pv = p.to(dtype)
         acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
-    if FP8_PV != 0:
-        acc = acc * (1.0 / acc_c)
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, 2 * HALF, DIRECT, WRITE_LSE)
 
@@ -393,28 +352,6 @@ def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stri
 
 
 LAST_KERNEL = None   # the last compiled attention kernel launched (register / smem report)
-
-# P @ V over fp8 values (KV_FP8; launch's fp8_pv), issue 24. On an H100 (B32 x 8k) fp8 decode
-# reached only 0.69 of bf16's bytes/s. Its loop's sm_90 SASS (benchmarks/ptx_fp8_loop.py, per
-# thread and 128-key tile) read V from shared memory one byte per load (130 LDS.U8: tl.dot's B
-# operand in 8 bits has no transposed ldmatrix) and converted V to bf16 in two steps (F2FP per
-# pair of elements, then F2F.BF16.F16 per element; type conversions issue far slower than FMAs).
-# The keys are fine: their reduction axis is contiguous, so they are read vectorised (LDS.64).
-#   "scale_p"   P * vs and V in the compute dtype (_scaled_pv): the kernel before issue 24.
-#               1724 loop instructions, 130 LDS.U8, 128 F2FP + 128 F2F, 32 B of spills
-#   "f16"       P * vs * c (_pv_f16_scale) and V in fp16 whatever the compute dtype: one
-#               conversion per pair of V's elements, V still converted after the 8-bit loads.
-#               1571 instructions, 130 LDS.U8, 128 F2FP, 0 F2F, 56 B of spills
-#   "f16_regs"  "f16" with V converted right after its vectorised load and staged for the dot
-#               as fp16 (_e4m3_to_f16; ldmatrix.trans). 1248 instructions, no LDS.U8,
-#               128 F2FP, 0 F2F, no spills (203 registers); 69 KiB shared memory (as bf16's)
-#               instead of 37 KiB. In the interpreter the same arithmetic as "f16".
-# A CUDA-core P @ V (broadcast product and tl.sum over the keys, GQA rows only) compiled to
-# 2645 instructions with 264 B of spills, its V in fp32 (three conversions per pair): dropped.
-# Which variant is fastest is the GPU's to say: benchmarks/attention_kernels.py --only fp8
-# --fp8-pv all.
-FP8_PV = {"scale_p": 0, "f16": 1, "f16_regs": 2}
-DECODE_FP8_PV = "f16_regs"   # decode (block_m 1) with bf16 / fp16 compute; else "scale_p"
 
 
 def _num_sms(device) -> int:
@@ -502,7 +439,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | None = None, fp8_pv: str | None = None):
+           qk_f16: bool | None = None):
     """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
     kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
@@ -513,9 +450,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
     q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 (qk_f16_scale; None: with
-    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop). fp8_pv: the
-    P @ V variant over fp8 values (FP8_PV; None: DECODE_FP8_PV in decode with 16-bit compute,
-    else "scale_p"; fp32 compute takes the fp16 variants only when named, for the CPU tests)."""
+    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -541,12 +476,6 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     slot_row, slot_pos, stride_sp = _slot_pos_args(table, page, table.page_pos)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     meta = {}
-    if scaled:
-        if fp8_pv is None:
-            fp8_pv = DECODE_FP8_PV if block_m == 1 and q.dtype != torch.float32 else "scale_p"
-        pv_mode = FP8_PV[fp8_pv]
-        if pv_mode:      # else left out: the kernel compiles as before FP8_PV existed
-            scaled["FP8_PV"] = 1 if interp else pv_mode    # no inline PTX in the interpreter
     if not interp:
         # H200 sweeps: decode (16 rows) 4 warps, stages 2-4 equal; prefill (128-256 rows)
         # 8 warps, 2 stages.
