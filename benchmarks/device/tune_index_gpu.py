@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--wrapper", default="auto", help="The index's wrapper before tuning (auto: the model's bundled one).")
     p.add_argument("--init", default="auto", help="auto (the index's wrapper), none, or a wrapper name/file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("."))
@@ -55,14 +56,14 @@ def main() -> None:
     if not (a.index / "index.sqlite").exists():
         LazyIndex.from_texts([q.text for q in ds.passages], a.index, llm=llm, ids=[q.id for q in ds.passages],
                              split=False, system_prompt=prompt.system_prompt, instruction=prompt.instruction,
-                             progress="lines")
+                             progress="lines", wrapper=a.wrapper)
     t_build = time.perf_counter() - t0
     options = TuneOptions(steps=a.steps, lr=a.lr, batch=a.batch, micro_batch=a.micro_batch, seed=a.seed)
     wrapper, report = tune_index(a.index, options, examples=a.examples, k=a.k, device="cuda", progress="lines",
                                  init=a.init, llm=llm)
     a.out.mkdir(parents=True, exist_ok=True)
     stem = Path(a.data).stem
-    path = a.out / f"index-tuned-{stem}.safetensors"
+    path = a.out / f"index-tuned-{stem}{'' if a.wrapper == 'auto' else '-from-' + Path(a.wrapper).name.removesuffix('.safetensors')}.safetensors"
     wrapper.save(path)
     report.update(benchmark="tune_index", mode="lazy+wrapper", dataset=stem, passages=len(ds.passages),
                   wrapper_digest=wrapper.digest, index_build_s=round(t_build, 1), device_name=torch.cuda.get_device_name(),
