@@ -241,8 +241,9 @@ def test_cli_tune_a_model_then_index_with_the_wrapper(tmp_path, tokenizer):
     runner = CliRunner()
     res = runner.invoke(app, ["tune", "--model", str(model_dir), "--data", str(data), "--examples", "24", "--k", "2",
                               "--steps", "2", "--batch", "4", "--micro-batch", "4", "--device", "cpu",
-                              "--out", str(out), "--work-dir", str(tmp_path / "work")])
+                              "--gold-weight", "0.5", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     assert res.exit_code == 0, res.output
+    assert ChunkWrapper.load(out).recipe["gold_weight"] == 0.5
     assert "held-out KL" in res.output and out.exists()
     src = tmp_path / "docs"
     src.mkdir()
