@@ -4,13 +4,20 @@ The engine encodes a batch of chunks (up to ``batch_tokens`` tokens, packed into
 ``Engine.encode_chunks``) while a writer thread appends the previous batches' KV to the store, so
 the accelerator never waits on the disk and the disk never waits on the accelerator, unless one
 is the bottleneck; then the other waits on a bounded queue (``max_pending_bytes`` of KV held on
-the host), which keeps the build's memory flat however large the corpus is. On a machine where
-both stages share the same CPU cores there is nothing to overlap but the disk, which the thread
-still hides.
+the host), which keeps the build's memory flat however large the corpus is.
+
+On a CPU device each batch is written on the encoding thread after its encode instead, with no
+writer thread and no prepare pool: torch's intra-op threads keep every core busy in the forward,
+so there is nothing to overlap but the disk, whose writeback the kernel runs by itself (the store
+starts it with ``sync_file_range``); the writes' CPU work (copies, CRCs, the copy into the page
+cache) can only take turns with the forward. Measured on 2 cores (SmolLM2-135M, 33k tokens, 1.6
+GB of fp32 KV), the thread bought nothing over writing inline (KV stage 53.9/55.3 s against
+52.5/55.8 s); inline is simpler and holds one batch's KV, not two. What did cost a CPU build
+time was the batch size (``CPU_BATCH_TOKENS``).
 
 Order and failure: the writer writes in submission order and the first error it meets (a full
-disk) stops the build at the next batch, re-raised in the caller's thread, so the caller's
-clean-up (``LazyIndex._build_docs``) sees it as if the write had been its own. ``written`` lists
+disk) stops the build at the next batch (inline: at once), re-raised in the caller's thread, so
+the caller's clean-up (``LazyIndex._build_docs``) sees it as if the write had been its own. ``written`` lists
 what was written so far, for that clean-up. Stage times (encode, write, the waits on each other)
 are measured, so a build can say which stage bounds it (``PipelineStats``).
 """
@@ -23,6 +30,11 @@ import time
 from dataclasses import dataclass, field
 
 _STOP = object()
+# tokens per batch on a CPU device: a few chunks per forward. On 2 cores (SmolLM2-135M, chunks of
+# ~230 tokens with the wrapper's slots) the KV stage of a 33k-token build took 53-56 s at 512-1024,
+# 57-58 s at one chunk per forward or 2048-4096, and 64-66 s at the engine's max_batched_tokens
+# (16384, right for a GPU), presumably as the activations of a long forward fall out of the caches
+CPU_BATCH_TOKENS = 1024
 
 
 @dataclass
@@ -46,14 +58,20 @@ class PipelineStats:
 
 
 class KVWriter:
-    """Writes (record, KV) pairs to ``store`` from one background thread, in order."""
+    """Writes (record, KV) pairs to ``store`` from one background thread, in order; or
+    (``background=False``: a CPU build, see above) in ``put`` itself, on the caller's thread."""
 
-    def __init__(self, store, written: list, stats: PipelineStats, max_pending_bytes: int, threads: int | None = None):
+    def __init__(self, store, written: list, stats: PipelineStats, max_pending_bytes: int, threads: int | None = None,
+                 background: bool = True):
         self.store, self.written, self.stats = store, written, stats
+        self.background = background
+        self.error: BaseException | None = None
+        self.pool = self.thread = None
+        if not background:
+            return
         # records are prepared (copied into their layout, checksummed) on a pool: those copies and
         # CRCs release the GIL, and one thread of them was the 8B build's bottleneck; the appends
         # stay in order on the writer thread
-        self.pool = None
         if hasattr(store, "prepare"):
             from concurrent.futures import ThreadPoolExecutor
 
@@ -63,13 +81,21 @@ class KVWriter:
         self.pending = 0
         self.cond = threading.Condition()
         self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="lazy-rag-kv-writer", daemon=True)
         self.thread.start()
 
     def put(self, records, kvs, on_written=None) -> None:
         """Queue one batch; blocks while more than ``max_pending_bytes`` wait to be written
-        (a batch larger than that alone is still taken). Raises the writer's error, if any."""
+        (a batch larger than that alone is still taken). Raises the writer's error, if any.
+        Inline (not ``background``): writes the batch now; its error, if any, is raised here."""
+        if not self.background:
+            self._raise()
+            try:
+                self._write(records, kvs, on_written)
+            except BaseException as e:
+                self.error = e
+                raise
+            return
         nbytes = sum(kv.nbytes for kv in kvs)
         t0 = time.perf_counter()
         with self.cond:
@@ -84,6 +110,8 @@ class KVWriter:
 
     def close(self) -> None:
         """Wait until everything queued is written; raises the writer's error, if any."""
+        if not self.background:
+            return self._raise()
         self.items.put(_STOP)
         self.thread.join()
         self._shutdown()
@@ -95,6 +123,8 @@ class KVWriter:
 
     def abort(self) -> None:
         """Stop after the batch being written (the caller failed); never raises."""
+        if not self.background:
+            return
         with self.cond:
             self.error = self.error or _Aborted()
             self.cond.notify_all()
@@ -115,25 +145,30 @@ class KVWriter:
                 return
             records, kvs, nbytes, on_written = item
             if self.error is None:
-                t0 = time.perf_counter()
                 try:
-                    # a store of one file per chunk names the files (removed again if the build
-                    # fails); a segment store keeps its own account of what it appended
-                    path_of = getattr(self.store, "path", None)
-                    for r, kv in zip(records, kvs):
-                        if self.pool is not None:  # a future of store.prepare: write takes its record
-                            kv = kv.result()
-                        self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
-                        if path_of is not None:
-                            self.written.append(path_of(r.id))
-                    if on_written is not None:
-                        on_written(records)
+                    self._write(records, kvs, on_written)
                 except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
                     self.error = e
-                self.stats.write_s += time.perf_counter() - t0
             with self.cond:
                 self.pending -= nbytes
                 self.cond.notify_all()
+
+    def _write(self, records, kvs, on_written) -> None:
+        t0 = time.perf_counter()
+        try:
+            # a store of one file per chunk names the files (removed again if the build fails); a
+            # segment store keeps its own account of what it appended
+            path_of = getattr(self.store, "path", None)
+            for r, kv in zip(records, kvs):
+                if self.pool is not None:  # a future of store.prepare: write takes its record
+                    kv = kv.result()
+                self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
+                if path_of is not None:
+                    self.written.append(path_of(r.id))
+            if on_written is not None:
+                on_written(records)
+        finally:
+            self.stats.write_s += time.perf_counter() - t0
 
 
 class _Aborted(Exception):
@@ -155,17 +190,21 @@ def batches_by_tokens(records, batch_tokens: int):
 
 
 def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_tokens: int | None = None,
-                     max_pending_bytes: int | None = None) -> PipelineStats:
+                     max_pending_bytes: int | None = None, background: bool | None = None) -> PipelineStats:
     """Encode the KV of ``records`` inside ``wrapper`` and write it to ``store``, the writes
-    overlapped with the next batches' encoding; ``bar`` advances by tokens written, with the
-    rate in its note. Returns the stage times and totals."""
+    overlapped with the next batches' encoding (``background``; by default everywhere but on a
+    CPU device, where each batch is written after its encode on this thread); ``bar`` advances by
+    tokens written, with the rate in its note. Returns the stage times and totals."""
     engine = llm.engine
-    batch_tokens = int(batch_tokens or engine.config.max_batched_tokens)
+    on_cpu = llm.device.type == "cpu"
+    if background is None:
+        background = not on_cpu
+    batch_tokens = int(batch_tokens or (CPU_BATCH_TOKENS if on_cpu else None) or engine.config.max_batched_tokens)
     if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
         per_token = llm.shape.kv_bytes_per_token * ((store.kv_dtype or llm.dtype).itemsize)
         max_pending_bytes = 2 * batch_tokens * per_token
     stats = PipelineStats()
-    writer = KVWriter(store, written, stats, max_pending_bytes)
+    writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
     t_start = time.perf_counter()
 
     def progress(done_records):
@@ -190,5 +229,8 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         writer.abort()
         raise
     stats.seconds = time.perf_counter() - t_start
-    stats.bound = "write" if stats.encoder_wait_s > stats.writer_idle_s else "encode"
+    if background:
+        stats.bound = "write" if stats.encoder_wait_s > stats.writer_idle_s else "encode"
+    else:  # one after the other: the longer stage
+        stats.bound = "write" if stats.write_s > stats.encode_s else "encode"
     return stats

@@ -161,8 +161,9 @@ def _embed_records(embedder: Embedder, records, style: str) -> np.ndarray:
 
 def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list, stats: dict | None = None) -> int:
     """Encode the KV of ``records`` inside ``wrapper`` into ``store`` (build_pipeline: many chunks
-    per forward, appended by a background thread: ``store.write`` is thread-safe and stages the
-    records until the build commits), advancing ``bar`` by tokens; returns the bytes written.
+    per forward, appended by a background thread, on a CPU by this one: ``store.write`` is
+    thread-safe and stages the records until the build commits), advancing ``bar`` by tokens;
+    returns the bytes written.
     ``stats`` receives the stage times. (A segment store keeps its own account of what it
     appended: nothing is listed in ``written``.)"""
     result = encode_and_write(llm, store, records, wrapper, bar, written)
