@@ -180,8 +180,9 @@ def resolve_wrapper(spec: "str | os.PathLike | ChunkWrapper | None", model_name:
                     fingerprint: dict) -> ChunkWrapper | None:
     """The wrapper a build or a model uses.
 
-    ``"auto"`` (the default): the bundled wrapper of the model when there is one and it was
-    trained for exactly these weights, else none. ``"none"``/None: no wrapper. A bundled name
+    ``"auto"`` (the default): the bundled wrapper trained for exactly these weights (found by the
+    model's name, else by its fingerprint, so a bundled model loaded from its file path gets it
+    too), else none. ``"none"``/None: no wrapper. A bundled name
     (``lazy-rag models`` lists them) or a file path: that wrapper, which must match the model."""
     if isinstance(spec, ChunkWrapper):
         spec.check_model(fingerprint, model_name)
@@ -189,11 +190,15 @@ def resolve_wrapper(spec: "str | os.PathLike | ChunkWrapper | None", model_name:
     if spec is None or str(spec).lower() in NONE_NAMES:
         return None
     if str(spec).lower() == "auto":
+        # by name first; then by fingerprint, so the same weights loaded from a path (a .gguf, a
+        # folder) get their bundled wrapper too
         path = bundled_path(model_name)
-        if path is None:
-            return None
-        wrapper = ChunkWrapper.load(path, name=path.stem)
-        return wrapper if wrapper.matches(fingerprint["id"]) else None
+        others = sorted(p for p in BUNDLED_DIR.glob("*.safetensors") if p != path) if BUNDLED_DIR.exists() else []
+        for candidate in ([path] if path is not None else []) + others:
+            wrapper = ChunkWrapper.load(candidate, name=candidate.stem)
+            if wrapper.model_fingerprint and wrapper.matches(fingerprint["id"]):
+                return wrapper
+        return None
     text = str(spec)
     path = BUNDLED_DIR / f"{text}.safetensors"
     if not path.is_file():

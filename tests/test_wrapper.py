@@ -107,3 +107,20 @@ def test_wrapper_of_another_hidden_size_is_refused(tokenizer):
     bad = ChunkWrapper(torch.zeros(4, 7), 2, 2)
     with pytest.raises(LazyRagError, match="hidden size"):
         llm.generate([[5, 6], Chunk([7, 8, 9]), [10]], max_new_tokens=1, source=ChunkSource(wrapper=bad))
+
+
+def test_auto_finds_a_bundled_wrapper_by_name_or_by_fingerprint(tmp_path, monkeypatch):
+    """`wrapper="auto"`: the bundled file named like the model; failing that, the bundled file
+    trained for the loaded weights' fingerprint (the same model loaded from its .gguf path).
+    A file without a fingerprint is never picked by "auto"."""
+    import lazy_rag.wrapper as wrapper_mod
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(wrapper_mod, "BUNDLED_DIR", tmp_path)
+    _wrapper(model, seed=1, fingerprint="f1,f2").save(tmp_path / "some-model.safetensors")
+    _wrapper(model, seed=2, fingerprint="").save(tmp_path / "any-model.safetensors")
+    by_name = wrapper_mod.resolve_wrapper("auto", "some-model", {"id": "f2"})
+    by_path = wrapper_mod.resolve_wrapper("auto", "/models/weights.gguf", {"id": "f1"})
+    assert by_name.name == by_path.name == "some-model" and by_name.digest == by_path.digest
+    assert wrapper_mod.resolve_wrapper("auto", "/models/weights.gguf", {"id": "other"}) is None
+    assert wrapper_mod.resolve_wrapper("auto", "some-model", {"id": "other"}) is None
