@@ -20,13 +20,11 @@ def _work_dir(llm, *parts) -> Path:
 def _start_from(llm, init, current, options: TuneOptions):
     """The wrapper a run starts from: ``init`` "auto" means ``current`` (an index's wrapper) when
     it has the run's shape, "none" token embeddings, anything else a wrapper by name or path."""
-    if init is None or str(init).lower() == "none":
-        return None
     if str(init).lower() == "auto":
         fits = current is not None and current.adapter is None and (current.header, current.trailer) == (
             options.header, options.trailer)
         return current if fits else None
-    return llm.host.resolve_wrapper(init)
+    return llm.host.resolve_wrapper(init)  # None for "none"
 
 
 def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: Path | None = None,
@@ -45,7 +43,7 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
     work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts)
-    start = _start_from(llm, "none" if init == "auto" else init, None, options)
+    start = _start_from(llm, init, None, options)  # "auto": no index wrapper, so token embeddings
     return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start)
 
 

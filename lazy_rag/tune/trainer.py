@@ -75,6 +75,10 @@ def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
     return torch.stack(rows).to(llm.host.parts.device).clone()
 
 
+def _zero_losses(device) -> dict[str, torch.Tensor]:
+    return {"kl": torch.zeros((), device=device), "gold": torch.zeros((), device=device)}
+
+
 def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None = None,
              column: int | None = None) -> dict[str, torch.Tensor]:
     """Summed losses over ``items``, micro-batch by micro-batch, by kind: "kl" (KL to the
@@ -82,12 +86,12 @@ def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None 
     ``scale`` (kind -> factor) the gradient of the factor-weighted sum is accumulated into the
     trainable tensors."""
     grad = scale is not None
-    total = {"kl": torch.zeros((), device=vectors.device), "gold": torch.zeros((), device=vectors.device)}
+    total = _zero_losses(vectors.device)
     for s in range(0, len(items), micro_batch):
         part = items[s:s + micro_batch]
         with torch.set_grad_enabled(grad):
             logp = student_logp(llm, vectors, [(*item["layout"], item["rows"]) for item in part], column)
-            sums = dict.fromkeys(total, 0)
+            sums = _zero_losses(vectors.device)
             for lp, it in zip(logp, part):
                 if it["kind"] == "kl":
                     i = it["i"]
@@ -96,12 +100,9 @@ def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None 
                 else:
                     sums["gold"] = sums["gold"] - lp.gather(-1, it["target"].to(lp.device)[:, None]).sum()
             if grad:
-                loss = sum(v * scale[k] for k, v in sums.items() if torch.is_tensor(v))
-                if torch.is_tensor(loss):
-                    loss.backward()
+                sum(v * scale[k] for k, v in sums.items()).backward()
         for k, v in sums.items():
-            if torch.is_tensor(v):
-                total[k] += v.detach()
+            total[k] += v.detach()
     return total
 
 
@@ -177,8 +178,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(options.seed)
-    start = init.vectors.to(llm.host.parts.device, torch.float32) if init is not None else None
-    vectors = torch.nn.Parameter(start.clone() if start is not None else _init_vectors(llm, options.header, options.trailer))
+    vectors = torch.nn.Parameter(init.vectors.to(llm.host.parts.device, torch.float32).clone() if init is not None
+                                 else _init_vectors(llm, options.header, options.trailer))
     groups = [{"params": [vectors], "lr": options.lr}]
     adapter, column, adapters = None, None, ChunkAdapters.of(model)
     adapter_key = f"tune:{id(vectors)}"  # this run's adapter, removed when it ends
