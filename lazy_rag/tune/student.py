@@ -5,20 +5,27 @@ One transformers forward per micro-batch over ``inputs_embeds`` (the wrapper's s
 the trainable vectors), with the oracle's 4-D visibility mask (``oracle.visibility_mask``: a
 chunk's tokens see only their own chunk, inside its wrapper; every other token sees everything
 before it) and logical positions: exactly the function ``lazy`` serves with that wrapper. Only
-the answer rows go through the LM head.
+the rows that are read go through the LM head.
+
+An example with a labelled answer is one sequence, not two: prompt, teacher answer, then the
+gold answer as a side branch that forks at the end of the prompt (it sees the prompt and itself,
+not the teacher's answer, at the positions it would have right after the prompt). Each branch's
+rows are then what a separate prompt + answer forward gives, and the prompt is encoded once.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..chunk_adapter import ChunkAdapters
 from ..oracle import visibility_mask
-from ..segments import assemble
+from ..segments import PromptLayout, assemble
 
 
 def wrapped_layout(llm, example, answer: list[int], header: int, trailer: int):
-    """The example's prompt plus its teacher answer, chunks wrapped in slots numbered from the
-    model's embedding rows (header first); returns (layout, first answer row)."""
+    """The example's prompt plus ``answer``'s tokens, chunks wrapped in slots numbered from the
+    model's embedding rows (header first); returns (layout, the last prompt token's row)."""
     V = llm.host.parts.vocab_rows
     wrap = (tuple(range(V, V + header)), tuple(range(V + header, V + header + trailer)))
     segs = example.segments(llm.tokenizer) + ([list(answer)] if answer else [])
@@ -26,37 +33,92 @@ def wrapped_layout(llm, example, answer: list[int], header: int, trailer: int):
     return layout, len(layout.token_ids) - len(answer) - 1
 
 
-def student_logp(llm, vectors: torch.Tensor, batch, adapter_column: int | None = None) -> list[torch.Tensor]:
-    """Log-probs (fp32) of each example's rows: [len(answer) + 1, vocab] per example.
-    ``batch``: (layout, first row, number of rows) triples. ``adapter_column``: the trainable
-    chunk adapter's column (``ChunkAdapters``), on for the chunks' tokens only, as the engine
-    applies it when it encodes them."""
+@dataclass(frozen=True)
+class StudentInput:
+    """One sequence of a student forward and the rows read from it.
+
+    ``layout``: the wrapped prompt and what follows it; its last ``branch`` tokens are a side
+    branch forking after the first ``prompt`` tokens: they see the prompt (as a token right after
+    it would) and each other causally, not the tokens between, and take the positions that follow
+    the prompt. ``reads``: kind -> the rows whose log-probs are returned, in order (a row may be
+    read by several kinds)."""
+    layout: PromptLayout
+    reads: dict[str, tuple[int, ...]]
+    prompt: int = 0
+    branch: int = 0
+
+
+def student_input(llm, example, answer: list[int], gold: list[int], header: int, trailer: int) -> StudentInput:
+    """The example's one sequence: prompt, the teacher's ``answer``, then (``gold`` non-empty) the
+    gold answer's branch. Reads "kl": len(answer) + 1 rows from the last prompt token on (the
+    teacher's rows); "gold": the row predicting each gold token, the last prompt token's first.
+    The branch holds every gold token but the last: that one's row would predict past the
+    answer, which nothing reads, so feeding it would only lengthen the forward."""
+    branch = list(gold[:-1])
+    layout, last = wrapped_layout(llm, example, list(answer) + branch, header, trailer)
+    fork = last + 1 + len(answer)  # the first branch token
+    reads = {"kl": tuple(range(last, fork))}
+    if gold:
+        reads["gold"] = (last, *range(fork, fork + len(branch)))
+    return StudentInput(layout, reads, last + 1, len(branch))
+
+
+def _visibility(item: StudentInput) -> torch.Tensor:
+    """bool [T, T]: the oracle's mask, the branch cut off from the tokens between it and the prompt
+    (it sees the prompt under the oracle's own rule for a token that follows it)."""
+    allow = visibility_mask(item.layout)
+    if item.branch:
+        fork = len(item.layout.token_ids) - item.branch
+        allow[fork:, item.prompt:fork] = False
+    return allow
+
+
+def _positions(item: StudentInput) -> torch.Tensor:
+    """Logical positions: 0.. along the layout, the branch's continuing from the prompt's end."""
+    n = len(item.layout.token_ids)
+    pos = torch.arange(n)
+    if item.branch:
+        pos[n - item.branch:] = torch.arange(item.prompt, item.prompt + item.branch)
+    return pos
+
+
+def student_logp(llm, vectors: torch.Tensor, batch: list[StudentInput],
+                 adapter_column: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Log-probs (fp32) of the rows each input reads: kind -> [rows, vocab], per input.
+    ``adapter_column``: the trainable chunk adapter's column (``ChunkAdapters``), on for the
+    chunks' tokens only, as the engine applies it when it encodes them."""
     model, parts = llm.model, llm.host.parts
     dev, dt = parts.device, parts.dtype
-    L = max(len(lay.token_ids) for lay, _, _ in batch)
+    L = max(len(item.layout.token_ids) for item in batch)
     B = len(batch)
     ids = torch.zeros(B, L, dtype=torch.long, device=dev)
     allow = torch.zeros(B, L, L, dtype=torch.bool, device=dev)
     pos = torch.zeros(B, L, dtype=torch.long, device=dev)
-    for b, (lay, _, _) in enumerate(batch):
-        n = len(lay.token_ids)
-        ids[b, :n] = torch.tensor(lay.token_ids, device=dev)
-        allow[b, :n, :n] = visibility_mask(lay).to(dev)
-        pos[b, :n] = torch.arange(n, device=dev)
+    for b, item in enumerate(batch):
+        n = len(item.layout.token_ids)
+        ids[b, :n] = torch.tensor(item.layout.token_ids, device=dev)
+        allow[b, :n, :n] = _visibility(item).to(dev)
+        pos[b, :n] = _positions(item).to(dev)
         allow[b, n:, n:] = torch.eye(L - n, dtype=torch.bool, device=dev)  # padding sees itself: no NaN
     x = parts.embed_ids(ids, virtual=True, rows=vectors)
     mask = torch.zeros(B, 1, L, L, dtype=dt, device=dev).masked_fill(~allow[:, None], torch.finfo(dt).min)
     adapters, gate = ChunkAdapters.of(model), None
     if adapter_column is not None:
         gate = torch.zeros(B, L, adapters.width, dtype=dt, device=dev)
-        for b, (lay, _, _) in enumerate(batch):
-            for start, end in lay.chunk_spans:
+        for b, item in enumerate(batch):
+            for start, end in item.layout.chunk_spans:
                 gate[b, start:end, adapter_column] = 1
     with adapters.gated(gate):
         hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
-    rows = torch.cat([hidden[b, first:first + n] for b, (_, first, n) in enumerate(batch)])
-    logp = torch.log_softmax(model.lm_head(rows).float(), dim=-1)
-    return list(logp.split([n for _, _, n in batch]))
+    reads = [(b, kind, rows) for b, item in enumerate(batch) for kind, rows in item.reads.items()]
+    at_b = torch.tensor([b for b, _, rows in reads for _ in rows], dtype=torch.long, device=dev)
+    at_row = torch.tensor([r for _, _, rows in reads for r in rows], dtype=torch.long, device=dev)
+    # a row read by two kinds is gathered twice: one LM-head row more, and its gradients add up
+    logp = torch.log_softmax(model.lm_head(hidden[at_b, at_row]).float(), dim=-1)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in batch]
+    for (b, kind, _), part in zip(reads, logp.split([len(rows) for _, _, rows in reads])):
+        out[b][kind] = part
+    return out
 
 
 def distill_kl(student: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:

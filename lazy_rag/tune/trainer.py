@@ -24,7 +24,7 @@ from ..chunk_adapter import DEFAULT_TARGETS, ChunkAdapter, ChunkAdapters, new_ad
 from ..errors import LazyRagError
 from ..progress import Progress
 from ..wrapper import ChunkWrapper
-from .student import distill_kl, student_logp, wrapped_layout
+from .student import distill_kl, student_input, student_logp
 from .teacher import _save, teacher_outputs
 
 MIN_TRAIN, MIN_HELD_OUT = 16, 4
@@ -38,7 +38,7 @@ class TuneOptions:
     steps: int = 240
     lr: float = 2e-3
     batch: int = 64
-    micro_batch: int = 8
+    micro_batch: int = 8           # examples per forward (with a gold answer, still one sequence each)
     seed: int = 0
     held_out: int = 32
     top_k: int = 64                # teacher log-probs kept per row
@@ -81,24 +81,23 @@ def _zero_losses(device) -> dict[str, torch.Tensor]:
 
 def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None = None,
              column: int | None = None) -> dict[str, torch.Tensor]:
-    """Summed losses over ``items``, micro-batch by micro-batch, by kind: "kl" (KL to the
-    teacher over its answer rows) and "gold" (cross-entropy of a labelled answer). With
-    ``scale`` (kind -> factor) the gradient of the factor-weighted sum is accumulated into the
-    trainable tensors."""
+    """Summed losses over ``items`` (one per example), ``micro_batch`` examples per forward, by
+    kind: "kl" (KL to the teacher over its answer rows) and "gold" (cross-entropy of a labelled
+    answer, where the example has one). With ``scale`` (kind -> factor) the gradient of the
+    factor-weighted sum is accumulated into the trainable tensors."""
     grad = scale is not None
     total = _zero_losses(vectors.device)
     for s in range(0, len(items), micro_batch):
         part = items[s:s + micro_batch]
         with torch.set_grad_enabled(grad):
-            logp = student_logp(llm, vectors, [(*item["layout"], item["rows"]) for item in part], column)
+            logp = student_logp(llm, vectors, [it["input"] for it in part], column)
             sums = _zero_losses(vectors.device)
             for lp, it in zip(logp, part):
-                if it["kind"] == "kl":
-                    i = it["i"]
-                    sums["kl"] = sums["kl"] + distill_kl(lp, teacher.top_ids[i].to(lp.device),
-                                                         teacher.top_logp[i].to(lp.device)).sum()
-                else:
-                    sums["gold"] = sums["gold"] - lp.gather(-1, it["target"].to(lp.device)[:, None]).sum()
+                i, dev = it["i"], lp["kl"].device
+                kl = distill_kl(lp["kl"], teacher.top_ids[i].to(dev), teacher.top_logp[i].to(dev))
+                sums["kl"] = sums["kl"] + kl.sum()
+                if "gold" in lp:
+                    sums["gold"] = sums["gold"] - lp["gold"].gather(-1, it["target"].to(dev)[:, None]).sum()
             if grad:
                 sum(v * scale[k] for k, v in sums.items()).backward()
         for k, v in sums.items():
@@ -106,20 +105,30 @@ def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None 
     return total
 
 
-def _gold_items(llm, examples, teacher, options) -> dict[int, dict]:
-    """Example index -> a cross-entropy item for each example with a labelled answer: its gold
+def _rows(items) -> dict[str, int]:
+    """Rows read per kind over ``items``: the denominators of the mean KL and cross-entropy."""
+    return {k: sum(len(it["input"].reads.get(k, ())) for it in items) for k in ("kl", "gold")}
+
+
+def _gold_targets(llm, examples, teacher, options) -> dict[int, list[int]]:
+    """Example index -> the tokens to predict for each example with a labelled answer: its gold
     answer's tokens and then the token the teacher most often ends its answers with (EOS or a
     newline), so the student learns to stop where the model does."""
     ends = Counter(int(teacher.top_ids[i][-1, 0]) for i, a in enumerate(teacher.answers)
                    if len(a) < options.max_answer_tokens)
     end = [ends.most_common(1)[0][0]] if ends else []
-    out = {}
+    return {i: llm.tokenizer(e.gold, add_special_tokens=False).input_ids[:options.max_answer_tokens] + end
+            for i, e in enumerate(examples) if e.gold}
+
+
+def _items(llm, examples, teacher, gold: dict[int, list[int]], options) -> list[dict]:
+    """One item per example: its student input (prompt, teacher answer and, where ``gold`` has
+    the example, its gold branch) and the gold targets."""
+    out = []
     for i, e in enumerate(examples):
-        if not e.gold:
-            continue
-        ids = llm.tokenizer(e.gold, add_special_tokens=False).input_ids[:options.max_answer_tokens] + end
-        out[i] = {"i": i, "kind": "gold", "rows": len(ids), "target": torch.tensor(ids),
-                  "layout": wrapped_layout(llm, e, ids, options.header, options.trailer)}
+        target = gold.get(i, [])
+        out.append({"i": i, "target": torch.tensor(target, dtype=torch.long),
+                    "input": student_input(llm, e, teacher.answers[i], target, options.header, options.trailer)})
     return out
 
 
@@ -129,8 +138,8 @@ def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None
     with torch.no_grad():
         for item in items[:n]:
             ans = teacher.answers[item["i"]]
-            (lp,) = student_logp(llm, vectors, [(*item["layout"], item["rows"])], column)
-            student = lp.argmax(-1).tolist()[:len(ans)]
+            (lp,) = student_logp(llm, vectors, [item["input"]], column)
+            student = lp["kl"].argmax(-1).tolist()[:len(ans)]
             out.append(f"teacher {llm.tokenizer.decode(ans).strip()!r} / student {llm.tokenizer.decode(student).strip()!r}")
     return out
 
@@ -160,19 +169,12 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     t0 = time.perf_counter()
     teacher = teacher_outputs(llm, examples, work_dir, options.top_k, options.max_answer_tokens, progress=progress)
     t_teacher = time.perf_counter() - t0
-    items = [{"i": i, "kind": "kl", "rows": len(teacher.answers[i]) + 1,
-              "layout": wrapped_layout(llm, e, teacher.answers[i], options.header, options.trailer)}
-             for i, e in enumerate(examples)]
+    gold = _gold_targets(llm, examples, teacher, options) if options.gold_weight > 0 else {}
+    items = _items(llm, examples, teacher, gold, options)
     rng = random.Random(options.seed)
     rng.shuffle(items)
     held, train = items[:n_hold], items[n_hold:]
-    gold = _gold_items(llm, examples, teacher, options) if options.gold_weight > 0 else {}
-
-    def with_gold(picks: list) -> list:  # each example's KL item, then its gold item where it has one
-        return picks + [gold[it["i"]] for it in picks if it["i"] in gold]
-
-    held_all = with_gold(held)
-    held_rows = {k: sum(it["rows"] for it in held_all if it["kind"] == k) for k in ("kl", "gold")}
+    held_rows = _rows(held)
 
     model = llm.model
     for p in model.parameters():
@@ -215,7 +217,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             log(f"resuming from {ckpt} at step {step}")
 
     def held_out() -> dict:
-        sums = _loss_of(llm, vectors, held_all, teacher, options.micro_batch, column=column)
+        sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column)
         out = {"held_out_kl": float(sums["kl"]) / held_rows["kl"]}
         if held_rows["gold"]:
             out["held_out_gold_ce"] = float(sums["gold"]) / held_rows["gold"]
@@ -231,8 +233,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             bar.advance(step, note=f"held-out KL {history[-1]['held_out_kl']:.4f}")
             while step < options.steps:
                 picks = random.Random(options.seed * 1_000_003 + step).sample(train, min(options.batch, len(train)))
-                picks = with_gold(picks)
-                rows = {k: sum(it["rows"] for it in picks if it["kind"] == k) for k in ("kl", "gold")}
+                rows = _rows(picks)
                 scale = {"kl": 1 / rows["kl"], "gold": options.gold_weight / max(rows["gold"], 1)}
                 opt.zero_grad(set_to_none=True)
                 sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column)
