@@ -150,21 +150,36 @@ class _Evaluation:
     def index_for(self, prompt: Prompt, config: Config):
         """The index a configuration reads its chunks from; prompts with the same instruction share it."""
         options = dict(config.index_options) if config.mode in REUSE_MODES else {}
-        named = dict(options)
-        if config.mode in REUSE_MODES:  # a chunk wrapper only where named (+wrapper), by its digest in the folder
-            options["wrapper"] = self.runtime.wrapper(options.get("wrapper", "none"))
-            named.pop("wrapper", None)
-            if options["wrapper"] is not None:
-                named["wrapper"] = options["wrapper"].digest
+        # A chunk wrapper only where named (+wrapper), by its digest in the folder. Every index is
+        # built with its wrapper given explicitly, "none" included: `full` and plain `lazy` share
+        # the unwrapped folder, and an index built with the build's default ("auto", the model's
+        # bundled wrapper) by whichever opened it first had silently wrapped plain `lazy`'s chunks.
+        options["wrapper"] = self.runtime.wrapper(options.get("wrapper", "none"))
+        named = {k: v for k, v in options.items() if k != "wrapper"}
+        if options["wrapper"] is not None:
+            named["wrapper"] = options["wrapper"].digest
         folder = self.runtime.index_folder(index_folder(self.work_dir, self.o.task, self.dataset_tag, self.runtime,
                                                         prompt, named, self.data_hash))
         if folder not in self.indexes:
             existed = (folder / "manifest.json").exists()
-            self.indexes[folder] = self.runtime.open_index(self.passages, folder, prompt.system_prompt,
-                                                           prompt.instruction, options,
-                                                           progress=self.progress.style == "bar")
+            index = self.runtime.open_index(self.passages, folder, prompt.system_prompt, prompt.instruction, options,
+                                            progress=self.progress.style == "bar")
+            have, want = (w.digest if w is not None else None for w in (index.wrapper, options["wrapper"]))
+            if have != want:  # a folder cached before every index named its wrapper
+                raise LazyRagError(f"The cached evaluation index {folder} holds chunks encoded inside wrapper "
+                                   f"{have or 'none'}, but {config.name!r} needs {want or 'none'}: it was built by an "
+                                   "older lazy-rag. Delete that folder (it is rebuilt on the next run).")
+            self.indexes[folder] = index
             self.progress.say(f"index ({'loaded' if existed else 'built'}): {folder}")
         return self.indexes[folder]
+
+    def wrapper_digest(self, prompt: Prompt, config: Config) -> str | None:
+        """The digest of the wrapper ``config``'s chunks were encoded inside (None: plain chunks, or
+        a mode that reads no cached chunk), for the records: what was served, not what was asked."""
+        if config.mode not in REUSE_MODES:
+            return None
+        wrapper = self.index_for(prompt, config).wrapper
+        return wrapper.digest if wrapper is not None else None
 
     def ranked(self) -> dict[str, list[str]]:
         depth = max(self.o.ks)
@@ -255,6 +270,7 @@ class _Evaluation:
                 "split": self.o.split, "prompt": setting.prompt.name, "k": setting.k,
                 "gold_position": setting.gold_position, "subset": setting.subset, "n": n, "seed": self.o.seed,
                 "base_mode": c.mode, "index_options": c.index_options, "generate_options": c.generate_options,
+                "wrapper_digest": self.wrapper_digest(setting.prompt, c),
                 "f1": 100 * stats.fmean(col("f1")), "em": 100 * stats.fmean(col("em")),
                 "contains": 100 * stats.fmean(col("contains")),
             }

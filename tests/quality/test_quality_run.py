@@ -74,6 +74,11 @@ def test_open_retrieval_run_pairs_every_config_with_full_and_writes_the_report(r
     # block and lazy compute the same function: the same answers
     pred = {(a["gold_position"], a["question_id"], a["config"]): a["prediction"] for a in run.answers}
     assert all(pred[(g, q, "block")] == p for (g, q, c), p in pred.items() if c == "lazy")
+    # no +wrapper: plain chunks, though SmolLM2 has a bundled wrapper (`full`, run first, once built the
+    # shared index with the build's default and so wrapped `lazy`'s chunks): the same tokens as full's prompt
+    tokens = {(a["gold_position"], a["question_id"], a["config"]): a["prompt_tokens"] for a in run.answers}
+    assert all(tokens[(g, q, "full")] == n for (g, q, c), n in tokens.items() if c != "lazy+sink")
+    assert all(r["wrapper_digest"] is None for r in run.records)
     # every configuration saw the same chunks as full on every question
     chunks = {(a["gold_position"], a["question_id"], a["config"]): a["chunk_ids"] for a in run.answers}
     assert all(chunks[(g, q, "full")] == ids for (g, q, c), ids in chunks.items())
