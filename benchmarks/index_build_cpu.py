@@ -50,6 +50,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 # other processes' CPU seconds during a build above which the run is flagged (the same threshold
 # as index_build_cpu_before_after.json's records: quiet runs there saw 0.4-1.0 s)
 NOISY_OTHER_CPU_S = 3.0
+# build_pipeline.PipelineStats fields copied into the records as they are (null before issue 24)
+STAGE_FIELDS = ("encode_s", "write_s", "encoder_wait_s", "writer_idle_s", "batches", "bound")
 CORPUS_HELP = ("make it with: python benchmarks/index_build.py corpus --out /tmp/wiki_en "
                "(add --fetch to download the bigbench sdist from PyPI, 358 MB, once)")
 
@@ -109,7 +111,7 @@ def child(a) -> None:
     # written chunk by chunk inside the build with no stage timing, so those fields stay null
     stages = getattr(report, "stages", None) or {}
     rec["kv_stage_s"] = stages.get("seconds")
-    for k in ("encode_s", "write_s", "encoder_wait_s", "writer_idle_s", "batches", "bound"):
+    for k in STAGE_FIELDS:
         rec[k] = stages.get(k)
     print(json.dumps(rec), flush=True)
 
@@ -224,8 +226,7 @@ def drive(a) -> None:
                            build_s=round(c["build_s"], 2), process_s=round(process_s, 2),
                            tokens_per_s=round(c["tokens"] / c["build_s"], 1),
                            kv_stage_s=None if c["kv_stage_s"] is None else round(c["kv_stage_s"], 3),
-                           **{k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()
-                              if k in ("encode_s", "write_s", "encoder_wait_s", "writer_idle_s", "batches", "bound")},
+                           **{k: round(c[k], 3) if isinstance(c[k], float) else c[k] for k in STAGE_FIELDS},
                            other_cpu_s=round(c["other_cpu_s"], 1), noisy=c["other_cpu_s"] > NOISY_OTHER_CPU_S,
                            quiet_wait_s=round(waited, 1), quiet_load_cores=round(load, 2))
                 records.append(rec)

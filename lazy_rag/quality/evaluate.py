@@ -174,10 +174,9 @@ class _Evaluation:
         return self.indexes[folder]
 
     def wrapper_digest(self, prompt: Prompt, config: Config) -> str | None:
-        """The digest of the wrapper ``config``'s chunks were encoded inside (None: plain chunks, or
-        a mode that reads no cached chunk), for the records: what was served, not what was asked."""
-        if config.mode not in REUSE_MODES:
-            return None
+        """The digest of the wrapper ``config``'s chunks were encoded inside (None: plain chunks;
+        modes that read no cached chunk share the plain index), for the records: what was served,
+        not what was asked."""
         wrapper = self.index_for(prompt, config).wrapper
         return wrapper.digest if wrapper is not None else None
 

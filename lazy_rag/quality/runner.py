@@ -63,6 +63,7 @@ class Runtime:
         self.llm = llm
         self.model_name = llm.model_name or model
         self.embedder = _MemoEmbedder(embedder) if embedder is not None else None
+        self._wrappers: dict[str, object] = {}  # spec -> wrapper: every request names its index's
 
     @classmethod
     def load(cls, model: str, device: str = "auto", dtype: str = "auto", retrieval: bool = True) -> "Runtime":
@@ -102,7 +103,9 @@ class Runtime:
         or a path), checked against the model."""
         from ..errors import LazyRagError
 
-        wrapper = self.llm.host.resolve_wrapper(spec)
+        if spec not in self._wrappers:  # resolving reads the file and hashes the vectors
+            self._wrappers[spec] = self.llm.host.resolve_wrapper(spec)
+        wrapper = self._wrappers[spec]
         if wrapper is None and str(spec).lower() == "auto":
             raise LazyRagError(f"+wrapper: {self.model_name} has no bundled chunk wrapper trained for these weights; "
                                "name one with +wrapper:PATH (a file from `lazy-rag tune`).")
