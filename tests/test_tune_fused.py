@@ -132,3 +132,44 @@ def test_the_gold_branch_is_one_sequence_and_without_gold_nothing_changes(llm):
             fused = student_input(llm, e, answer, gold[i], HEADER, TRAILER)
             assert fused.layout.token_ids == alone.token_ids + gold[i][:-1] and fused.prompt == last + 1
             assert fused.reads["gold"][0] == last and len(fused.reads["gold"]) == len(gold[i])
+
+
+class _NanGradient(torch.autograd.Function):
+    """The identity forward, a NaN gradient backward: an example whose loss is finite and whose
+    gradient is not (a bf16 overflow in the backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_an_example_that_is_not_finite_is_left_out_and_the_others_still_count(llm, monkeypatch):
+    """Example 1's gradient and example 3's loss are not finite: each forward holding one is run
+    again one example at a time, those two are reported, and the losses and the gradient (added to
+    one already accumulated) are those of the other three alone."""
+    from lazy_rag.tune import trainer
+
+    examples, teacher, gold = _case()
+    teacher.top_logp[3] = teacher.top_logp[3].clone()
+    teacher.top_logp[3][0, 0] = float("nan")
+    bad_grad = teacher.top_ids[1]
+    monkeypatch.setattr(trainer, "distill_kl", lambda s, ids, lp: (
+        _NanGradient.apply(distill_kl(s, ids, lp)) if ids is bad_grad else distill_kl(s, ids, lp)))
+    (vectors,), _ = _trainable(llm, seed=1, lora=False)
+    items = _items(llm, examples, teacher, gold, TuneOptions(header=HEADER, trailer=TRAILER))
+    scale = {"kl": 0.1, "gold": 0.05}
+    vectors.grad = torch.ones_like(vectors)
+    dropped = []
+    out = _loss_of(llm, vectors, items, teacher, micro_batch=3, scale=scale, params=[vectors], dropped=dropped)
+    got = vectors.grad - 1
+    assert dropped == [1, 3]
+    vectors.grad = None
+    kept = [it for it in items if it["i"] not in (1, 3)]
+    ref = _loss_of(llm, vectors, kept, teacher, micro_batch=5, scale=scale, params=[vectors])
+    for k in ("kl", "gold"):
+        _close(out[k], ref[k])
+    _close(got, vectors.grad)

@@ -79,27 +79,64 @@ def _zero_losses(device) -> dict[str, torch.Tensor]:
     return {"kl": torch.zeros((), device=device), "gold": torch.zeros((), device=device)}
 
 
+def _losses(llm, vectors, part, teacher, column) -> dict[str, torch.Tensor]:
+    """Summed losses of one forward over ``part``'s examples, by kind (graph kept when grad is on)."""
+    logp = student_logp(llm, vectors, [it["input"] for it in part], column)
+    sums = _zero_losses(vectors.device)
+    for lp, it in zip(logp, part):
+        i, dev = it["i"], lp["kl"].device
+        kl = distill_kl(lp["kl"], teacher.top_ids[i].to(dev), teacher.top_logp[i].to(dev))
+        sums["kl"] = sums["kl"] + kl.sum()
+        if "gold" in lp:
+            sums["gold"] = sums["gold"] - lp["gold"].gather(-1, it["target"].to(dev)[:, None]).sum()
+    return sums
+
+
+def _finite_step(llm, vectors, part, teacher, column, scale, params) -> dict[str, torch.Tensor] | None:
+    """``part``'s losses, their weighted gradient added to ``params``' (``scale`` given) - or
+    None, the gradients left as they were, when a loss or the gradient is not finite."""
+    before = [None if p.grad is None else p.grad.clone() for p in params] if scale is not None else []
+    with torch.set_grad_enabled(scale is not None):
+        sums = _losses(llm, vectors, part, teacher, column)
+        if not all(bool(torch.isfinite(v)) for v in sums.values()):
+            return None
+        if scale is None:
+            return sums
+        sum(v * scale[k] for k, v in sums.items()).backward()
+    if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
+        return {k: v.detach() for k, v in sums.items()}
+    for p, g in zip(params, before):
+        p.grad = g
+    return None
+
+
 def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None = None,
-             column: int | None = None) -> dict[str, torch.Tensor]:
+             column: int | None = None, params: list | None = None,
+             dropped: list | None = None) -> dict[str, torch.Tensor]:
     """Summed losses over ``items`` (one per example), ``micro_batch`` examples per forward, by
     kind: "kl" (KL to the teacher over its answer rows) and "gold" (cross-entropy of a labelled
     answer, where the example has one). With ``scale`` (kind -> factor) the gradient of the
-    factor-weighted sum is accumulated into the trainable tensors."""
-    grad = scale is not None
+    factor-weighted sum is accumulated into ``params``.
+
+    A forward whose loss or gradient is not finite is run again one example at a time, and the
+    examples that are not finite alone are left out and appended to ``dropped``: with Qwen2.5-1.5B
+    in bf16 about one batch in ten held such an example, and skipping whole batches threw away the
+    other 63 examples' gradient (the run gave up at step 122)."""
+    params = params if params is not None else [vectors]
     total = _zero_losses(vectors.device)
     for s in range(0, len(items), micro_batch):
         part = items[s:s + micro_batch]
-        with torch.set_grad_enabled(grad):
-            logp = student_logp(llm, vectors, [it["input"] for it in part], column)
-            sums = _zero_losses(vectors.device)
-            for lp, it in zip(logp, part):
-                i, dev = it["i"], lp["kl"].device
-                kl = distill_kl(lp["kl"], teacher.top_ids[i].to(dev), teacher.top_logp[i].to(dev))
-                sums["kl"] = sums["kl"] + kl.sum()
-                if "gold" in lp:
-                    sums["gold"] = sums["gold"] - lp["gold"].gather(-1, it["target"].to(dev)[:, None]).sum()
-            if grad:
-                sum(v * scale[k] for k, v in sums.items()).backward()
+        sums = _finite_step(llm, vectors, part, teacher, column, scale, params)
+        if sums is None:
+            for it in part:
+                one = _finite_step(llm, vectors, [it], teacher, column, scale, params)
+                if one is None:
+                    if dropped is not None:
+                        dropped.append(it["i"])
+                    continue
+                for k, v in one.items():
+                    total[k] += v.detach()
+            continue
         for k, v in sums.items():
             total[k] += v.detach()
     return total
@@ -199,6 +236,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     ckpt = work_dir / f"checkpoint-{options.method}-{tag}.pt" if work_dir is not None else None
     step, history, skipped = 0, [], 0
+    dropped: set[int] = set()  # examples whose loss or gradient is not finite alone (_loss_of)
 
     def state_of() -> dict:
         return {"vectors": vectors.detach().cpu(),
@@ -214,10 +252,25 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
             step, history = int(state["step"]), json.loads(state["history"])
+            dropped = set(json.loads(state.get("dropped", "[]")))
             log(f"resuming from {ckpt} at step {step}")
 
+    def drop(ids: list[int], where: str) -> None:
+        nonlocal held, held_rows
+        for i in ids:
+            log(f"example {i} left out ({where}): its loss or gradient is not finite in {str(llm.dtype).removeprefix('torch.')}")
+        dropped.update(ids)
+        held = [it for it in held if it["i"] not in dropped]
+        held_rows = _rows(held)
+        if len(dropped) > max(4, len(items) // 20) or not held:
+            raise LazyRagError(f"The loss or its gradient was not finite for {len(dropped)} of {len(items)} examples; "
+                               f"train in float32 (--dtype float32) or lower --lr (now {options.lr}).")
+
     def held_out() -> dict:
-        sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column)
+        bad: list[int] = []
+        sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column, dropped=bad)
+        if bad:
+            drop(bad, "held out")
         out = {"held_out_kl": float(sums["kl"]) / held_rows["kl"]}
         if held_rows["gold"]:
             out["held_out_gold_ce"] = float(sums["gold"]) / held_rows["gold"]
@@ -232,11 +285,15 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
         with Progress(options.steps, f"tuning {what}", progress) as bar:
             bar.advance(step, note=f"held-out KL {history[-1]['held_out_kl']:.4f}")
             while step < options.steps:
-                picks = random.Random(options.seed * 1_000_003 + step).sample(train, min(options.batch, len(train)))
+                pool = [it for it in train if it["i"] not in dropped]
+                picks = random.Random(options.seed * 1_000_003 + step).sample(pool, min(options.batch, len(pool)))
                 rows = _rows(picks)
                 scale = {"kl": 1 / rows["kl"], "gold": options.gold_weight / max(rows["gold"], 1)}
                 opt.zero_grad(set_to_none=True)
-                sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column)
+                bad = []
+                sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column, params, bad)
+                if bad:  # this batch's means keep their rows in the denominators: a hair low, once per example
+                    drop(bad, f"step {step}")
                 loss = float(sums["kl"]) / rows["kl"]
                 gold_ce = float(sums["gold"]) / rows["gold"] if rows["gold"] else None
                 finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
@@ -263,7 +320,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                     if ckpt is not None:
                         _save(ckpt, {"settings": json.dumps(settings), **state_of(),
                                      "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                                     "history": json.dumps(history)})
+                                     "history": json.dumps(history), "dropped": json.dumps(sorted(dropped))})
                 bar.advance(1, note=f"train KL {loss:.4f}, held-out KL {history[-1]['held_out_kl']:.4f}")
     finally:
         if adapter is not None:
@@ -271,6 +328,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     seconds = time.perf_counter() - t_train
     recipe = {**settings, "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
+              "examples_left_out": len(dropped),
               "device": str(llm.device)}
     if adapter is not None:
         adapter = ChunkAdapter(adapter.rank, adapter.alpha, tuple(adapter.targets),
