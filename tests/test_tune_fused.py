@@ -147,29 +147,68 @@ class _NanGradient(torch.autograd.Function):
         return g * float("nan")
 
 
-def test_an_example_that_is_not_finite_is_left_out_and_the_others_still_count(llm, monkeypatch):
-    """Example 1's gradient and example 3's loss are not finite: each forward holding one is run
-    again one example at a time, those two are reported, and the losses and the gradient (added to
-    one already accumulated) are those of the other three alone."""
+def test_an_example_that_is_not_finite_is_retried_with_the_math_kernel_or_left_out(llm, monkeypatch):
+    """Example 1's gradient is not finite except under the math attention kernel (as with the
+    fused CUDA backward), example 3's loss is not finite anyway: each forward holding one is run
+    again one example at a time; 1 is rescued by the math kernel, 3 is reported and left out; the
+    losses and the gradient (added to one already accumulated) are those of the other four. An
+    example known to need the math kernel (``slow``) goes straight to it."""
+    import contextlib
+
     from lazy_rag.tune import trainer
 
     examples, teacher, gold = _case()
     teacher.top_logp[3] = teacher.top_logp[3].clone()
     teacher.top_logp[3][0, 0] = float("nan")
-    bad_grad = teacher.top_ids[1]
-    monkeypatch.setattr(trainer, "distill_kl", lambda s, ids, lp: (
-        _NanGradient.apply(distill_kl(s, ids, lp)) if ids is bad_grad else distill_kl(s, ids, lp)))
+    fragile, in_math, fused_tries = teacher.top_ids[1], [False], []
+
+    @contextlib.contextmanager
+    def math_attention():
+        in_math[0] = True
+        try:
+            yield
+        finally:
+            in_math[0] = False
+
+    def kl(s, ids, lp):
+        if ids is fragile and not in_math[0]:
+            fused_tries.append(1)
+            return _NanGradient.apply(distill_kl(s, ids, lp))
+        return distill_kl(s, ids, lp)
+
+    monkeypatch.setattr(trainer, "math_attention", math_attention)
+    monkeypatch.setattr(trainer, "distill_kl", kl)
     (vectors,), _ = _trainable(llm, seed=1, lora=False)
     items = _items(llm, examples, teacher, gold, TuneOptions(header=HEADER, trailer=TRAILER))
     scale = {"kl": 0.1, "gold": 0.05}
     vectors.grad = torch.ones_like(vectors)
-    dropped = []
-    out = _loss_of(llm, vectors, items, teacher, micro_batch=3, scale=scale, params=[vectors], dropped=dropped)
+    dropped, rescued = [], []
+    out = _loss_of(llm, vectors, items, teacher, micro_batch=3, scale=scale, params=[vectors], dropped=dropped,
+                   rescued=rescued)
     got = vectors.grad - 1
-    assert dropped == [1, 3]
+    assert dropped == [3] and rescued == [1] and len(fused_tries) == 2  # in its micro-batch, then alone
     vectors.grad = None
-    kept = [it for it in items if it["i"] not in (1, 3)]
-    ref = _loss_of(llm, vectors, kept, teacher, micro_batch=5, scale=scale, params=[vectors])
+    kept = [it for it in items if it["i"] != 3]
+    fused_tries.clear()
+    ref = _loss_of(llm, vectors, kept, teacher, micro_batch=5, scale=scale, params=[vectors], slow={1})
+    assert fused_tries == []
     for k in ("kl", "gold"):
         _close(out[k], ref[k])
     _close(got, vectors.grad)
+
+
+def test_the_math_kernel_retry_computes_the_same_losses(llm):
+    """``math_attention`` only changes which attention kernel runs: the same losses and gradient."""
+    from lazy_rag.tune.trainer import math_attention
+
+    examples, teacher, gold = _case()
+    (vectors,), _ = _trainable(llm, seed=1, lora=False)
+    items = _items(llm, examples, teacher, gold, TuneOptions(header=HEADER, trailer=TRAILER))
+    scale = {"kl": 0.1, "gold": 0.05}
+    plain = _loss_of(llm, vectors, items, teacher, micro_batch=5, scale=scale)
+    plain_grad = _grads([vectors])[0]
+    with math_attention():
+        math = _loss_of(llm, vectors, items, teacher, micro_batch=5, scale=scale)
+    for k in ("kl", "gold"):
+        _close(math[k], plain[k])
+    _close(vectors.grad, plain_grad)

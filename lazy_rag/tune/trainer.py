@@ -110,35 +110,60 @@ def _finite_step(llm, vectors, part, teacher, column, scale, params) -> dict[str
     return None
 
 
+def math_attention():
+    """A context in which ``scaled_dot_product_attention`` runs PyTorch's math kernel (softmax
+    materialised, no log-sum-exp recomputation): the retry for an example whose loss or gradient
+    is not finite with the fused kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def _loss_of(llm, vectors, items, teacher, micro_batch: int, scale: dict | None = None,
-             column: int | None = None, params: list | None = None,
-             dropped: list | None = None) -> dict[str, torch.Tensor]:
+             column: int | None = None, params: list | None = None, dropped: list | None = None,
+             rescued: list | None = None, slow: frozenset | set = frozenset()) -> dict[str, torch.Tensor]:
     """Summed losses over ``items`` (one per example), ``micro_batch`` examples per forward, by
     kind: "kl" (KL to the teacher over its answer rows) and "gold" (cross-entropy of a labelled
     answer, where the example has one). With ``scale`` (kind -> factor) the gradient of the
     factor-weighted sum is accumulated into ``params``.
 
-    A forward whose loss or gradient is not finite is run again one example at a time, and the
-    examples that are not finite alone are left out and appended to ``dropped``: with Qwen2.5-1.5B
-    in bf16 about one batch in ten held such an example, and skipping whole batches threw away the
-    other 63 examples' gradient (the run gave up at step 122)."""
+    A forward whose loss or gradient is not finite is run again one example at a time. An example
+    not finite alone is run once more with PyTorch's math attention kernel (``math_attention``;
+    appended to ``rescued`` when that is finite; ``slow``: examples known to need it, run that way
+    from the start), and one not finite there either is left out and appended to ``dropped``.
+    Why: with Qwen2.5-1.5B in bf16 on the H100 about one batch in ten held such an example, and
+    skipping whole batches threw away the other 63 examples' gradient (the run gave up at step
+    122). The same examples are finite on the CPU. The likely cause is the fused CUDA attention
+    backward, which recomputes the softmax from a saved log-sum-exp and is known to overflow on
+    large scores (pytorch/pytorch#125674, #178251); Qwen's attention logits are large."""
     params = params if params is not None else [vectors]
     total = _zero_losses(vectors.device)
-    for s in range(0, len(items), micro_batch):
-        part = items[s:s + micro_batch]
-        sums = _finite_step(llm, vectors, part, teacher, column, scale, params)
-        if sums is None:
-            for it in part:
-                one = _finite_step(llm, vectors, [it], teacher, column, scale, params)
-                if one is None:
-                    if dropped is not None:
-                        dropped.append(it["i"])
-                    continue
-                for k, v in one.items():
-                    total[k] += v.detach()
-            continue
+
+    def add(sums) -> None:
         for k, v in sums.items():
             total[k] += v.detach()
+
+    def alone(it) -> dict[str, torch.Tensor] | None:
+        one = None if it["i"] in slow else _finite_step(llm, vectors, [it], teacher, column, scale, params)
+        if one is None:
+            with math_attention():
+                one = _finite_step(llm, vectors, [it], teacher, column, scale, params)
+            if one is not None and rescued is not None and it["i"] not in slow:
+                rescued.append(it["i"])
+        if one is None and dropped is not None:
+            dropped.append(it["i"])
+        return one
+
+    fast = [it for it in items if it["i"] not in slow]
+    for s in range(0, len(fast), micro_batch):
+        part = fast[s:s + micro_batch]
+        sums = _finite_step(llm, vectors, part, teacher, column, scale, params)
+        for one in [sums] if sums is not None else [alone(it) for it in part]:
+            if one is not None:
+                add(one)
+    for it in items:
+        if it["i"] in slow and (one := alone(it)) is not None:
+            add(one)
     return total
 
 
@@ -237,6 +262,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     ckpt = work_dir / f"checkpoint-{options.method}-{tag}.pt" if work_dir is not None else None
     step, history, skipped = 0, [], 0
     dropped: set[int] = set()  # examples whose loss or gradient is not finite alone (_loss_of)
+    slow: set[int] = set()     # examples finite only with the math attention kernel (_loss_of)
 
     def state_of() -> dict:
         return {"vectors": vectors.detach().cpu(),
@@ -253,7 +279,16 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             sched.load_state_dict(state["sched"])
             step, history = int(state["step"]), json.loads(state["history"])
             dropped = set(json.loads(state.get("dropped", "[]")))
+            slow = set(json.loads(state.get("slow", "[]")))
             log(f"resuming from {ckpt} at step {step}")
+
+    def note(dropped_ids: list[int], rescued_ids: list[int], where: str) -> None:
+        for i in rescued_ids:
+            log(f"example {i} ({where}): not finite with the fused attention kernel, finite with the math one; "
+                "it runs with that from now on")
+        slow.update(rescued_ids)
+        if dropped_ids:
+            drop(dropped_ids, where)
 
     def drop(ids: list[int], where: str) -> None:
         nonlocal held, held_rows
@@ -268,9 +303,10 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
 
     def held_out() -> dict:
         bad: list[int] = []
-        sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column, dropped=bad)
-        if bad:
-            drop(bad, "held out")
+        saved: list[int] = []
+        sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column, dropped=bad, rescued=saved,
+                        slow=slow)
+        note(bad, saved, "held out")
         out = {"held_out_kl": float(sums["kl"]) / held_rows["kl"]}
         if held_rows["gold"]:
             out["held_out_gold_ce"] = float(sums["gold"]) / held_rows["gold"]
@@ -290,10 +326,11 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                 rows = _rows(picks)
                 scale = {"kl": 1 / rows["kl"], "gold": options.gold_weight / max(rows["gold"], 1)}
                 opt.zero_grad(set_to_none=True)
-                bad = []
-                sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column, params, bad)
-                if bad:  # this batch's means keep their rows in the denominators: a hair low, once per example
-                    drop(bad, f"step {step}")
+                bad, saved = [], []
+                sums = _loss_of(llm, vectors, picks, teacher, options.micro_batch, scale, column, params, bad, saved,
+                                slow)
+                # an example left out keeps its rows in this batch's denominators: a hair low, once per example
+                note(bad, saved, f"step {step}")
                 loss = float(sums["kl"]) / rows["kl"]
                 gold_ce = float(sums["gold"]) / rows["gold"] if rows["gold"] else None
                 finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
@@ -320,7 +357,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                     if ckpt is not None:
                         _save(ckpt, {"settings": json.dumps(settings), **state_of(),
                                      "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                                     "history": json.dumps(history), "dropped": json.dumps(sorted(dropped))})
+                                     "history": json.dumps(history), "dropped": json.dumps(sorted(dropped)),
+                                     "slow": json.dumps(sorted(slow))})
                 bar.advance(1, note=f"train KL {loss:.4f}, held-out KL {history[-1]['held_out_kl']:.4f}")
     finally:
         if adapter is not None:
@@ -328,7 +366,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     seconds = time.perf_counter() - t_train
     recipe = {**settings, "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
-              "examples_left_out": len(dropped),
+              "examples_left_out": len(dropped), "examples_math_attention": len(slow),
               "device": str(llm.device)}
     if adapter is not None:
         adapter = ChunkAdapter(adapter.rank, adapter.alpha, tuple(adapter.targets),
