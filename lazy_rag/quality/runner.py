@@ -63,7 +63,7 @@ class Runtime:
         self.llm = llm
         self.model_name = llm.model_name or model
         self.embedder = _MemoEmbedder(embedder) if embedder is not None else None
-        self._wrappers: dict[str, object] = {}  # spec -> wrapper: every request names its index's
+        self._wrappers: dict[str, object] = {}  # spec -> resolved wrapper (index_for asks on every request)
 
     @classmethod
     def load(cls, model: str, device: str = "auto", dtype: str = "auto", retrieval: bool = True) -> "Runtime":

@@ -335,7 +335,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                 gold_ce = float(sums["gold"]) / rows["gold"] if rows["gold"] else None
                 finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
                 if not math.isfinite(loss) or (gold_ce is not None and not math.isfinite(gold_ce)) or not finite:
-                    # a bf16 overflow in one batch: skip it (as AMP's scaler does); many in a row is divergence
+                    # _loss_of keeps only examples that are finite alone, so this is their sum overflowing:
+                    # skip the batch (as AMP's scaler does); many such batches are divergence
                     skipped += 1
                     if skipped > max(3, options.steps // 20):
                         raise LazyRagError(f"The loss or its gradient was not finite in {skipped} batches (last at step "
