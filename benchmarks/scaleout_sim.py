@@ -22,14 +22,7 @@ are not counted; every point serves at least ``--requests-per-replica`` requests
 
 Writes benchmarks/results/scaleout_sim.json (flat records) and scaleout_sim.png.
 
-``--deploy`` measures the same thing on a real deployment instead (one machine's GPUs, a local
-Ray instance): for each replica count and policy, the Serve application of `lazy-rag serve
---replicas N` (fresh replicas, so fresh pools), the paper's requests sent through the engine
-deployment's router ``--concurrency`` per replica at a time, pool hit ratio from each answer's
-chunk tiers, throughput, TTFT. On an H200 x2 (random Llama-3.1-8B weights, bf16):
-
-    python benchmarks/scaleout_sim.py --deploy --random llama-3.1-8b --tokenizer .gpu/tokenizer \
-        --device cuda --replicas 1,2 --kv-gib 8 --requests 480 --out scaleout_h200x2
+Real replicas, over HTTP: ``benchmarks/scaleout_serve.py``.
 """
 from __future__ import annotations
 
@@ -151,91 +144,6 @@ def simulate(policy: str, n_replicas: int, stream: list, fit_chunks: int, doc_to
             "inserted_pages_max_over_mean": round(max(loads) / (sum(loads) / len(loads)), 3) if sum(loads) else None}
 
 
-def measure_deployment(args) -> list[dict]:
-    """``--deploy``: pool hit ratio, throughput and TTFT of real replicas, per replica count and policy."""
-    import asyncio
-
-    import numpy as np
-    import ray
-    from ray import serve
-
-    from lazy_rag.bench.workload import WorkloadSpec, make_workload
-    from lazy_rag.engine import EngineConfig
-    from lazy_rag.server import EngineSpec, ServerSettings
-    from lazy_rag.server.scaleout.application import APP_NAME, ENGINE_DEPLOYMENT, ScaleOutOptions, build_application
-    from lazy_rag.server.scaleout.serve_driver import chunk_route
-
-    env = environment()
-    counts = [int(x) for x in args.replicas.split(",")]
-    spec = EngineSpec(model=None if args.random else args.model, device=args.device, random=args.random,
-                      tokenizer=args.tokenizer, engine_config=EngineConfig(
-                          kv_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
-                          max_num_seqs=args.concurrency))
-    vocab = len(spec.load_tokenizer())
-    wspec = WorkloadSpec(docs=args.docs, doc_tokens=args.doc_tokens, k=args.k, requests=args.requests,
-                         popularity=args.popularity.split(",")[0], output_tokens=args.output_tokens)
-    requests = [r.segments for r in make_workload(wspec, np.arange(1000, min(vocab, 32000) - 1000)).requests]
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    records = []
-
-    async def run(handle, n: int) -> dict:
-        todo = list(enumerate(requests))
-        done: list[tuple] = []
-
-        async def client():
-            while todo:
-                i, segments = todo.pop(0)
-                t0 = time.perf_counter()
-                first = None
-                stream = handle.options(stream=True).generate.remote(
-                    chunk_route(segments), segments, False,
-                    {"max_new_tokens": wspec.output_tokens, "temperature": 0.0})
-                async for event in stream:
-                    if event[0] == "pieces" and first is None:
-                        first = time.perf_counter()
-                    last = event
-                assert last[0] == "done", last
-                done.append((i, t0, first or time.perf_counter(), time.perf_counter(), last[1]))
-
-        await asyncio.gather(*(client() for _ in range(args.concurrency * n)))
-        counted = [d for d in done if d[0] >= int(len(requests) * args.warmup)]
-        pool = sum(d[4].stats.chunk_sources.get("pool", 0) for d in counted)
-        chunks = sum(sum(d[4].stats.chunk_sources.values()) for d in counted)
-        span = max(d[3] for d in counted) - min(d[1] for d in counted)
-        ttft = np.array([(d[2] - d[1]) * 1e3 for d in counted])
-        return {"pool_hit_ratio": round(pool / max(1, chunks), 4),
-                "throughput_req_per_s": round(len(counted) / span, 2),
-                "throughput_per_replica_req_per_s": round(len(counted) / span / n, 2),
-                "output_tokens_per_s": round(sum(len(d[4].token_ids) for d in counted) / span, 1),
-                "ttft_ms_mean": round(float(ttft.mean()), 1), "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1),
-                "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 1)}
-
-    try:
-        for n in counts:
-            for policy in args.policies.split(","):
-                if policy == "affinity_homes":
-                    continue  # a simulation variant, not a deployment option
-                options = ScaleOutOptions(replicas=n, routing=policy, cpus_per_replica=args.cpus_per_replica,
-                                          ingress_cpus=0)
-                serve.run(build_application(spec, ServerSettings(model_name="bench", max_queue=args.concurrency * 2),
-                                            options), name=APP_NAME, route_prefix=None)
-                metrics = asyncio.run(run(serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME), n))
-                serve.delete(APP_NAME)  # the next point starts with fresh replicas and pools
-                records.append({
-                    "benchmark": "scaleout_deploy", "mode": policy, "device": env["device"],
-                    "params": {"replicas": n, "model": spec.model_name, "kv_gib": args.kv_gib,
-                               "popularity": wspec.popularity, "zipf_a": wspec.zipf_a, "docs": wspec.docs,
-                               "doc_tokens": wspec.doc_tokens, "k": wspec.k, "output_tokens": wspec.output_tokens,
-                               "requests": len(requests), "warmup_fraction": args.warmup,
-                               "concurrency_per_replica": args.concurrency, "torch": env["torch"]},
-                    "metrics": metrics, "date": env["date"]})
-                print(f"replicas {n} {policy:13s} {metrics}", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return records
-
-
 def plot(records: list[dict], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -245,17 +153,17 @@ def plot(records: list[dict], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return None
-    groups = sorted({(r["params"]["popularity"], r["params"]["budget"]) for r in records})
+    groups = sorted({(r["popularity"], r["budget"]) for r in records})
     fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
     for col, (pop, budget) in enumerate(groups):
         for policy in POLICIES:
-            rs = sorted((r for r in records if r["mode"] == policy and r["params"]["popularity"] == pop
-                         and r["params"]["budget"] == budget), key=lambda r: r["params"]["replicas"])
+            rs = sorted((r for r in records if r["mode"] == policy and r["popularity"] == pop
+                         and r["budget"] == budget), key=lambda r: r["replicas"])
             if not rs:
                 continue
-            x = [r["params"]["replicas"] for r in rs]
-            axes[0][col].plot(x, [r["metrics"]["pool_hit_ratio"] for r in rs], marker="o", label=policy)
-            axes[1][col].plot(x, [r["metrics"]["throughput_per_replica_req_per_s"] for r in rs], marker="o",
+            x = [r["replicas"] for r in rs]
+            axes[0][col].plot(x, [r["pool_hit_ratio"] for r in rs], marker="o", label=policy)
+            axes[1][col].plot(x, [r["throughput_per_replica_req_per_s"] for r in rs], marker="o",
                               label=policy)
         axes[0][col].set_title(f"{pop}, budget {budget} per replica")
         for row, label in ((0, "pool hit ratio"), (1, "throughput per replica (req/s)")):
@@ -289,23 +197,7 @@ def main():
                     help="Simulated seconds between the replicas' residency reports to the router.")
     ap.add_argument("--out", default="scaleout_sim")
     ap.add_argument("--plot", metavar="JSON", help="Only plot the records of an earlier run (PNG beside it).")
-    dep = ap.add_argument_group("--deploy: measure real replicas (a local Ray instance) instead of simulating")
-    dep.add_argument("--deploy", action="store_true")
-    dep.add_argument("--model", default="smollm2")
-    dep.add_argument("--random", default=None, help="a random-weights architecture (lazy_rag.bench.random_models)")
-    dep.add_argument("--tokenizer", default=None, help="tokenizer folder for --random")
-    dep.add_argument("--device", default="cuda")
-    dep.add_argument("--kv-gib", type=float, default=None, help="each replica's KV pool (default: the engine's)")
-    dep.add_argument("--docs", type=int, default=100)
-    dep.add_argument("--doc-tokens", type=int, default=2048)
-    dep.add_argument("--k", type=int, default=5)
-    dep.add_argument("--output-tokens", type=int, default=16)
-    dep.add_argument("--cpus-per-replica", type=float, default=1.0)
     args = ap.parse_args()
-    if args.deploy:
-        records = measure_deployment(args)
-        print(f"-> {write_records(RESULTS / f'{args.out}.json', records)}")
-        return
     if args.plot:
         import json
 
@@ -332,16 +224,16 @@ def main():
                                        args.miss_ms, args.warmup, settings, args.report_s)
                     records.append({
                         "benchmark": "scaleout_sim", "mode": policy, "device": "simulation",
-                        "params": {"replicas": n, "budget": budget, "budget_chunks_per_replica": fit,
-                                   "popularity": popularity, "zipf_a": spec.zipf_a, "docs": spec.docs,
-                                   "doc_tokens": spec.doc_tokens, "k": spec.k, "requests": len(stream),
-                                   "warmup_fraction": args.warmup, "concurrency_per_replica": args.concurrency,
-                                   "base_ms": args.base_ms, "miss_ms": args.miss_ms, "eviction": "gdsf",
-                                   "load_factor": settings.load_factor, "home_weight": settings.home_weight,
-                                   "report_s": args.report_s,
-                                   "imbalance_threshold": settings.imbalance_threshold, "seed": spec.seed},
-                        "metrics": metrics, "sim_seconds": round(time.perf_counter() - t0, 2), "date": env["date"]})
-                    m = records[-1]["metrics"]
+                        "replicas": n, "budget": budget, "budget_chunks_per_replica": fit,
+                        "popularity": popularity, "zipf_a": spec.zipf_a, "docs": spec.docs,
+                        "doc_tokens": spec.doc_tokens, "k": spec.k, "requests": len(stream),
+                        "warmup_fraction": args.warmup, "concurrency_per_replica": args.concurrency,
+                        "base_ms": args.base_ms, "miss_ms": args.miss_ms, "eviction": "gdsf",
+                        "load_factor": settings.load_factor, "home_weight": settings.home_weight,
+                        "report_s": args.report_s, "imbalance_threshold": settings.imbalance_threshold,
+                        "seed": spec.seed, **metrics, "sim_seconds": round(time.perf_counter() - t0, 2),
+                        "date": env["date"]})
+                    m = records[-1]
                     print(f"{popularity:8s} budget {budget:<5} replicas {n:3d} {policy:13s} "
                           f"hit {m['pool_hit_ratio']:.3f} "
                           f"{m['throughput_req_per_s']:9.1f} req/s", flush=True)
@@ -350,9 +242,7 @@ def main():
     png = plot(records, RESULTS / f"{args.out}.png")
     if png:
         print(f"-> {png}")
-    flat = [{"popularity": r["params"]["popularity"], "budget": r["params"]["budget"],
-             "replicas": r["params"]["replicas"], "policy": r["mode"], **r["metrics"]} for r in records]
-    print(format_table(flat, ["popularity", "budget", "replicas", "policy", "pool_hit_ratio",
+    print(format_table(records, ["popularity", "budget", "replicas", "mode", "pool_hit_ratio",
                               "throughput_req_per_s", "misses_per_request"]))
 
 

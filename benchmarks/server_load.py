@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lazy_rag.bench.http_load import run_http, summary, text_documents
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -42,17 +44,9 @@ QUESTIONS = ["What is this about?", "Who is named first?", "When did it happen?"
 
 
 def build_documents(tokenizer, n: int, doc_tokens: int, seed: int) -> list[str]:
-    """``n`` distinct documents of about ``doc_tokens`` tokens, cut from the examples corpus
-    repeated (real text, so that a real model's answers are ordinary), each tagged to be distinct."""
+    """``n`` distinct documents of about ``doc_tokens`` tokens, cut from the examples corpus."""
     text = " ".join(p.read_text() for p in sorted((ROOT / "examples" / "corpus").glob("*")))
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    rng = np.random.default_rng(seed)
-    docs = []
-    for i in range(n):
-        start = int(rng.integers(0, max(1, len(ids) - 1)))
-        take = [ids[(start + j) % len(ids)] for j in range(doc_tokens)]
-        docs.append(f"[document {i}] " + tokenizer.decode(take))
-    return docs
+    return text_documents(tokenizer, text, n, doc_tokens, seed)
 
 
 def build_requests(docs: list[str], n: int, k: int, zipf_a: float, seed: int) -> list[dict]:
@@ -65,14 +59,6 @@ def build_requests(docs: list[str], n: int, k: int, zipf_a: float, seed: int) ->
         out.append({"documents": [docs[j] for j in pick],
                     "question": f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})"})
     return out
-
-
-def summary(name: str, values) -> dict:
-    v = np.asarray(values, dtype=np.float64)
-    if not v.size:
-        return {f"{name}_p50": None, f"{name}_p99": None, f"{name}_mean": None}
-    return {f"{name}_p50": round(float(np.percentile(v, 50)), 2), f"{name}_p99": round(float(np.percentile(v, 99)), 2),
-            f"{name}_mean": round(float(v.mean()), 2)}
 
 
 # -- phase 1: in-process ------------------------------------------------------------------------
@@ -143,61 +129,6 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError("the server did not start:\n" + (proc.stdout.read() if proc.poll() is not None else ""))
         time.sleep(0.5)
-
-
-async def run_http(url: str, requests: list[dict], clients: int, max_tokens: int) -> tuple[dict, list[str]]:
-    import httpx
-
-    ttft, total, answers = [None] * len(requests), [None] * len(requests), [None] * len(requests)
-    errors, tokens = [], [0]
-    queue = list(range(len(requests)))
-
-    async def client(http: httpx.AsyncClient):
-        while queue:
-            i = queue.pop(0)
-            r = requests[i]
-            body = {"model": "bench", "stream": True, "temperature": 0, "max_tokens": max_tokens,
-                    "stream_options": {"include_usage": True}, "documents": r["documents"],
-                    "messages": [{"role": "user", "content": r["question"]}]}
-            t0 = time.perf_counter()
-            text = ""
-            try:
-                async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-                    if resp.status_code != 200:
-                        errors.append(f"{resp.status_code}: {(await resp.aread())[:200]!r}")
-                        continue
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            errors.append(event["error"]["message"])
-                        if event.get("usage"):
-                            tokens[0] += event["usage"]["completion_tokens"]
-                        for c in event.get("choices", []):
-                            piece = c.get("delta", {}).get("content")
-                            if piece:
-                                if ttft[i] is None:
-                                    ttft[i] = (time.perf_counter() - t0) * 1e3
-                                text += piece
-            except httpx.HTTPError as e:
-                errors.append(f"{type(e).__name__}: {e}")
-                continue
-            total[i] = (time.perf_counter() - t0) * 1e3
-            answers[i] = text
-
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    rec = {**summary("ttft_ms", [x for x in ttft if x is not None]),
-           **summary("latency_ms", [x for x in total if x is not None]),
-           "throughput_rps": round(sum(a is not None for a in answers) / wall, 3),
-           "output_tokens_per_s": round(tokens[0] / wall, 2), "errors": len(errors), "wall_s": round(wall, 2)}
-    if errors:
-        rec["first_error"] = errors[0][:300]
-    return rec, answers
 
 
 def load_llm(args):
