@@ -34,13 +34,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lazy_rag.bench.disk import drop_page_cache, read_folder, write_bandwidth
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
@@ -75,21 +76,6 @@ def cmd_prechunk(a) -> None:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20) -> float:
-    """Sequential write bandwidth of ``folder``'s disk in GB/s, fsync included."""
-    path = folder / ".write_probe"
-    buf = os.urandom(block)
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // block)):
-            f.write(buf)
-        f.flush()
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return nbytes / dt / 1e9
-
-
 def matmul_tflops(device) -> float:
     import torch
 
@@ -115,30 +101,6 @@ def flops_per_token(llm, chunk_tokens: float) -> float:
     params = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     s = llm.shape
     return 2 * params + 2 * 2 * s.num_layers * s.num_heads * s.head_dim * chunk_tokens / 2
-
-
-def read_folder(folder: Path) -> None:
-    """Read every file of ``folder`` once, so that it is in the page cache."""
-    for p in folder.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                while f.read(64 << 20):
-                    pass
-
-
-def drop_page_cache(folder: Path) -> int:
-    """Evict ``folder``'s files from the page cache (fsync, then POSIX_FADV_DONTNEED): no root needed."""
-    n = 0
-    for p in folder.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += p.stat().st_size
-            finally:
-                os.close(fd)
-    return n
 
 
 def folder_bytes(folder: Path) -> int:

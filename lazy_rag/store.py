@@ -291,6 +291,13 @@ _START_WRITEBACK = _writeback_starter()
 SYNC_FILE_RANGE_WRITE = 2
 
 
+def start_writeback(fd: int, off: int, n: int) -> None:
+    """Start writing bytes [off, off + n) of ``fd`` to the disk without waiting for them (Linux);
+    elsewhere a no-op, and the next fsync writes them."""
+    if _START_WRITEBACK is not None:
+        _START_WRITEBACK(fd, off, n, SYNC_FILE_RANGE_WRITE)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -559,12 +566,11 @@ class _Appender:
         parts = body if isinstance(body, list) else [body]
         fd = self._fds[self.seg]
         _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, crc, length), *parts], off)
-        if _START_WRITEBACK is not None:
-            # the disk starts on this record now, not at the next checkpoint's fsync: a build's
-            # writes then keep the disk busy while the encoder runs, instead of the page cache
-            # filling up and the writer waiting on one long fsync every checkpoint (the 8B build
-            # wrote at 38% of the disk's bandwidth that way)
-            _START_WRITEBACK(fd, off, span, SYNC_FILE_RANGE_WRITE)
+        # the disk starts on this record now, not at the next checkpoint's fsync: a build's
+        # writes then keep the disk busy while the encoder runs, instead of the page cache
+        # filling up and the writer waiting on one long fsync every checkpoint (the 8B build
+        # wrote at 38% of the disk's bandwidth that way)
+        start_writeback(fd, off, span)
         self.ends[self.seg] = off + span
         self.appended += span
         return KVLocation(self.seg, off + RECORD_HEADER.size, length, crc)
