@@ -19,7 +19,7 @@ counted requests' chunks found in the serving replica's GPU pool, from each answ
 
     # the GPU run of issue 23 (nvidia-h200-x2; Ray Serve staged as benchmarks/device/README.md says)
     python3 benchmarks/scaleout_serve.py --random llama-3.1-8b --tokenizer .gpu/tokenizer --device cuda \\
-        --replicas 1,2 --requests 960 --out scaleout_serve_h200x2
+        --replicas 1,2 --ingress-replicas 2 --requests 960 --out scaleout_serve_h200x2
     # on a CPU (SmolLM2, two replicas sharing the cores: routing and hit ratios, not speed)
     python3 benchmarks/scaleout_serve.py --model smollm2 --device cpu --docs 24 --doc-tokens 96 --k 3 \\
         --zipf-a 1.2 --requests 96 --concurrency 2 --output-tokens 4 --out scaleout_serve_cpu
@@ -140,7 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=None, help="each replica's GPU pool (overrides --budget)")
     ap.add_argument("--host-gib", type=float, default=None, help="each replica's host tier (default: every document)")
     ap.add_argument("--cpus-per-replica", type=float, default=1.0)
-    ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--ingress-replicas", type=int, default=1,
+                    help="HTTP/tokenizing replicas (one process parsed 64 streams of 5 x 2048-token documents "
+                         "at 0.81x of the engine's rate in server_load.py's GPU run: give the GPU run 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="scaleout_serve")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
