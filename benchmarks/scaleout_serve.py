@@ -141,8 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-gib", type=float, default=None, help="each replica's host tier (default: every document)")
     ap.add_argument("--cpus-per-replica", type=float, default=1.0)
     ap.add_argument("--ingress-replicas", type=int, default=1,
-                    help="HTTP/tokenizing replicas (one process parsed 64 streams of 5 x 2048-token documents "
-                         "at 0.81x of the engine's rate in server_load.py's GPU run: give the GPU run 2)")
+                    help="HTTP/tokenizing replicas; give the GPU run 2 (in server_load.py's GPU run, one process "
+                         "that parsed 64 streams of 5 x 2048-token documents and also stepped the engine "
+                         "reached 0.81x of the engine alone)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="scaleout_serve")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
