@@ -42,8 +42,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ["What is this about?", "Who is named first?", "When did it happen?", "Where is it?",
-             "What number is mentioned?", "Which place is described?"]
 
 
 def free_port() -> int:
@@ -94,6 +92,7 @@ def build_requests(args, docs: list[str]) -> list[dict]:
     """The serving benchmark's document draws (``make_workload``), as chat requests over texts."""
     import numpy as np
 
+    from lazy_rag.bench.http_load import QUESTIONS
     from lazy_rag.bench.workload import WorkloadSpec, make_workload
 
     spec = WorkloadSpec(docs=args.docs, doc_tokens=1, k=args.k, requests=args.requests, popularity=args.popularity,

@@ -33,14 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lazy_rag.bench.http_load import run_http, summary, text_documents
+from lazy_rag.bench.http_load import QUESTIONS, run_http, summary, text_documents
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ["What is this about?", "Who is named first?", "When did it happen?", "Where is it?",
-             "Summarise it in one sentence.", "What number is mentioned?", "Which place is described?"]
 
 
 def build_documents(tokenizer, n: int, doc_tokens: int, seed: int) -> list[str]:

@@ -23,6 +23,7 @@ Records: benchmarks/results/<out>.json (flat: one per probe or store run and rou
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -102,8 +103,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="store_write")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
-
-    import os
 
     import torch
 

@@ -14,6 +14,10 @@ import time
 
 import numpy as np
 
+# the questions of the benchmarks' requests, in turn (each request also carries its number)
+QUESTIONS = ["What is this about?", "Who is named first?", "When did it happen?", "Where is it?",
+             "Summarise it in one sentence.", "What number is mentioned?", "Which place is described?"]
+
 
 def text_documents(tokenizer, source: str, n: int, doc_tokens: int, seed: int) -> list[str]:
     """``n`` distinct documents of about ``doc_tokens`` tokens, cut from ``source`` (real text, so
@@ -101,8 +105,6 @@ async def run_http(url: str, requests: list[dict], clients: int, max_tokens: int
         wall = time.perf_counter() - t0
     counted = [i for i in range(count_from, n) if answers[i] is not None]
     span = (max(ended[i] for i in counted) - min(started[i] for i in counted)) if counted else 0.0
-    if count_from == 0:
-        span = wall  # every request counted: the whole run, idle clients at its end included
     chunks = {}
     for i in counted:
         for tier, k in (sources[i] or {}).items():
