@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import socket
@@ -167,21 +168,21 @@ def main(argv=None) -> int:
     from lazy_rag.server.scaleout.application import APP_NAME, ScaleOutOptions, build_application
 
     env = environment()
-    base_spec = EngineSpec(model=None if args.random else args.model, device=args.device, random=args.random,
-                           tokenizer=args.tokenizer)
-    tokenizer = base_spec.load_tokenizer()
+    spec = EngineSpec(model=None if args.random else args.model, device=args.device, random=args.random,
+                      tokenizer=args.tokenizer)
+    tokenizer = spec.load_tokenizer()
     source = " ".join(p.read_text() for p in sorted((ROOT / "examples" / "corpus").glob("*")))
     docs = text_documents(tokenizer, source, args.docs, args.doc_tokens, args.seed)
     requests = build_requests(args, docs)
     doc_lengths = [len(tokenizer(d, add_special_tokens=False).input_ids) for d in docs]
-    # the prompt's tokens besides its documents (template, question), from the longest request
+    # the prompt's tokens besides its documents (template, question), with the longest request number
     sample = chat_with_documents(tokenizer, [("user", requests[0]["question"] + " (request 99999)")],
                                  [Document("x")])
     prompt_extra = sum(len(tokenizer(s, add_special_tokens=False).input_ids) for s in sample if isinstance(s, str))
     per_token = kv_bytes_per_token(model_config(args), args.device)
     pool, host = pool_sizes(args, doc_lengths, prompt_extra, per_token)
-    spec = EngineSpec(model=base_spec.model, device=args.device, random=args.random, tokenizer=args.tokenizer,
-                      engine_config=EngineConfig(kv_bytes=pool, host_bytes=host, max_num_seqs=args.concurrency))
+    spec = dataclasses.replace(spec, engine_config=EngineConfig(kv_bytes=pool, host_bytes=host,
+                                                                max_num_seqs=args.concurrency))
     count_from = int(len(requests) * args.warmup)
     out = Path(args.results_dir) / f"{args.out}.json"
     base = {"benchmark": "scaleout_serve", "device": env["device"], "gpus": torch.cuda.device_count(),
