@@ -9,17 +9,22 @@ last one ends). The documents are ``--docs`` texts of about ``--doc-tokens`` tok
 names ``--k`` of them drawn as the serving benchmark draws them (``lazy_rag.bench.workload``:
 Zipf ``--zipf-a`` without replacement). Each replica's GPU pool holds ``--budget`` of the
 documents' KV beside its running requests' own pages (or ``--kv-gib``); its host tier holds all of
-them, as in `lazy-rag bench`, so a pool miss is a copy from pinned host memory, not a re-encode.
-The first ``--warmup`` of the requests fill the pools and are not counted.
+them, as in `lazy-rag bench`: every replica encodes every document into it when it starts
+(`lazy-rag serve --warm-documents`; ``--cold`` leaves the replicas empty, so each encodes a
+document the first time it is routed one), so a pool miss is a copy from pinned host memory, not
+a re-encode. The first ``--warmup`` of the requests fill the pools and are not counted.
 
 Per point: throughput (req/s over the counted requests' span), TTFT p50/p99 (from the client's
 send to the first streamed token), output tokens/s, and the pool hit ratio (the fraction of the
 counted requests' chunks found in the serving replica's GPU pool, from each answer's
-``lazy_rag.chunk_sources``); per multi-replica point, its throughput over the one-replica point's.
+``lazy_rag.chunk_sources``); per multi-replica point, its throughput over the one-replica point's;
+and the CPU cores each group of processes used over the load, all of them and the busiest one
+(``cpu_cores_proxy``, ``_ingress``, ``_engine``, ``_client``, ...: ``lazy_rag.bench.proc_cpu``),
+which says whether a single interpreter (Serve's HTTP proxy, say) is the ceiling.
 
-    # the GPU run of issue 23 (nvidia-h200-x2; Ray Serve staged as benchmarks/device/README.md says)
-    python3 benchmarks/scaleout_serve.py --random llama-3.1-8b --tokenizer .gpu/tokenizer --device cuda \\
-        --replicas 1,2 --ingress-replicas 2 --requests 960 --out scaleout_serve_h200x2
+    # the GPU run of issue 23 (two GPUs; Ray Serve staged as benchmarks/device/README.md says)
+    python3 benchmarks/scaleout_serve.py --random llama-3.1-8b --tokenizer $PWD/.gpu/tokenizer --device cuda \\
+        --replicas 1,2 --ingress-replicas 2 --requests 1920 --out scaleout_serve_h100x2_warm
     # on a CPU (SmolLM2, two replicas sharing the cores: routing and hit ratios, not speed)
     python3 benchmarks/scaleout_serve.py --model smollm2 --device cpu --docs 24 --doc-tokens 96 --k 3 \\
         --zipf-a 1.2 --requests 96 --concurrency 2 --output-tokens 4 --out scaleout_serve_cpu
@@ -103,6 +108,23 @@ def build_requests(args, docs: list[str]) -> list[dict]:
              f"(request {r.index})"} for r in make_workload(spec, np.arange(1000, 1001)).requests]
 
 
+def ray_process_group(driver_pid: int):
+    """``classify`` for ``proc_cpu.cores_by_group``: this process is the load generator; Ray names
+    its actors' processes ``ray::<class>`` (Serve's replicas ``ray::ServeReplica:<app>:<deployment>``)."""
+    from lazy_rag.server.scaleout.application import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+
+    def classify(pid: int, cmd: str) -> str | None:
+        if pid == driver_pid:
+            return "client"
+        for marker, group in (("ProxyActor", "proxy"), (INGRESS_DEPLOYMENT, "ingress"), (ENGINE_DEPLOYMENT, "engine"),
+                              ("ServeController", "controller"), ("raylet", "ray_system"), ("gcs_server", "ray_system")):
+            if marker in cmd:
+                return group
+        return None
+
+    return classify
+
+
 def wait_ready(url: str, seconds: float = 900) -> None:
     import httpx
 
@@ -144,6 +166,9 @@ def main(argv=None) -> int:
                     help="HTTP/tokenizing replicas; give the GPU run 2 (in server_load.py's GPU run, one process "
                          "that parsed 64 streams of 5 x 2048-token documents and also stepped the engine "
                          "reached 0.81x of the engine alone)")
+    ap.add_argument("--cold", action="store_true",
+                    help="replicas start empty (by default each encodes every document into its host tier when it "
+                         "starts, `lazy-rag serve --warm-documents`, as `lazy-rag bench` fills its host tier)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="scaleout_serve")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -161,6 +186,7 @@ def main(argv=None) -> int:
     from ray import serve
 
     from lazy_rag.bench.http_load import run_http, text_documents
+    from lazy_rag.bench.proc_cpu import cores_by_group, process_cpu
     from lazy_rag.bench.records import environment, write_records
     from lazy_rag.engine import EngineConfig
     from lazy_rag.server import EngineSpec, ServerSettings
@@ -182,7 +208,8 @@ def main(argv=None) -> int:
     per_token = kv_bytes_per_token(model_config(args), args.device)
     pool, host = pool_sizes(args, doc_lengths, prompt_extra, per_token)
     spec = dataclasses.replace(spec, engine_config=EngineConfig(kv_bytes=pool, host_bytes=host,
-                                                                max_num_seqs=args.concurrency))
+                                                                max_num_seqs=args.concurrency),
+                               warm_documents=() if args.cold else tuple(docs))
     count_from = int(len(requests) * args.warmup)
     out = Path(args.results_dir) / f"{args.out}.json"
     base = {"benchmark": "scaleout_serve", "device": env["device"], "gpus": torch.cuda.device_count(),
@@ -192,7 +219,8 @@ def main(argv=None) -> int:
             len(requests) - count_from, "concurrency_per_replica": args.concurrency, "budget": args.budget,
             "pool_gib_per_replica": round(pool / 2**30, 3), "host_gib_per_replica": round(host / 2**30, 3),
             "torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__,
-            "date": env["date"], "transport": "http"}
+            "date": env["date"], "transport": "http",
+            "warm_documents": 0 if args.cold else len(docs)}
     points = [(1, "single")] + [(n, p) for n in counts if n > 1 for p in policies]
     cpus = max(os.cpu_count() or 1, int(counts[-1] * args.cpus_per_replica + args.ingress_replicas + 1))
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -209,16 +237,23 @@ def main(argv=None) -> int:
             serve.run(build_application(spec, settings, options), name=APP_NAME, route_prefix="/")
             wait_ready(url)
             deploy_s = time.perf_counter() - t0
+            cpu_before, t_load = process_cpu(), time.perf_counter()
             rec, _ = asyncio.run(run_http(url, requests, args.concurrency * n, args.output_tokens,
                                           count_from=count_from))
+            # which process was busy over the whole load (warm-up included): one near 1.0 core is a
+            # single interpreter at its limit
+            cpu = cores_by_group(cpu_before, process_cpu(), time.perf_counter() - t_load, ray_process_group(os.getpid()))
             serve.delete(APP_NAME)  # the next point starts with fresh replicas and empty pools
-            records.append({**base, "mode": policy, "replicas": n, "deploy_s": round(deploy_s, 1), **rec})
+            records.append({**base, "mode": policy, "replicas": n, "deploy_s": round(deploy_s, 1), **rec, **cpu})
             single = next(r for r in records if r["mode"] == "single")
             records[-1]["throughput_vs_1_replica"] = (round(rec["throughput_rps"] / single["throughput_rps"], 3)
                                                       if rec["throughput_rps"] and single["throughput_rps"] else None)
             write_records(out, records)
             print(f"replicas {n} {policy:12s} " + " ".join(f"{k}={rec[k]}" for k in (
                 "throughput_rps", "ttft_ms_p50", "ttft_ms_p99", "pool_hit_ratio", "errors")), flush=True)
+            print("  CPU cores (all / busiest process): " + ", ".join(
+                f"{g} {cpu[f'cpu_cores_{g}']}/{cpu[f'cpu_cores_{g}_busiest']}" for g in
+                ("client", "proxy", "ingress", "engine", "controller", "ray_system") if f"cpu_cores_{g}" in cpu), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -237,6 +237,10 @@ def serve(
                                                  "round_robin / least_loaded to compare."),
     kv_share: Optional[Path] = typer.Option(None, help="Folder every replica writes the KV it encodes to and reads "
                                                        "the others' from (default: INDEX_DIR/kv-replicas)."),
+    warm_documents: Optional[Path] = typer.Option(None, help="A JSON list (or JSON Lines) of documents, as requests "
+                                                             "send them in 'documents': the engine (every replica's) "
+                                                             "encodes them before serving, so their first requests "
+                                                             "read cached KV."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
     /metrics and a web page at /, over cached chunk KV; with --replicas / --ray-address, on Ray
@@ -247,8 +251,10 @@ def serve(
     try:
         from .server import EngineSpec, ServerSettings, create_app
         from .server.run import run_app
+        from .server.warm import read_warm_documents
 
-        spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir))
+        spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir),
+                          warm_documents=read_warm_documents(warm_documents) if warm_documents else ())
         name = served_model_name or spec.model_name
         settings = ServerSettings(model_name=name, api_key=api_key or None, max_queue=max_queue,
                                   max_body_bytes=max_body_bytes, default_max_tokens=max_tokens, default_mode=mode,

@@ -129,6 +129,29 @@ class LazyLLM:
         prefix = self.default_source.shared_prefix_ids if shared_prefix is None else shared_prefix
         return self.engine.encode_chunks([list(token_ids)], prefix, self.default_source.wrapper)[0]
 
+    def warm_documents(self, texts: Sequence[str]) -> int:
+        """Encode documents given as text into the engine's memory tiers (its GPU pool, then its
+        host tier, as far as their budgets go), as a request that names them as chunks encodes
+        them on first use: tokenized alone without specials, after the default shared prefix,
+        inside the default wrapper. A server warmed this way (``lazy-rag serve
+        --warm-documents``) serves their first requests from cache. Returns the tokens encoded."""
+        source, pool = self.default_source, self.engine.pool
+        with self.lock:  # the tokenizer is not safe to share between threads
+            ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+        slots = len(self.host.wrap_chunk([], source.wrapper))
+        # a forward's chunks hold their pages at once: up to half the pool per call, so that the
+        # chunks cached before are evicted to the host tier to make room (and the host copies
+        # each call returns stay few)
+        room = max(1, pool.num_pages // 2)
+        batch: list[list[int]] = []
+        for i, chunk in enumerate(ids):
+            batch.append(chunk)
+            pages = sum(pool.pages_for(len(c) + slots) for c in batch)
+            if i + 1 == len(ids) or pages + pool.pages_for(len(ids[i + 1]) + slots) > room:
+                self.engine.encode_chunks(batch, source.shared_prefix_ids, source.wrapper)
+                batch = []
+        return sum(map(len, ids))
+
     def stats(self) -> dict:
         """The engine's counters: pages, chunk hits per tier, steps, timers."""
         return self.engine.stats()

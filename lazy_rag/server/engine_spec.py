@@ -5,6 +5,8 @@ engine process can build the same model, engine and index that the server was gi
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,8 @@ from typing import Any
 from ..engine import EngineConfig
 from ..errors import LazyIndexError, LazyRagError
 from ..models import DEFAULT_MODEL
+
+log = logging.getLogger("lazy_rag.server")
 
 
 @dataclass(frozen=True)
@@ -21,7 +25,9 @@ class EngineSpec:
     ``shared_prefix``: token ids chunks given as text are encoded after (None: none).
     ``index_dir``: an index to serve. ``random`` (benchmarks): a random-weights architecture of
     ``lazy_rag.bench.random_models`` seeded with ``seed``, so that every process that builds it
-    gets the same weights, with the tokenizer folder ``tokenizer``."""
+    gets the same weights, with the tokenizer folder ``tokenizer``. ``warm_documents``: chunk
+    texts the engine encodes into its memory tiers when it is loaded (``LazyLLM.warm_documents``;
+    `lazy-rag serve --warm-documents FILE`)."""
 
     model: str | None = None
     device: str = "auto"
@@ -33,6 +39,7 @@ class EngineSpec:
     random: str | None = None
     tokenizer: str | None = None
     seed: int = 0
+    warm_documents: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.random and not self.tokenizer:
@@ -121,8 +128,14 @@ class EngineSpec:
         return LazyIndex.load(self.index_dir, llm=llm, embedder=embedder, device=self.device)
 
     def load(self, retrieve: bool = True):
-        """(``LazyLLM``, ``LazyIndex`` or None), built in this process."""
+        """(``LazyLLM``, ``LazyIndex`` or None), built in this process (its engine warmed with
+        ``warm_documents``)."""
         llm = self.load_llm()
+        if self.warm_documents:
+            t0 = time.perf_counter()
+            tokens = llm.warm_documents(self.warm_documents)
+            log.info("warmed %d documents (%d tokens) into the engine's memory tiers in %.1f s",
+                     len(self.warm_documents), tokens, time.perf_counter() - t0)
         return llm, (self.load_index(llm, retrieve) if self.index_dir else None)
 
 

@@ -22,11 +22,13 @@ from ..errors import LazyRagError
 from .app import ServerSettings
 from .engine_spec import EngineSpec
 from .scaleout import require_ray
+from .warm import read_warm_documents
 
 log = logging.getLogger("lazy_rag.server")
 
 # app_builder's arguments: name -> (type, where it goes)
 _SPEC_ARGS = {"model": str, "device": str, "dtype": str, "index_dir": str}
+_WARM_ARGS = {"warm_documents": str}  # a file's path; its documents go into the EngineSpec
 _SETTINGS_ARGS = {"served_model_name": str, "api_key": str, "max_queue": int, "max_body_bytes": int,
                   "max_tokens": int, "mode": str, "log_prompts": bool}
 _OPTION_ARGS = {"replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
@@ -51,19 +53,21 @@ def _convert(name: str, value, kind):
 
 def app_builder(args: dict):
     """The Serve application from ``serve run``'s ``key=value`` arguments or a config file's
-    ``args``: model, device, dtype, index_dir; served_model_name, api_key (default: the
+    ``args``: model, device, dtype, index_dir, warm_documents (a file); served_model_name, api_key (default: the
     ``LAZY_RAG_API_KEY`` environment variable), max_queue, max_body_bytes, max_tokens, mode,
     log_prompts; replicas, min_replicas, max_replicas, target_ongoing_requests,
     gpus_per_replica, cpus_per_replica, ingress_replicas, routing, load_factor,
     imbalance_threshold, kv_share; kv_bytes, host_bytes, max_num_seqs, kv_dtype (the engine)."""
-    known = {**_SPEC_ARGS, **_SETTINGS_ARGS, **_OPTION_ARGS, **_ENGINE_ARGS}
+    known = {**_SPEC_ARGS, **_WARM_ARGS, **_SETTINGS_ARGS, **_OPTION_ARGS, **_ENGINE_ARGS}
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise LazyRagError(f"Unknown argument(s) {', '.join(unknown)}; lazy-rag's application takes "
                            f"{', '.join(known)}.")
     given = {k: _convert(k, v, known[k]) for k, v in args.items() if v is not None}
     engine = EngineConfig().with_options(**{k: v for k, v in given.items() if k in _ENGINE_ARGS})
-    spec = EngineSpec(**{k: v for k, v in given.items() if k in _SPEC_ARGS}, engine_config=engine)
+    warm = read_warm_documents(given["warm_documents"]) if given.get("warm_documents") else ()
+    spec = EngineSpec(**{k: v for k, v in given.items() if k in _SPEC_ARGS}, engine_config=engine,
+                      warm_documents=warm)
     settings = ServerSettings(model_name=given.get("served_model_name") or spec.model_name,
                               api_key=given.get("api_key") or os.environ.get("LAZY_RAG_API_KEY") or None,
                               max_queue=given.get("max_queue", 64), max_body_bytes=given.get("max_body_bytes", 4 << 20),

@@ -137,7 +137,7 @@ def zipf_workload(tokenizer, seed: int, tag: str) -> list[list]:
             for _ in range(REQUESTS)]
 
 
-def pool_hit_ratio(engine, requests, policy: str, concurrency: int = 2) -> float:
+def pool_hit_ratio(engine, requests, policy: str, concurrency: int = 1) -> float:
     """Send ``requests`` through the engine deployment's router with ``policy``, ``concurrency`` at
     a time; the fraction of chunks that were in the chosen replica's pool."""
     from lazy_rag.server.scaleout.serve_driver import chunk_route
