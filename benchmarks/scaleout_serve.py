@@ -162,10 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=None, help="each replica's GPU pool (overrides --budget)")
     ap.add_argument("--host-gib", type=float, default=None, help="each replica's host tier (default: every document)")
     ap.add_argument("--cpus-per-replica", type=float, default=1.0)
-    ap.add_argument("--ingress-replicas", type=int, default=1,
-                    help="HTTP/tokenizing replicas; give the GPU run 2 (in server_load.py's GPU run, one process "
-                         "that parsed 64 streams of 5 x 2048-token documents and also stepped the engine "
-                         "reached 0.81x of the engine alone)")
+    ap.add_argument("--ingress-replicas", type=int, default=None,
+                    help="HTTP/tokenizing replicas (default: one per engine replica, as `lazy-rag serve` deploys); "
+                         "the GPU runs gave every point 2")
     ap.add_argument("--cold", action="store_true",
                     help="replicas start empty (by default each encodes every document into its host tier when it "
                          "starts, `lazy-rag serve --warm-documents`, as `lazy-rag bench` fills its host tier)")
@@ -222,7 +221,8 @@ def main(argv=None) -> int:
             "date": env["date"], "transport": "http",
             "warm_documents": 0 if args.cold else len(docs)}
     points = [(1, "single")] + [(n, p) for n in counts if n > 1 for p in policies]
-    cpus = max(os.cpu_count() or 1, int(counts[-1] * args.cpus_per_replica + args.ingress_replicas + 1))
+    ingress = args.ingress_replicas or counts[-1]  # the most any point deploys
+    cpus = max(os.cpu_count() or 1, int(counts[-1] * args.cpus_per_replica + ingress + 1))
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
             # single interpreter at its limit
             cpu = cores_by_group(cpu_before, process_cpu(), time.perf_counter() - t_load, ray_process_group(os.getpid()))
             serve.delete(APP_NAME)  # the next point starts with fresh replicas and empty pools
-            records.append({**base, "mode": policy, "replicas": n, "deploy_s": round(deploy_s, 1), **rec, **cpu})
+            records.append({**base, "mode": policy, "replicas": n, "deploy_s": round(deploy_s, 1),
+                            "ingress_replicas": options.ingress_count, **rec, **cpu})
             single = next(r for r in records if r["mode"] == "single")
             records[-1]["throughput_vs_1_replica"] = (round(rec["throughput_rps"] / single["throughput_rps"], 3)
                                                       if rec["throughput_rps"] and single["throughput_rps"] else None)

@@ -235,6 +235,9 @@ def serve(
                                                                 "cluster has GPUs and --device is not cpu, else 0)."),
     routing: str = typer.Option("affinity", help="Replica choice: affinity (by the request's chunks), or "
                                                  "round_robin / least_loaded to compare."),
+    ingress_replicas: Optional[int] = typer.Option(None, help="Replicas of the HTTP app in front of the engine "
+                                                              "replicas (parsing, tokenizing, retrieval, SSE); "
+                                                              "default one per engine replica."),
     kv_share: Optional[Path] = typer.Option(None, help="Folder every replica writes the KV it encodes to and reads "
                                                        "the others' from (default: INDEX_DIR/kv-replicas)."),
     warm_documents: Optional[Path] = typer.Option(None, help="A JSON list (or JSON Lines) of documents, as requests "
@@ -261,7 +264,7 @@ def serve(
                                   log_prompts=log_prompts, engine_process=engine_process)
         if scale_out:
             _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
-                            gpus_per_replica, routing, kv_share, drain_timeout)
+                            gpus_per_replica, routing, kv_share, drain_timeout, ingress_replicas)
             return
         app = create_app(spec, None, settings)  # loads the model (in the engine process) and the index
     except LazyRagError as e:
@@ -277,14 +280,15 @@ def serve(
 
 
 def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
-                    gpus_per_replica, routing, kv_share, drain_timeout) -> None:
+                    gpus_per_replica, routing, kv_share, drain_timeout, ingress_replicas) -> None:
     """`lazy-rag serve --replicas N` / `--ray-address ADDR`: the same app on Ray Serve."""
     from .server.ray_app import check_spec, serve_replicas
     from .server.scaleout.application import ScaleOutOptions
 
     options = ScaleOutOptions(replicas=1 if replicas is None else replicas, min_replicas=min_replicas,
                               max_replicas=max_replicas, gpus_per_replica=gpus_per_replica, routing=routing,
-                              kv_share=None if kv_share is None else str(kv_share), drain_timeout_s=drain_timeout)
+                              kv_share=None if kv_share is None else str(kv_share), drain_timeout_s=drain_timeout,
+                              ingress_replicas=ingress_replicas)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
                   markup=False, highlight=False)

@@ -53,9 +53,9 @@ def _convert(name: str, value, kind):
 
 def app_builder(args: dict):
     """The Serve application from ``serve run``'s ``key=value`` arguments or a config file's
-    ``args``: model, device, dtype, index_dir, warm_documents (a file); served_model_name, api_key (default: the
-    ``LAZY_RAG_API_KEY`` environment variable), max_queue, max_body_bytes, max_tokens, mode,
-    log_prompts; replicas, min_replicas, max_replicas, target_ongoing_requests,
+    ``args``: model, device, dtype, index_dir, warm_documents (a file's path); served_model_name,
+    api_key (default: the ``LAZY_RAG_API_KEY`` environment variable), max_queue, max_body_bytes,
+    max_tokens, mode, log_prompts; replicas, min_replicas, max_replicas, target_ongoing_requests,
     gpus_per_replica, cpus_per_replica, ingress_replicas, routing, load_factor,
     imbalance_threshold, kv_share; kv_bytes, host_bytes, max_num_seqs, kv_dtype (the engine)."""
     known = {**_SPEC_ARGS, **_WARM_ARGS, **_SETTINGS_ARGS, **_OPTION_ARGS, **_ENGINE_ARGS}
@@ -106,7 +106,7 @@ def serve_replicas(spec: EngineSpec, settings: ServerSettings, options, host: st
     if local:
         # logical CPUs for every replica's reservation (Ray would otherwise leave replicas
         # pending on a machine with fewer cores than replicas); the OS shares the real ones
-        want = options.most_replicas * options.cpus_per_replica + options.ingress_replicas * options.ingress_cpus
+        want = options.most_replicas * options.cpus_per_replica + options.ingress_count * options.ingress_cpus
         ray.init(num_cpus=max(os.cpu_count() or 1, int(want + 0.999)), include_dashboard=False,
                  configure_logging=False, log_to_driver=True)
     else:

@@ -51,8 +51,8 @@ def ray_app():
     # workload's 16 wrapped documents (4 pages each) beside the running requests' own pages, so
     # one replica cannot hold them all and two can between them
     spec = EngineSpec(model="smollm2", device="cpu", engine_config=EngineConfig(kv_bytes=40 * 16 * 46080))
-    options = ScaleOutOptions(replicas=2, cpus_per_replica=1, ingress_cpus=1, routing_stats_period_s=0.25,
-                              health_check_period_s=1.0, drain_timeout_s=2.0)
+    options = ScaleOutOptions(replicas=2, cpus_per_replica=1, ingress_replicas=1, ingress_cpus=1,
+                              routing_stats_period_s=0.25, health_check_period_s=1.0, drain_timeout_s=2.0)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(spec, ServerSettings(model_name="smollm2"), options), name=APP_NAME,
@@ -123,6 +123,17 @@ def test_answers_equal_the_single_process_server(ray_app, reference):
         answers.append((events[0][1], events[-1][1].text))
     assert answers[0][0] != answers[1][0] and answers[0][1] == answers[1][1]
     assert len(engine_pids(engine)) == 2
+
+
+def test_one_ingress_replica_per_engine_replica_unless_told():
+    from lazy_rag.errors import LazyRagError
+    from lazy_rag.server.scaleout.application import ScaleOutOptions
+
+    assert ScaleOutOptions(replicas=3).ingress_count == 3
+    assert ScaleOutOptions(min_replicas=0, max_replicas=8).ingress_count == 8
+    assert ScaleOutOptions(replicas=4, ingress_replicas=2).ingress_count == 2
+    with pytest.raises(LazyRagError, match="--ingress-replicas must be at least 1, got 0"):
+        ScaleOutOptions(ingress_replicas=0)
 
 
 def zipf_workload(tokenizer, seed: int, tag: str) -> list[list]:

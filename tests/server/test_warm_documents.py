@@ -49,12 +49,13 @@ def test_serve_refuses_a_missing_file_before_loading_anything(tmp_path):
     assert "Cannot read the warm documents file" in result.output and "Traceback" not in result.output
 
 
-def test_warmed_documents_are_served_from_cache_on_first_use(start_server, tmp_path):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "in-process"])
+def test_warmed_documents_are_served_from_cache_on_first_use(start_server, tmp_path, engine_process):
     path = tmp_path / "warm.json"
     path.write_text(json.dumps(WARM))
     spec = EngineSpec(model="smollm2", device="cpu", warm_documents=read_warm_documents(path),
                       engine_config=EngineConfig(kv_bytes=64 << 20))
-    server = start_server(spec, engine_process=False)
+    server = start_server(spec, engine_process=engine_process)
     warmed = [{"documents": WARM, "question": "When was the lighthouse completed?"}]
     rec, answers = asyncio.run(run_http(server.base_url, warmed, clients=1, max_tokens=2, model="smollm2"))
     assert rec["errors"] == 0 and answers[0]

@@ -44,7 +44,10 @@ class ScaleOutOptions:
     "round_robin" / "least_loaded" to measure against. ``kv_share``: the replicas' shared folder
     for KV they encode (None: ``<index>/kv-replicas``). ``drain_timeout_s``: how long a replica
     that is taken down (scaled in, redeployed, shut down) lets its requests finish.
-    ``engine_actor_options``: more
+    ``ingress_replicas``: replicas of the FastAPI app (parsing, tokenizing, retrieval, SSE); None
+    is one per engine replica (the most, when autoscaled): on two H100s, two engine replicas at 88
+    req/s kept two ingress replicas at 1.1-1.2 cores each (BENCHMARKS.md, "Scale-out"), more than
+    one Python process gives. ``engine_actor_options``: more
     ``ray_actor_options`` for the engine replicas (``runtime_env``, ``accelerator_type``, ...)."""
 
     replicas: int = 1
@@ -53,7 +56,7 @@ class ScaleOutOptions:
     target_ongoing_requests: float = 16.0
     gpus_per_replica: float | None = None
     cpus_per_replica: float = 1.0
-    ingress_replicas: int = 1
+    ingress_replicas: int | None = None
     ingress_cpus: float = 1.0
     routing: str = "affinity"
     load_factor: float = AffinitySettings.load_factor
@@ -74,8 +77,8 @@ class ScaleOutOptions:
                                f"got {self.min_replicas} and {self.max_replicas}.")
         if self.routing not in POLICIES:
             raise LazyRagError(f"Unknown routing {self.routing!r}; choose one of {', '.join(POLICIES)}.")
-        if self.ingress_replicas < 1:
-            raise LazyRagError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
+        if self.ingress_replicas is not None and self.ingress_replicas < 1:
+            raise LazyRagError(f"--ingress-replicas must be at least 1, got {self.ingress_replicas}.")
         AffinitySettings(self.load_factor, self.imbalance_threshold)  # checks them
 
     @property
@@ -85,6 +88,10 @@ class ScaleOutOptions:
     @property
     def most_replicas(self) -> int:
         return self.max_replicas if self.autoscaling else self.replicas
+
+    @property
+    def ingress_count(self) -> int:
+        return self.ingress_replicas if self.ingress_replicas is not None else max(1, self.most_replicas)
 
 
 class LazyRagIngress:
@@ -140,7 +147,7 @@ def build_application(spec: EngineSpec, settings: ServerSettings, options: Scale
         health_check_period_s=options.health_check_period_s, graceful_shutdown_timeout_s=options.drain_timeout_s,
         graceful_shutdown_wait_loop_s=0.5, **scaling)
     ingress = serve.deployment(
-        serve.ingress()(LazyRagIngress), name=INGRESS_DEPLOYMENT, num_replicas=options.ingress_replicas,
+        serve.ingress()(LazyRagIngress), name=INGRESS_DEPLOYMENT, num_replicas=options.ingress_count,
         ray_actor_options=_actor_options({"num_cpus": options.ingress_cpus}, {}),
         max_ongoing_requests=settings.max_queue * options.most_replicas,
         graceful_shutdown_timeout_s=options.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5)
