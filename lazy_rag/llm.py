@@ -12,7 +12,7 @@ import torch
 from .engine import Engine, EngineConfig
 from .model_host import ModelHost
 from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery
-from .segments import PromptLayout, Segment
+from .segments import Chunk, PromptLayout, Segment, chunk_token_ids
 from .store import ChunkKV
 
 
@@ -137,19 +137,22 @@ class LazyLLM:
         --warm-documents``) serves their first requests from cache. Returns the tokens encoded."""
         source, pool = self.default_source, self.engine.pool
         with self.lock:  # the tokenizer is not safe to share between threads
-            ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+            ids = [list(chunk_token_ids(self.tokenizer, Chunk(t))) for t in texts]  # as assemble() does
         slots = len(self.host.wrap_chunk([], source.wrapper))
         # a forward's chunks hold their pages at once: up to half the pool per call, so that the
-        # chunks cached before are evicted to the host tier to make room (and the host copies
-        # each call returns stay few)
+        # chunks cached before are evicted to the host tier to make room
         room = max(1, pool.num_pages // 2)
         batch: list[list[int]] = []
-        for i, chunk in enumerate(ids):
-            batch.append(chunk)
-            pages = sum(pool.pages_for(len(c) + slots) for c in batch)
-            if i + 1 == len(ids) or pages + pool.pages_for(len(ids[i + 1]) + slots) > room:
+        pages = 0
+        for chunk in ids:
+            need = pool.pages_for(len(chunk) + slots)
+            if batch and pages + need > room:
                 self.engine.encode_chunks(batch, source.shared_prefix_ids, source.wrapper)
-                batch = []
+                batch, pages = [], 0
+            batch.append(chunk)
+            pages += need
+        if batch:
+            self.engine.encode_chunks(batch, source.shared_prefix_ids, source.wrapper)
         return sum(map(len, ids))
 
     def stats(self) -> dict:

@@ -148,33 +148,18 @@ def zipf_workload(tokenizer, seed: int, tag: str) -> list[list]:
             for _ in range(REQUESTS)]
 
 
-def pool_hit_ratio(engine, requests, policy: str, concurrency: int = 1) -> float:
-    """Send ``requests`` through the engine deployment's router with ``policy``, ``concurrency`` at
-    a time; the fraction of chunks that were in the chosen replica's pool."""
+def pool_hit_ratio(engine, requests, policy: str) -> float:
+    """Send ``requests`` through the engine deployment's router with ``policy``, one at a time (two
+    in flight made the comparison depend on timing); the fraction of chunks that were in the chosen
+    replica's pool."""
     from lazy_rag.server.scaleout.serve_driver import chunk_route
 
     served = []
-    lock = threading.Lock()
-    todo = list(enumerate(requests))
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                _, segments = todo.pop(0)
-            events = list(engine.options(stream=True).generate.remote(
-                chunk_route(segments, policy), segments, False, {"max_new_tokens": 1, "temperature": 0.0}))
-            assert events[-1][0] == "done", events[-1]
-            with lock:
-                served.append(events[-1][1].stats.chunk_sources)
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(served) == len(requests)
+    for segments in requests:
+        events = list(engine.options(stream=True).generate.remote(
+            chunk_route(segments, policy), segments, False, {"max_new_tokens": 1, "temperature": 0.0}))
+        assert events[-1][0] == "done", events[-1]
+        served.append(events[-1][1].stats.chunk_sources)
     pool = sum(s.get("pool", 0) for s in served)
     return pool / sum(sum(s.values()) for s in served)
 
