@@ -588,26 +588,44 @@ def fp8_token_bytes(shape):
     return 2 * shape.HKV * (shape.D + 2)
 
 
-def add_pair(rec, base, times, nbytes, flops):
-    """The bf16 and fp8 records of one case, the fp8 one with its bandwidth and speed relative to
-    bf16's. times: {kv_dtype: (t_us, timer)}; nbytes: {kv_dtype: bytes read}."""
-    for kv_dtype in ("bf16", "fp8"):
-        t, timer = times[kv_dtype]
+def add_pair(rec, base, times, nbytes, flops, reports=None):
+    """The bf16 and fp8 records of one case, each fp8 one with its bandwidth and speed relative
+    to bf16's. times: {kv_dtype: (t_us, timer)}, "bf16" first, then the fp8 variants in their
+    timing order ("fp8": V pages keys-major as the engine's pool lays them out;
+    "fp8_dims_major": V dims-major, the layout before); nbytes: {"bf16" / "fp8": bytes read};
+    reports: {kv_dtype: compiled-kernel report}, default the last kernel's for the one fp8."""
+    for kv_dtype, (t, timer) in times.items():
+        fp8 = kv_dtype != "bf16"
         extra = {}
-        if kv_dtype == "fp8":
+        if fp8:
             tb = times["bf16"][0]
-            extra = dict(bw_vs_bf16=round((nbytes["fp8"] / t) / (nbytes["bf16"] / tb), 3),
-                         speedup_vs_bf16=round(tb / t, 3))
-        rec.add(dict(base, kv_dtype=kv_dtype), t, timer, nbytes[kv_dtype], flops, **extra,
-                **(kernel_report() if kv_dtype == "fp8" else {}))
+            nb = nbytes["fp8"]
+            extra = dict(bw_vs_bf16=round((nb / t) / (nbytes["bf16"] / tb), 3),
+                         speedup_vs_bf16=round(tb / t, 3),
+                         v_layout="dims_major" if kv_dtype == "fp8_dims_major" else "keys_major",
+                         **((reports or {}).get(kv_dtype) or (kernel_report() if not reports else {})))
+        rec.add(dict(base, kv_dtype="fp8" if fp8 else kv_dtype), t, timer,
+                nbytes["fp8" if fp8 else "bf16"], flops, **extra)
 
 
-def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
+# fp8 decode tuning variants (--sweep with --only fp8): an fp8 tile holds half a bf16 tile's
+# bytes, so the bytes in flight per SM that hide the memory latency need longer tiles, more
+# stages or more programs per SM than bf16's defaults (block_n 128, 4 warps, 3 stages, 2
+# programs per SM)
+FP8_DECODE_TUNING = [dict(block_n=bn, num_warps=w, num_stages=st, split_target=sp)
+                     for bn, w, st, sp in ((128, 4, 4, 2), (128, 4, 3, 4), (128, 4, 4, 4),
+                                           (128, 4, 6, 4), (256, 4, 3, 2), (256, 8, 3, 2),
+                                           (256, 8, 4, 2), (256, 4, 3, 4), (64, 4, 6, 4),
+                                           (128, 8, 4, 4))]
+
+
+def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, sweep=False):
     """decode_fp8 (private permuted pages, as `decode`), prefill_fp8 (the shared 10k case, runs
-    kernel) and write_fp8, each bf16 against fp8 on the same values."""
+    kernel) and write_fp8, each bf16 against fp8 on the same values. sweep: also decode_fp8_sweep
+    records, the keys-major fp8 decode under FP8_DECODE_TUNING's variants."""
     import torch
 
-    from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill, write_kv
+    from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill, to_keys_major, write_kv
 
     H, D = shape.H, shape.D
     q_io = lambda n: 2 * n * H * D * shape.elem_bytes  # noqa: E731  (q read, out written)
@@ -615,22 +633,34 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
         for T in ctxs:
             kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = decode_inputs(shape, B, T)
             (k8, ks), (v8, vs) = quantize_pool(k_pages), quantize_pool(v_pages)
+            v8_keys = to_keys_major(v8)
             outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype) for _ in range(n_sets)]
-            times = {}
+            times, reports = {}, {}
+            fp8 = dict(k_scale=ks, v_scale=vs)
             for kv_dtype, pages, scales in (("bf16", (k_pages, v_pages), {}),
-                                            ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs))):
+                                            ("fp8", (k8, v8_keys), fp8),
+                                            ("fp8_dims_major", (k8, v8), fp8)):
                 times[kv_dtype] = bench(each(partial(
                     lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
                     rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)), n_sets)
-                if kv_dtype == "bf16":
-                    bf16_report = kernel_report()
+                reports[kv_dtype] = kernel_report()
+            bf16_report = reports.pop("bf16")
             base = dict(benchmark="decode_fp8", batch=B, context=T, page_size=PAGE,
                         n_sets=n_sets, case=f"B{B} x {T // 1024}k", mode="lazy",
                         rope_mode="rotate_q", bf16_kernel=json.dumps(bf16_report))
-            add_pair(rec, base, times, {"bf16": kv_bytes + q_io(B),
-                                        "fp8": B * T * fp8_token_bytes(shape) + q_io(B)},
-                     4 * B * H * T * D)
-            del k_pages, v_pages, k8, v8, ks, vs
+            nbytes = {"bf16": kv_bytes + q_io(B), "fp8": B * T * fp8_token_bytes(shape) + q_io(B)}
+            add_pair(rec, base, times, nbytes, 4 * B * H * T * D, reports)
+            for tun in FP8_DECODE_TUNING if sweep else ():
+                t, timer = bench(each(partial(
+                    lazy_decode, qs[i], k8, v8_keys, tables[i], q_pos, shape.inv_freq,
+                    rope_mode="rotate_q", out=outs[i], k_scale=ks, v_scale=vs, **tun)
+                    for i in range(n_sets)), n_sets)
+                rec.add(dict(base, benchmark="decode_fp8_sweep", kv_dtype="fp8",
+                             v_layout="keys_major", **tun), t, timer, nbytes["fp8"],
+                        4 * B * H * T * D, bw_vs_bf16=round(
+                            (nbytes["fp8"] / t) / (nbytes["bf16"] / times["bf16"][0]), 3),
+                        **kernel_report())
+            del k_pages, v_pages, k8, v8, v8_keys, ks, vs
             torch.cuda.empty_cache()
     for B in prefill_batches:
         for n_new in news:
@@ -638,21 +668,25 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
             cached = case.T - n_new
             q, qo, q_pos, flops = prefill_inputs(shape, B, n_new, cached)
             (k8, ks), (v8, vs) = quantize_pool(case.k_pages), quantize_pool(case.v_pages)
+            v8_keys = to_keys_major(v8)
             plan = plan_prefill(qo.cpu(), H, shape.HKV, DEVICE)
             o = torch.empty_like(q)
-            times = {}
+            times, reports = {}, {}
+            fp8 = dict(k_scale=ks, v_scale=vs)
             for kv_dtype, pages, scales in (("bf16", (case.k_pages, case.v_pages), {}),
-                                            ("fp8", (k8, v8), dict(k_scale=ks, v_scale=vs))):
+                                            ("fp8", (k8, v8_keys), fp8),
+                                            ("fp8_dims_major", (k8, v8), fp8)):
                 times[kv_dtype] = bench(partial(lazy_prefill, q, qo, q_pos, *pages, case.table,
                                                 shape.inv_freq, rope_mode="rotate_q", plan=plan,
                                                 out=o, **scales))
+                reports[kv_dtype] = kernel_report()
             base = dict(benchmark="prefill_fp8", batch=B, new_tokens=n_new, cached_tokens=cached,
                         page_size=PAGE, case=f"B{B} +{n_new} / 10k", mode="lazy_runs",
                         rope_mode="rotate_q", kernel="runs")
             add_pair(rec, base, times, {"bf16": B * case.T * shape.token_kv_bytes + q_io(B * n_new),
                                         "fp8": B * case.T * fp8_token_bytes(shape)
-                                        + q_io(B * n_new)}, flops)
-            del case, k8, v8, ks, vs
+                                        + q_io(B * n_new)}, flops, reports)
+            del case, k8, v8, v8_keys, ks, vs
             torch.cuda.empty_cache()
     # one layer's write of a step's new tokens (decode batch 32; a 4096-token append)
     num_pages = 4096
@@ -663,14 +697,16 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng):
         page, slot = slots // PAGE, slots % PAGE
         kp, vp = new_pool(shape, num_pages)
         (k8, ks), (v8, vs) = quantize_pool(kp), quantize_pool(vp)
+        v8_keys = to_keys_major(v8)
         times = {"bf16": bench(partial(write_kv, kp, vp, None, None, page, slot, k, v)),
-                 "fp8": bench(partial(write_kv, k8, v8, ks, vs, page, slot, k, v))}
+                 "fp8": bench(partial(write_kv, k8, v8_keys, ks, vs, page, slot, k, v)),
+                 "fp8_dims_major": bench(partial(write_kv, k8, v8, ks, vs, page, slot, k, v))}
         base = dict(benchmark="write_fp8", new_tokens=n, page_size=PAGE, case=f"{n} tokens",
                     mode="write", rope_mode="")
         add_pair(rec, base, times, {"bf16": 2 * n * shape.token_kv_bytes,
                                     "fp8": n * shape.token_kv_bytes + n * fp8_token_bytes(shape)},
                  0)
-        del kp, vp, k8, v8, ks, vs
+        del kp, vp, k8, v8, v8_keys, ks, vs
         torch.cuda.empty_cache()
 
 
@@ -679,7 +715,8 @@ def check_fp8_once(shape):
     import numpy as np
     import torch
 
-    from lazy_rag.kernels import dequantize_rows, lazy_decode, lazy_prefill, paged_attention_ref
+    from lazy_rag.kernels import (dequantize_rows, lazy_decode, lazy_prefill, paged_attention_ref,
+                                  to_keys_major)
 
     rng = np.random.default_rng(2)
     case = SharedCase(shape, 2, 40, rng, n_chunks=6, per_seq=2, q_tokens=0)
@@ -688,12 +725,14 @@ def check_fp8_once(shape):
     deq = dequantize_rows(k8, ks), dequantize_rows(v8, vs)
     r = paged_attention_ref(q, qo, q_pos, *deq, case.table, shape.inv_freq, "rotate_q",
                             compute_dtype=torch.float64)
-    o = lazy_prefill(q, qo, q_pos, k8, v8, case.table, shape.inv_freq, k_scale=ks, v_scale=vs)
-    errs = {"prefill": ((o.double() - r).abs().max() / r.abs().max()).item()}
+    errs = {}
     last = qo[1:].long() - 1
-    od = lazy_decode(q[last].contiguous(), k8, v8, case.table, q_pos[last], shape.inv_freq,
-                     k_scale=ks, v_scale=vs)
-    errs["decode"] = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
+    for layout, v in (("", v8), ("_keys_major", to_keys_major(v8))):
+        o = lazy_prefill(q, qo, q_pos, k8, v, case.table, shape.inv_freq, k_scale=ks, v_scale=vs)
+        errs["prefill" + layout] = ((o.double() - r).abs().max() / r.abs().max()).item()
+        od = lazy_decode(q[last].contiguous(), k8, v, case.table, q_pos[last], shape.inv_freq,
+                         k_scale=ks, v_scale=vs)
+        errs["decode" + layout] = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
     return {k: float(f"{e:.3g}") for k, e in errs.items()}
 
 
@@ -770,7 +809,7 @@ def main(argv=None):
           check_fp8_once(shape), flush=True)
     rec = Recorder(env)
     t0 = time.time()
-    if args.sweep:
+    if args.sweep and args.only != "fp8":     # fp8's own sweep runs inside fp8_cases
         sweep(shape, rec, rng, args.sweep)
     quick = args.quick
     if args.only == "shared":
@@ -778,7 +817,8 @@ def main(argv=None):
                             tuning_sets=[{}] + SHARED_TUNING)
     if args.only in (None, "fp8"):
         fp8_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
-                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng)
+                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
+                  sweep=bool(args.sweep) and args.only == "fp8")
     if args.only in (None, "decode"):
         decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
                      [8192] if quick else [2048, 8192, 32768])

@@ -1,7 +1,7 @@
 """Offline sm_90 compile of the attention kernels' benchmark configurations, bf16 and fp8 pages:
 instruction counts of the KV loop (PTX and SASS), registers and spills. No GPU needed.
 
-    python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill]
+    python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill] [--v-dims-major]
 
 The launchers (paged_attention.launch, prefill_runs.launch_runs) are called on small CPU tensors
 of the benchmark's shape (Llama-3.1-8B attention: H 32, Hkv 8, d 128, page 64; the strides, and so
@@ -42,8 +42,10 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from lazy_rag.kernels import PageTable, paged_attention, prefill_runs  # noqa: E402
 from lazy_rag.kernels.kv_quant import quantize_rows  # noqa: E402
+from lazy_rag.kernels.v_layout import to_keys_major  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 64
+V_KEYS_MAJOR = True     # fp8 V pages as the pool lays them out; --v-dims-major: the layout before
 NUM_SMS = 132
 
 
@@ -81,6 +83,8 @@ def pool(num_pages: int, fp8: bool):
     if not fp8:
         return kp, vp, {}
     (k8, ks), (v8, vs) = quantize_rows(kp), quantize_rows(vp)
+    if V_KEYS_MAJOR:    # the engine's fp8 pool layout (kernels/v_layout.py)
+        v8 = to_keys_major(v8)
     return k8, v8, dict(k_scale=ks, v_scale=vs)
 
 
@@ -235,7 +239,11 @@ def main():
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     ap.add_argument("--cases", default=None, help="comma-separated case names (substring match)")
     ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--v-dims-major", action="store_true",
+                    help="fp8 V pages dims-major (the layout before the pool's keys-major one)")
     args = ap.parse_args()
+    global V_KEYS_MAJOR
+    V_KEYS_MAJOR = not args.v_dims_major
     paged_attention._num_sms = lambda device: NUM_SMS
     # the split merge is not compiled (not the subject; a launch would need a driver)
     paged_attention.merge_splits = prefill_runs.merge_splits = lambda *a, **k: None

@@ -40,6 +40,9 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
     FP8, quantize_rows, dequantize_rows, write_kv   the quantisation rule (per-token scale
                                     fp16(amax / 448), row quantised with the rounded scale) and
                                     the fused quantise-and-write of new tokens into a layer's pages
+    new_v_pages, to_keys_major, keys_major   V pages keys-major (v_layout.py): the fp8 pool's
+                                    layout, which every kernel reads and writes (a transposed
+                                    view: indexing and shapes as usual)
     paged_attention_ref / block_gather_rotate_ref   torch references (also the CPU path);
                                     paged_attention_ref(..., return_lse=True) -> (out, lse)
     apply_rope, rope_cos_sin, rotate                RoPE helpers (transformers' rotate_half)
@@ -56,11 +59,12 @@ from .page_table import (DEFAULT_ROPE_MODE, HIDDEN_POS, ROPE_MODES, PageTable, i
 from .prefill import PrefillPlan, lazy_prefill, plan_prefill
 from .reference import block_gather_rotate_ref, copy_rotate_run_ref, paged_attention_ref
 from .rope import apply_rope, rope_cos_sin, rotate
+from .v_layout import keys_major, new_v_pages, to_keys_major
 
 __all__ = [
     "PageTable", "ROPE_MODES", "DEFAULT_ROPE_MODE", "HIDDEN_POS", "lazy_decode", "lazy_prefill",
     "plan_prefill", "PrefillPlan", "block_gather_rotate", "block_attention_decode",
     "paged_attention_ref", "block_gather_rotate_ref", "copy_rotate_run", "copy_rotate_run_ref",
     "apply_rope", "rope_cos_sin", "rotate", "interpreting", "use_triton", "FP8", "quantize_rows",
-    "dequantize_rows", "write_kv",
+    "dequantize_rows", "write_kv", "keys_major", "new_v_pages", "to_keys_major",
 ]

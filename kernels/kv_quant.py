@@ -124,6 +124,7 @@ def quantize(x, scale, SOFT_ROUND: tl.constexpr):
 @triton.jit
 def _write_kv_kernel(K, V, stride_kt, stride_kh, stride_vt, stride_vh,
                      KP, VP, stride_pp, stride_ph, stride_pt,
+                     stride_vpp, stride_vph, stride_vpt, stride_vpd,
                      KS, VS, stride_sp, stride_sh,
                      PAGE_OF, SLOT_OF, D: tl.constexpr, DP: tl.constexpr,
                      SOFT_FP8: tl.constexpr):
@@ -141,7 +142,8 @@ def _write_kv_kernel(K, V, stride_kt, stride_kh, stride_vt, stride_vh,
     tl.store(KS + s_off, ks.to(tl.float16))
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0).to(tl.float32)
     vs = quant_scale(tl.max(tl.abs(v), axis=0))
-    tl.store(VP + dst, quantize(v, vs, SOFT_FP8), mask=ok)
+    v_dst = page * stride_vpp + h * stride_vph + slot * stride_vpt + d * stride_vpd
+    tl.store(VP + v_dst, quantize(v, vs, SOFT_FP8), mask=ok)
     tl.store(VS + s_off, vs.to(tl.float16))
 
 
@@ -172,11 +174,12 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale: torch.Tensor
     if n == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pages.stride(-1) == 1
-    assert k_pages.stride() == v_pages.stride() and k_scale.stride() == v_scale.stride()
+    assert k_scale.stride() == v_scale.stride()   # V pages: either layout (v_layout.py)
     soft = interpreting() and not k.is_cuda
     meta = {} if soft else {"num_warps": 1}
     _write_kv_kernel[(n, H)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              k_pages, v_pages, k_pages.stride(0), k_pages.stride(1),
-                             k_pages.stride(2), k_scale, v_scale, k_scale.stride(0),
+                             k_pages.stride(2), *v_pages.stride(), k_scale, v_scale,
+                             k_scale.stride(0),
                              k_scale.stride(1), page, slot, D=D, DP=triton.next_power_of_2(D),
                              SOFT_FP8=soft, **meta)

@@ -9,7 +9,7 @@ a page boundary of the request's run). Bytes moved: the chunk's KV read once and
 the floor for a materialised copy.
 
 Pool layout: ``k, v [num_layers, num_pages, num_kv_heads, page_size, head_dim]`` (engine
-``PagePool``), head_dim contiguous.
+``PagePool``), k head_dim contiguous; v either so or keys-major (an fp8 pool: v_layout.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .reference import copy_rotate_run_ref
 
 
 @triton.jit
-def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot, shift, INV_FREQ,
+def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, v_l, v_p, v_h, v_t, v_d, SRC, DST, n_tokens, first_slot, shift, INV_FREQ,
                         NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
                         KS=None, VS=None, ss_l=None, ss_p=None, ss_h=None,
                         KV_FP8: tl.constexpr = False, SOFT_FP8: tl.constexpr = False):
@@ -65,10 +65,15 @@ def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, SRC, DST, n_tokens, first_slot
     else:
         tl.store(K + d_off + dh[None, :], (k1 * c - k2 * s).to(K.dtype.element_ty), mask=m)
         tl.store(K + d_off + HALF + dh[None, :], (k2 * c + k1 * s).to(K.dtype.element_ty), mask=m)
-    v1 = tl.load(V + s_off + dh[None, :], mask=m, other=0.0)
-    v2 = tl.load(V + s_off + HALF + dh[None, :], mask=m, other=0.0)
-    tl.store(V + d_off + dh[None, :], v1, mask=m)
-    tl.store(V + d_off + HALF + dh[None, :], v2, mask=m)
+    # values in the V pages' own layout (dims- or keys-major: v_layout.py)
+    v_base = layer * v_l + head * v_h
+    vs_off = v_base + src * v_p + slot.to(tl.int64)[:, None] * v_t + dh[None, :] * v_d
+    vd_off = v_base + dst[:, None] * v_p + (d % PAGE).to(tl.int64)[:, None] * v_t \
+        + dh[None, :] * v_d
+    v1 = tl.load(V + vs_off, mask=m, other=0.0)
+    v2 = tl.load(V + vs_off + HALF * v_d, mask=m, other=0.0)
+    tl.store(V + vd_off, v1, mask=m)
+    tl.store(V + vd_off + HALF * v_d, v2, mask=m)
 
 
 def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
@@ -92,7 +97,7 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
                             k_scale, v_scale)
         return
     L, _, H, page, D = k.shape
-    assert k.stride(-1) == 1 and v.stride() == k.stride() and D % 2 == 0
+    assert k.stride(-1) == 1 and D % 2 == 0
     assert page & (page - 1) == 0 and (D // 2) & (D // 2 - 1) == 0, "page and head_dim/2: powers of 2"
     if n_tokens <= 0:
         return
@@ -104,7 +109,7 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
         scaled = dict(KS=k_scale, VS=v_scale, ss_l=k_scale.stride(0), ss_p=k_scale.stride(1),
                       ss_h=k_scale.stride(2), KV_FP8=True,
                       SOFT_FP8=interpreting() and not k.is_cuda)
-    _copy_rotate_kernel[grid](k, v, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+    _copy_rotate_kernel[grid](k, v, k.stride(0), k.stride(1), k.stride(2), k.stride(3), *v.stride(),
                               src_pages, dst_pages, n_tokens, first_slot, float(shift),
                               inv_freq.to(device=k.device, dtype=torch.float32),
                               NUM_HEADS=H, PAGE=page, HALF=D // 2, **scaled, **meta)

@@ -66,6 +66,7 @@ import triton.language as tl
 from .kv_quant import check_scales
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .rope import cos_sin
+from .v_layout import load_v, v_args
 
 # ln 2: the kernels keep log-sum-exps in base 2 (exp2 / log2); the returned lse is natural-log.
 LN2 = tl.constexpr(0.6931471805599453)
@@ -159,7 +160,7 @@ def _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh,
 @triton.jit
 def _paged_attn_kernel(
     Q, stride_qt, stride_qh,
-    K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+    K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_vd,
     INDPTR, PAGE_IDS, PAGE_POS, PAGE_LEN, ROT_SHIFT, SLOT_POS_ROW, SLOT_POS, stride_sp,
     TILE_SEQ, TILE_Q0, QO_INDPTR, QPOS,
     INV_FREQ, rope_scale, qk_scale_log2,
@@ -174,7 +175,7 @@ def _paged_attn_kernel(
     WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-    QK_F16: tl.constexpr = False,
+    QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -239,8 +240,6 @@ def _paged_attn_kernel(
             kpos = tl.where(explicit, xpos, kpos)
             k_ok = k_ok & (kpos != 2147483647)
         k_base = pid.to(tl.int64)[:, None] * stride_kp + off[:, None] * stride_kt + dh[None, :]
-        v_base = pid.to(tl.int64)[:, None] * stride_vp + off[:, None] * stride_vt \
-            + dfull[None, :]
 
         if ROPE_MODE == 1:
             # cos/sin of the tile's keys: once per key and frequency, shared by the G query
@@ -310,7 +309,8 @@ def _paged_attn_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(V + v_base + kvh * stride_vh, mask=k_ok[:, None], other=0.0)
+        v = load_v(V + kvh * stride_vh, pid, off, stride_vp, stride_vt, stride_vd, e_ok, k_ok,
+                   2 * HALF, PAGE, V_KEYS_MAJOR)
         if KV_FP8:
             vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
                          mask=k_ok, other=0.0).to(tl.float32)
@@ -454,7 +454,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
-    assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
     mode = rope_mode_code(rope_mode, table)
     scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale,
                       qk_f16 if qk_f16 is not None else mode != ROPE_MODES["rotate_k"])
@@ -486,7 +486,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     LAST_KERNEL = _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_args(v_pages)["stride_vd"],
         table.indptr, table.page_ids, table.page_pos, table.page_len, rot,
         slot_row, slot_pos, stride_sp,
         tile_seq, tile_q0, qo_indptr, q_pos,
@@ -497,7 +497,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
-        WRITE_LSE=return_lse and direct, **scaled, **meta,
+        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_args(v_pages)["V_KEYS_MAJOR"],
+        **scaled, **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

@@ -56,6 +56,7 @@ from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,
                               split_outputs)
 from .rope import cos_sin
+from .v_layout import load_v, v_args
 
 BIG = tl.constexpr(2147483647)   # int32 max: "no such entry" for min-reductions
 SCAN = 64                        # entries per step of the run-end scan (a 2048-token chunk at
@@ -169,20 +170,20 @@ def _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh, zero, s0, INV_
 
 @triton.jit
 def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr, stride_vp,
-            stride_vt: tl.constexpr,
+            stride_vt: tl.constexpr, stride_vd: tl.constexpr,
             PAGE_IDS, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
             e_a, e_b, D: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
             HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
             stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-            PV_DTYPE: tl.constexpr = None):
+            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
     hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
     guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
     KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
     paged_attention._scaled_pv, in PV_DTYPE (None: qr's dtype; the compute dtype where qr is fp16
-    for the QK dot, QK_F16)."""
+    for the QK dot, QK_F16). V_KEYS_MAJOR: V pages keys-major (v_layout.py)."""
     dtype = qr.dtype
     if PV_DTYPE is None:
         pv_dtype = dtype
@@ -209,10 +210,12 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
         k_ok = e_ok & (off < plen)
         if PPT == 1:
             k_ptr = K_h + pid * stride_kp + off[:, None] * stride_kt + d[None, :]
-            v_ptr = V_h + pid * stride_vp + off[:, None] * stride_vt + d[None, :]
+            if not V_KEYS_MAJOR:
+                v_ptr = V_h + pid * stride_vp + off[:, None] * stride_vt + d[None, :]
         else:
             k_ptr = K_h + pid[:, None] * stride_kp + off[:, None] * stride_kt + d[None, :]
-            v_ptr = V_h + pid[:, None] * stride_vp + off[:, None] * stride_vt + d[None, :]
+            if not V_KEYS_MAJOR:
+                v_ptr = V_h + pid[:, None] * stride_vp + off[:, None] * stride_vt + d[None, :]
         if MASKED:
             if PPT == 1:
                 kpos = tl.load(PAGE_POS + e) + off
@@ -248,7 +251,11 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)
+        if V_KEYS_MAJOR:
+            v = load_v(V_h, pid + tl.zeros_like(off), off, stride_vp, stride_vt, stride_vd,
+                       e_ok, k_ok, D, PAGE, True)
+        else:
+            v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)
         if KV_FP8:
             vs = tl.load(VS_h + pid * stride_vsp + off, mask=k_ok, other=0.0).to(tl.float32)
             pv, v = _scaled_pv(p, v, vs, pv_dtype, SCALE_V_TILE)
@@ -263,7 +270,7 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
 def _prefill_runs_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt: tl.constexpr, stride_vp, stride_vh,
-    stride_vt: tl.constexpr,
+    stride_vt: tl.constexpr, stride_vd: tl.constexpr,
     INDPTR, PAGE_IDS, PAGE_POS, PAGE_LEN, ROT_SHIFT, SLOT_POS_ROW, SLOT_POS, stride_sp,
     TILE_SEQ, TILE_Q0, QO_INDPTR, QPOS,
     INV_FREQ, rope_scale, qk_scale_log2,
@@ -278,7 +285,7 @@ def _prefill_runs_kernel(
     ROTATE_BY_TOKEN: tl.constexpr, WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-    QK_F16: tl.constexpr = False,
+    QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -344,16 +351,17 @@ def _prefill_runs_kernel(
                                 ROWS, D, qk_dtype, FAST_TRIG, ROTATE_BY_TOKEN, q_mul, QK_F16)
         if not HAS_SLOT_POS:
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
-                                    stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
-                                    SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, e, mid,
-                                    D, PAGE, PPT, BLOCK_N, DOT_PREC, False, HAS_SLOT_POS,
-                                    KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE,
-                                    dtype)
+                                    stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS,
+                                    PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
+                                    e, mid, D, PAGE, PPT, BLOCK_N, DOT_PREC, False,
+                                    HAS_SLOT_POS, KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8,
+                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
-                                stride_vp, stride_vt, PAGE_IDS, PAGE_POS, PAGE_LEN,
+                                stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
-                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype)
+                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype,
+                                V_KEYS_MAJOR)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -399,7 +407,8 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert D & (D - 1) == 0, "head_dim a power of two"
-    assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
+    v_layout = v_args(v_pages)
     scaled = paged_attention.fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16)
     assert q_rotation in ("token", "row"), q_rotation
     mode = rope_mode_code(rope_mode, table)
@@ -430,7 +439,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     paged_attention.LAST_KERNEL = _prefill_runs_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],
         table.indptr, table.page_ids, table.page_pos, table.page_len, rot,
         slot_row, slot_pos, stride_sp,
         tile_seq, tile_q0, qo_indptr, q_pos,
@@ -442,7 +451,8 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         ROTATE_Q=rotate_q, FAST_TRIG=not interp, DIRECT=direct,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SLOT_POS=table.has_slot_pos, SCAN=SCAN, ROTATE_BY_TOKEN=q_rotation == "token",
-        WRITE_LSE=return_lse and direct, **scaled, **meta,
+        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
+        **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

@@ -52,6 +52,7 @@ import triton.language as tl
 from .decode import copy_into, lazy_decode
 from .page_table import PageTable, interpreting, use_triton
 from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_count
+from .v_layout import load_v, v_args
 from .reference import paged_attention_ref
 
 
@@ -164,7 +165,7 @@ class SharedChunks:
 @triton.jit
 def _shared_chunk_kernel(
     Q, stride_qt, stride_qh,
-    K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+    K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_vd,
     CHUNK_INDPTR, CHUNK_PAGES, CHUNK_LEN, TILE_CHUNK, TILE_PAIR0, TILE_PAIRS, PAIR_SEQ, PAIR_SHIFT, QPOS,
     INV_FREQ, rope_scale, qk_scale_log2,
     PO, stride_pop, stride_pos, stride_poh, LSE, stride_lp, stride_ls,
@@ -173,6 +174,7 @@ def _shared_chunk_kernel(
     PPT: tl.constexpr, BLOCK_N: tl.constexpr, FAST_TRIG: tl.constexpr, DOT_PREC: tl.constexpr,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None, stride_vsh=None,
     KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False, QK_F16: tl.constexpr = False,
+    V_KEYS_MAJOR: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -216,8 +218,9 @@ def _shared_chunk_kernel(
         for tt in range(t_lo, t_hi):
             e = e_start + tt * PPT + slot
             tok = (tt * PPT + slot) * PAGE + off
-            k_ok = (slot < PPT) & (e < e_end) & (tok < c_len)
-            pid = tl.load(CHUNK_PAGES + e, mask=k_ok, other=0)
+            e_ok = (slot < PPT) & (e < e_end)
+            k_ok = e_ok & (tok < c_len)
+            pid = tl.load(CHUNK_PAGES + e, mask=e_ok, other=0)
             k_base = pid.to(tl.int64)[:, None] * stride_kp + off[:, None] * stride_kt + dh[None, :]
             k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_ok[:, None], other=0.0)
             k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
@@ -238,8 +241,8 @@ def _shared_chunk_kernel(
             p = tl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None]
-            v_base = pid.to(tl.int64)[:, None] * stride_vp + off[:, None] * stride_vt + dfull[None, :]
-            v = tl.load(V + v_base + kvh * stride_vh, mask=k_ok[:, None], other=0.0)
+            v = load_v(V + kvh * stride_vh, pid, off, stride_vp, stride_vt, stride_vd, e_ok, k_ok,
+                       2 * HALF, PAGE, V_KEYS_MAJOR)
             if KV_FP8:
                 vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off, mask=k_ok,
                              other=0.0).to(tl.float32)
@@ -327,7 +330,8 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         return copy_into(out, res)
     num_pages, Hkv, page, _ = k_pages.shape
     assert D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
-    assert k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
+    v_layout = v_args(v_pages)
     # the private part, in fp32 with its log-sum-exps (natural log)
     priv = priv_lse = q
     if private is not None:
@@ -359,14 +363,15 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         _shared_chunk_kernel[(n_tiles, Hkv, splits)](
             q, q.stride(0), q.stride(1),
             k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],
             shared.chunk_indptr, shared.chunk_pages, shared.chunk_len, shared.tile_chunk, shared.tile_pair0,
             shared.tile_pairs, shared.pair_seq, shared.pair_shift, q_pos,
             inv_freq, float(attention_scaling), float(scale * math.log2(math.e)),
             po, po.stride(0), po.stride(1), po.stride(2), lse, lse.stride(0), lse.stride(1),
             tiles_per_split,
             G=G, GP=GP, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn, FAST_TRIG=not interp,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", **scaled, **meta)
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled, **meta)
     if out is None:
         out = torch.empty_like(q)
     _merge_shared_kernel[(B, H)](priv, priv.stride(0), priv.stride(1), priv_lse, priv_lse.stride(0),

@@ -23,7 +23,8 @@ one fp16 scale per (layer, page slot, KV head) for each,
 The model computes in its own dtype; only storage is fp8. Every write goes through this class
 (``write_tokens``, ``write_run``, ``copy_rotate``) and quantises; every torch read
 (``gather``, ``run_tokens``, ``read_run``) dequantises (to fp32); the kernels take the pages with
-``scales(layer)``.
+``scales(layer)``. An fp8 pool's ``v`` is keys-major in memory (``kernels/v_layout.py``), a
+transposed view with the shape above.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from collections import Counter, deque
 
 import torch
 
-from ..kernels import FP8, copy_rotate_run, dequantize_rows, quantize_rows, write_kv
+from ..kernels import FP8, copy_rotate_run, dequantize_rows, new_v_pages, quantize_rows, write_kv
 
 
 class OutOfPages(RuntimeError):
@@ -55,7 +56,13 @@ class PagePool:
         # CUDA: zeros, because padded rows of captured decode steps read the scratch page.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         self.k = alloc(shape, dtype=dtype, device=self.device)
-        self.v = alloc(shape, dtype=dtype, device=self.device)
+        if dtype == FP8:
+            # fp8 V keys-major (a transposed view, indexed as above): the attention kernels'
+            # P @ V loads it without byte-wise shared-memory gathers; zero-filled, because they
+            # read whole pages (kernels/v_layout.py)
+            self.v = new_v_pages(shape, dtype, self.device)
+        else:
+            self.v = alloc(shape, dtype=dtype, device=self.device)
         self.k_scale = self.v_scale = None
         if self.quantized:
             self.k_scale = alloc(shape[:-1], dtype=torch.float16, device=self.device)

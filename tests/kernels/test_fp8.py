@@ -14,8 +14,9 @@ import torch
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
 from lazy_rag.kernels import (FP8, copy_rotate_run, copy_rotate_run_ref, dequantize_rows,
-                              lazy_decode, lazy_prefill, paged_attention_ref, plan_prefill,
-                              quantize_rows, rope_cos_sin, rotate, write_kv)
+                              keys_major, lazy_decode, lazy_prefill, paged_attention_ref,
+                              plan_prefill, quantize_rows, rope_cos_sin, rotate, to_keys_major,
+                              write_kv)
 from lazy_rag.kernels.kv_quant import AMAX_MIN, fake_quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -328,3 +329,96 @@ def test_qk_f16_guard(q_exp, rope_mode, kernel):
     ref = _ref(c, deq, rope_mode)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL[torch.float16]
+
+
+# -- V pages keys-major (kernels/v_layout.py: the fp8 pool's layout) ----------------------------
+
+# a subset of the cases above: decode with splits and both rope modes that read V the same way;
+# the runs kernel with one page per tile (scalar page id), several per tile, explicit positions
+# and hidden slots; the tiles kernel's prefill
+KEYS_MAJOR_CASES = [
+    ("decode", (4, 128, 16, "rotate_q", 2, True)),
+    ("decode", (3, 64, 4, "rotate_k", None, False)),
+    ("prefill", (4, 128, 16, "rotate_q", "runs", 16, 8, 3, "hidden")),
+    ("prefill", (1, 64, 4, "rotate_q", "runs", 32, 8, 1, "plain")),
+    ("prefill", (3, 64, 64, "rotate_q", "runs", 128, 8, 2, "both")),
+    ("prefill", (5, 64, 16, "rotate_q", "tiles", 32, 16, 1, "hidden")),
+]
+
+
+@pytest.mark.parametrize("kind,args", KEYS_MAJOR_CASES)
+def test_keys_major_v_pages(kind, args):
+    """The same fp8 pages with V laid out keys-major give the reference's result and, on the
+    CPU, bit for bit the dims-major result. The keys-major load reads every slot of a listed
+    page (masked per page, v_layout.py): the case's page tails and hidden slots hold random
+    finite values, which must contribute nothing."""
+    dtype = DTYPES[len(args) % len(DTYPES)]
+    if kind == "decode":
+        G, D, page, rope_mode, splits, shuffle = args
+        c = Case(MIXED, CHUNKS, Hkv=2, G=G, D=D, page=page, dtype=dtype, seed=G * 5 + page,
+                 shuffle=shuffle)
+    else:
+        G, D, page, rope_mode, kernel, block_n, block_m, splits, layout = args
+        c = Case(SEQS, CHUNKS, Hkv=2, G=G, D=D, page=page, dtype=dtype, seed=G * 3 + page,
+                 pos_base=64, **LAYOUTS[layout])
+    (k8, v8, ks, vs), deq = fp8_pages(c, seed=G + 2)
+    # the case's NaN page tails and hidden slots (never to be read by a per-key load) become the
+    # largest finite value, which a keys-major load does read and must weight by 0
+    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device), v8.float()).to(FP8)
+    v_keys = to_keys_major(v8)
+    assert keys_major(v_keys) and torch.equal(v_keys.view(torch.uint8), v8.view(torch.uint8))
+    outs = []
+    for v in (v8, v_keys):
+        if kind == "decode":
+            outs.append(lazy_decode(c.q, k8, v, c.table, c.q_pos, _inv(c), rope_mode=rope_mode,
+                                    num_splits=splits, k_scale=ks, v_scale=vs))
+        else:
+            plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
+            outs.append(lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v, c.table, _inv(c),
+                                     rope_mode=rope_mode, plan=plan, kernel=kernel,
+                                     block_n=block_n, num_splits=splits, k_scale=ks,
+                                     v_scale=vs))
+    ref = _ref(c, deq, rope_mode)
+    assert rel_err(outs[1], ref) < TOL[dtype]
+    if DEV == "cpu":
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_keys_major_writers():
+    """write_kv (fused kernel and torch rule) and copy_rotate_run write keys-major V pages with
+    the same values as dims-major ones."""
+    g = torch.Generator().manual_seed(11)
+    L, P, H, page, D, n = 2, 8, 2, 16, 64, 21
+    x = torch.randn(2, L, P, H, page, D, generator=g)
+    (k8, ks), (v8, vs) = quantize_rows(x[0]), quantize_rows(x[1])
+    new = torch.randn(2, n, H, D, generator=g)
+    flat = torch.randperm(P * page, generator=g)[:n]
+    pg, sl = (flat // page).to(DEV), (flat % page).to(DEV)
+    inv = inv_freq_for("default", D)[0].to(DEV)
+    results = []
+    for keys in (False, True):
+        for kernel in (True, False):
+            t = [a.clone().to(DEV) for a in (k8, v8, ks, vs)]
+            if keys:
+                t[1] = to_keys_major(t[1])
+            write_kv(t[0][0], t[1][0], t[2][0], t[3][0], pg, sl, new[0].to(DEV),
+                     new[1].to(DEV), use_kernel=kernel)
+            fn = copy_rotate_run if kernel else copy_rotate_run_ref
+            fn(t[0], t[1], torch.tensor([3, 5], device=DEV), 2 * page - 3,
+               torch.tensor([6, 1, 7], device=DEV), 4, 77, inv, k_scale=t[2], v_scale=t[3])
+            assert keys_major(t[1]) == keys
+            results.append([a.contiguous().view(torch.uint8).cpu() if a.dtype == FP8 else a.cpu()
+                            for a in t])
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
+
+
+def test_pool_v_layout():
+    """An fp8 pool holds V keys-major, zero-filled (the kernels read whole pages); other pools
+    keep V dims-major."""
+    from lazy_rag.engine.page_pool import PagePool
+    fp8 = PagePool(2, 3, 2, 4, 32, dtype=FP8)
+    assert keys_major(fp8.v) and not keys_major(fp8.k)
+    assert (fp8.v.view(torch.uint8) == 0).all()
+    assert not keys_major(PagePool(2, 3, 2, 4, 32).v)
