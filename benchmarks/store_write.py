@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     base = {"benchmark": "store_write", "device": f"cpu ({os.cpu_count()} cores), disk of {parent}",
             "shape": args.shape, "chunk_tokens": args.chunk_tokens, "chunk_mib": round(per_chunk / 2**20, 2),
             "batch_tokens": args.batch_tokens, "checkpoint_mib": store_module.CHECKPOINT_BYTES >> 20,
+            "checkpoint_min_s": store_module.CHECKPOINT_MIN_S,
             "torch": torch.__version__, "date": env["date"]}
     out = Path(args.results_dir) / f"{args.out}.json"
     records: list[dict] = []

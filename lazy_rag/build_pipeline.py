@@ -29,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .kernels import FP8
+
 _STOP = object()
 # tokens per batch on a CPU device: a few chunks per forward. On 2 cores (SmolLM2-135M, chunks of
 # ~230 tokens with the wrapper's slots) the KV stage of a 33k-token build took 53-56 s at 512-1024,
@@ -43,7 +45,10 @@ class PipelineStats:
     tokens: int = 0
     kv_bytes: int = 0
     encode_s: float = 0.0        # the engine's encode calls (forward + copy to the host)
-    write_s: float = 0.0         # the writer thread's store writes
+    first_encode_s: float = 0.0  # ... of which the first batch's (kernel compiles, first pinned buffers)
+    write_s: float = 0.0         # the writer thread's store writes (the two below included)
+    prepare_wait_s: float = 0.0  # ... of which waiting for the prepare pool's records
+    checkpoint_s: float = 0.0    # ... of which checkpoint commits (fsync + transaction)
     encoder_wait_s: float = 0.0  # the encoder waiting for room in the queue: the disk is the bound
     writer_idle_s: float = 0.0   # the writer waiting for KV to write: the encoder is the bound
     seconds: float = 0.0
@@ -161,7 +166,9 @@ class KVWriter:
             path_of = getattr(self.store, "path", None)
             for r, kv in zip(records, kvs):
                 if self.pool is not None:  # a future of store.prepare: write takes its record
+                    t1 = time.perf_counter()
                     kv = kv.result()
+                    self.stats.prepare_wait_s += time.perf_counter() - t1
                 self.stats.kv_bytes += self.store.write(r.id, r.token_ids, kv)
                 if path_of is not None:
                     self.written.append(path_of(r.id))
@@ -203,6 +210,10 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
         per_token = llm.shape.kv_bytes_per_token * ((store.kv_dtype or llm.dtype).itemsize)
         max_pending_bytes = 2 * batch_tokens * per_token
+    # an fp8 store's KV is quantised by the engine on its device (the same rule as the store's
+    # own, kernels.quantize_rows): on the host it took the writer's prepare threads longer than
+    # the disk took to write it (the 8B fp8 build waited 9.8 s of its 22.6 s on them)
+    quantize = store.kv_dtype == FP8 and not on_cpu
     stats = PipelineStats()
     writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
     t_start = time.perf_counter()
@@ -220,8 +231,11 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
             t0 = time.perf_counter()
             # not cached in the engine's memory tiers: the KV goes to disk, and a build must not
             # hold a corpus's KV in memory (queries read it from the store)
-            kvs = engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False)
+            kvs = engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False,
+                                       quantize=quantize)
             stats.encode_s += time.perf_counter() - t0
+            if not stats.batches:
+                stats.first_encode_s = stats.encode_s
             stats.batches += 1
             writer.put(batch, kvs, progress)
         writer.close()
@@ -229,6 +243,7 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         writer.abort()
         raise
     stats.seconds = time.perf_counter() - t_start
+    stats.checkpoint_s = getattr(store, "checkpoint_s", 0.0)
     if background:
         stats.bound = "write" if stats.encoder_wait_s > stats.writer_idle_s else "encode"
     else:  # one after the other: the longer stage

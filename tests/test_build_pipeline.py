@@ -22,11 +22,12 @@ class FakeEngine:
         self.config = SimpleNamespace(max_batched_tokens=16384)
         self.batches, self.fail_at = [], fail_at
 
-    def encode_chunks(self, chunks, prefix, wrapper, cache=True):
+    def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False):
         assert cache is False
         if self.fail_at is not None and len(self.batches) == self.fail_at:
             raise RuntimeError("encode failed")
         self.batches.append([len(c) for c in chunks])
+        self.quantize = quantize
         return [kv_for(c) for c in chunks]
 
 
@@ -117,3 +118,16 @@ def test_an_encode_error_stops_the_writer_after_what_was_encoded(background):
         else [cid for cid, _ in store.writes] == ["c0", "c1", "c2", "c3"]
     assert written == [f"/kv/{cid}" for cid, _ in store.writes]
     assert not writer_threads()
+
+
+@pytest.mark.parametrize("device,kv_dtype,quantize", [("cuda", torch.float8_e4m3fn, True),
+                                                      ("cuda", None, False),
+                                                      ("cpu", torch.float8_e4m3fn, False)])
+def test_an_fp8_store_is_quantised_by_the_engine_on_an_accelerator(tmp_path, device, kv_dtype, quantize):
+    """An fp8 store's build asks the engine for fp8 KV (quantised on its device: half the bytes
+    to copy, and none of the host threads' quantising); a CPU build quantises in the store."""
+    llm = fake_llm(device)
+    store = ListStore()
+    store.kv_dtype = kv_dtype
+    encode_and_write(llm, store, records(3), None, Bar(), [])
+    assert llm.engine.quantize is quantize

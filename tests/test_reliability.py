@@ -466,6 +466,7 @@ def test_a_killed_build_resumes_from_the_kv_it_checkpointed(index_copy, smollm2,
     import lazy_rag.store as store_mod
 
     monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 1)  # a checkpoint after every record
+    monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", 0.0)
     (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899, long and detailed "
                                 "enough to need several chunks of KV. " * 3)
     real_write, calls = ChunkStore.write, []

@@ -203,11 +203,30 @@ def test_compaction_copies_the_live_records_of_sparse_segments_and_deletes_them(
     assert sorted(committed_lengths(tmp_path)) == [2, 4] and ChunkStore(tmp_path, "fp").read("c3", [3])[1] is None
 
 
+@pytest.mark.parametrize("min_s,checkpointed", [(0.0, 6), (3600.0, 0)])
+def test_checkpoints_are_rate_limited(tmp_path, monkeypatch, min_s, checkpointed):
+    """A build checkpoints every CHECKPOINT_BYTES, but not again within CHECKPOINT_MIN_S of the
+    last checkpoint (or of the build's start): each one waits for an fsync."""
+    monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 1)
+    monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", min_s)
+    store = ChunkStore(tmp_path, "fp")
+    store.write("first", [0], kv_of(0))
+    store.begin_build()
+    for i in range(checkpointed or 6):
+        store.write(f"c{i}", [i], kv_of(i))
+    pending = IndexDB(tmp_path)
+    assert pending.one("SELECT count(*) FROM pending_kv")[0] == checkpointed
+    pending.close()
+    assert (store.checkpoint_s > 0) == bool(checkpointed)
+    store.end_build(committed=False)
+
+
 def test_writes_from_a_writer_thread_while_another_thread_reads(tmp_path, monkeypatch):
     """A build's writer thread appends (and checkpoints) while the main thread reads what it
     staged; every record lands whole, at the location it was staged under."""
     span = RECORD_HEADER.size + len(ChunkStore(tmp_path / "x", "fp").encode("c00", [0], kv_of(0)))
     monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 5 * span)  # checkpoints commit from the writer thread
+    monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", 0.0)
     store = ChunkStore(tmp_path, "fp")
     store.write("first", [0], kv_of(0))  # the database exists, as in a build
     store.begin_build()

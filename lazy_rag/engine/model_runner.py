@@ -145,18 +145,20 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def encode(self, jobs, to_host: bool = False) -> list[ChunkKV]:
+    def encode(self, jobs, to_host: bool = False, quantize: bool = False) -> list[ChunkKV]:
         """Encode chunks (``sequence.EncodeJob``) into their pool pages in one forward; returns each
         chunk's captured unrotated KV, in the pool's format (fp8 with per-token scales for an fp8
-        pool). ``to_host``: the KV on the host, as views of one copy of the whole batch (an index
-        build: one DMA into pinned memory per tensor instead of a copy and a pin per chunk, which
-        made the 8B build's encode 2-3x slower than its forward)."""
+        pool, or with ``quantize``). ``to_host``: the KV on the host, as views of one copy of the
+        whole batch (an index build: one DMA into pinned memory per tensor instead of a copy and a
+        pin per chunk, which made the 8B build's encode 2-3x slower than its forward).
+        ``quantize``: fp8 whatever the pool (an fp8 store's build: quantised here on the device,
+        half the bytes to copy, instead of on the host's writer threads)."""
         batch = self._pack(jobs)
         with self._adapters_on(jobs, batch):
             _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                      StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
                                      capture=True)
-        return self._chunk_kvs(*caught, batch.spans, to_host)
+        return self._chunk_kvs(*caught, batch.spans, to_host, quantize)
 
     def _adapters_on(self, jobs, batch: "PackedBatch"):
         """The chunk adapters (chunk_adapter.py) on for the encode jobs' tokens (the first spans
@@ -166,10 +168,12 @@ class ModelRunner:
         spans = [(a, b, job.tokens) for job, (a, b) in zip(jobs, batch.spans)]
         return encoding_chunks(self.parts.model, spans, int(batch.ids.shape[0]), batch.ids.device)
 
-    def _chunk_kvs(self, k, v, spans, to_host: bool) -> list[ChunkKV]:
-        """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format."""
-        tensors = (k, v) if not self.pool.quantized else (*quantize_rows(k), *quantize_rows(v))
-        if self.pool.quantized:  # (k8, k_scale, v8, v_scale) -> ChunkKV's order
+    def _chunk_kvs(self, k, v, spans, to_host: bool, quantize: bool = False) -> list[ChunkKV]:
+        """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format (fp8
+        also with ``quantize``)."""
+        quantize = quantize or self.pool.quantized
+        tensors = (k, v) if not quantize else (*quantize_rows(k), *quantize_rows(v))
+        if quantize:  # (k8, k_scale, v8, v_scale) -> ChunkKV's order
             tensors = (tensors[0], tensors[2], tensors[1], tensors[3])
         if to_host:
             if k.device.type == "cuda":

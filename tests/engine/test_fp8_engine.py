@@ -167,6 +167,22 @@ def test_pool_bytes_and_encoded_kv_format(llm):
     assert ((k.cpu() - want).abs().amax(-1) <= 2.0 ** -4 * want.abs().amax(-1)).all()
 
 
+def test_encode_chunks_quantize_is_the_stores_rule(tmp_path, llm):
+    """``encode_chunks(cache=False, quantize=True)`` (an fp8 store's build on an accelerator)
+    returns, from an unquantised pool, the bytes and scales an fp8 store would write for the
+    unquantised KV: the store's record is the same either way."""
+    eng = Engine(llm.host, EngineConfig(kv_bytes=32 << 20, cuda_graphs=False))
+    ids = [list(range(300, 317)), list(range(40, 49))]
+    plain = eng.encode_chunks(ids, cache=False)
+    quant = eng.encode_chunks(ids, cache=False, quantize=True)
+    store = ChunkStore(tmp_path, "fp", kv_dtype=FP8)
+    for i, (p, q) in enumerate(zip(plain, quant)):
+        assert q.quantized and not p.quantized
+        record = [b"".join(bytes(memoryview(x).cast("B")) for x in store.encode_parts(f"c{i}", ids[i], kv))
+                  for kv in (p, q)]
+        assert record[0] == record[1]
+
+
 def test_a_store_of_unquantised_kv_serves_an_fp8_engine(tmp_path, llm):
     """KV written to a store by an unquantised engine serves an fp8 engine: its host tier keeps
     the KV as stored and each placement quantises it into the pool (on the pool's device), and the
