@@ -188,7 +188,6 @@ def _paged_attn_kernel(
 
     b, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP, BLOCK_M, ROWS)
     dh = tl.arange(0, HALF)
-    dfull = tl.arange(0, 2 * HALF)
 
     q_off = qi.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
     q1 = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -455,6 +454,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
+    v_layout = v_args(v_pages)
     mode = rope_mode_code(rope_mode, table)
     scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale,
                       qk_f16 if qk_f16 is not None else mode != ROPE_MODES["rotate_k"])
@@ -486,7 +486,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     LAST_KERNEL = _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_args(v_pages)["stride_vd"],
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],
         table.indptr, table.page_ids, table.page_pos, table.page_len, rot,
         slot_row, slot_pos, stride_sp,
         tile_seq, tile_q0, qo_indptr, q_pos,
@@ -497,8 +497,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
-        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_args(v_pages)["V_KEYS_MAJOR"],
-        **scaled, **meta,
+        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
+        **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

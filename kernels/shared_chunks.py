@@ -52,8 +52,8 @@ import triton.language as tl
 from .decode import copy_into, lazy_decode
 from .page_table import PageTable, interpreting, use_triton
 from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_count
-from .v_layout import load_v, v_args
 from .reference import paged_attention_ref
+from .v_layout import load_v, v_args
 
 
 # SharedChunks' tensor fields, in order
