@@ -22,6 +22,7 @@ import torch
 
 from lazy_rag.bench.random_models import IdTokenizer, random_model
 from lazy_rag.bench.records import environment, format_table, write_records
+from lazy_rag.bench.roofline import matmul_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -35,19 +36,6 @@ def classify(name: str) -> str:
     if "gemm" in n or "nvjet" in n or "cutlass" in n or "sm90_xmma" in n:
         return "matmul_ms"
     return "other_kernels_ms"
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * 20 / (time.perf_counter() - t0) / 1e12
 
 
 def main():
@@ -70,7 +58,7 @@ def main():
     eng = Engine(host, EngineConfig(kv_bytes=8 << 30, page_size=64, max_batched_tokens=args.batch_tokens))
     rng = random.Random(0)
     per_batch = args.batch_tokens // args.chunk
-    roof_tok_s = matmul_tflops() * 1e12 / (2 * params)
+    roof_tok_s = matmul_tflops("cuda") * 1e12 / (2 * params)
     env = environment()
     records = []
     for i in range(args.batches):

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 from lazy_rag.bench.disk import drop_page_cache, read_folder, write_bandwidth
+from lazy_rag.bench.roofline import matmul_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
@@ -79,22 +80,6 @@ def cmd_prechunk(a) -> None:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def matmul_tflops(device) -> float:
-    import torch
-
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
-
-
 def flops_per_token(llm, chunk_tokens: float) -> float:
     """Forward FLOPs per token of a chunk encode: 2 x the non-embedding parameters (no lm_head:
     an encode computes no logits) + causal attention over the chunk (QK and PV)."""
