@@ -24,17 +24,9 @@ import torch
 
 from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
 from lazy_rag.bench.records import environment, format_table, write_records
+from lazy_rag.bench.roofline import kernel_class
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def classify(name: str) -> str:
-    n = name.lower()
-    if "paged_attn" in n or "shared_chunk" in n or "merge" in n or "prefill_runs" in n:
-        return "attention_ms"
-    if "gemm" in n or "nvjet" in n or "cutlass" in n or "sm90_xmma" in n:
-        return "matmul_ms"
-    return "other_kernels_ms"
 
 
 def main():
@@ -90,7 +82,7 @@ def main():
             split = {"matmul_ms": 0.0, "attention_ms": 0.0, "other_kernels_ms": 0.0}
             for ev in prof.key_averages():
                 if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
-                    split[classify(ev.key)] += ev.self_device_time_total / 1e3 / 3
+                    split[kernel_class(ev.key)] += ev.self_device_time_total / 1e3 / 3
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(3):

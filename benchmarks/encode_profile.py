@@ -22,20 +22,9 @@ import torch
 
 from lazy_rag.bench.random_models import IdTokenizer, random_model
 from lazy_rag.bench.records import environment, format_table, write_records
-from lazy_rag.bench.roofline import matmul_tflops
+from lazy_rag.bench.roofline import kernel_class, matmul_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def classify(name: str) -> str:
-    n = name.lower()
-    if "memcpy" in n and ("dtoh" in n or "device -> pageable" in n or "device -> pinned" in n):
-        return "d2h_ms"
-    if "paged_attn" in n or "prefill_runs" in n or "merge" in n:
-        return "attention_ms"
-    if "gemm" in n or "nvjet" in n or "cutlass" in n or "sm90_xmma" in n:
-        return "matmul_ms"
-    return "other_kernels_ms"
 
 
 def main():
@@ -84,7 +73,7 @@ def main():
             split = {"matmul_ms": 0.0, "attention_ms": 0.0, "d2h_ms": 0.0, "other_kernels_ms": 0.0}
             for ev in prof.key_averages():
                 if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
-                    split[classify(ev.key)] += ev.self_device_time_total / 1e3
+                    split[kernel_class(ev.key, copies=True)] += ev.self_device_time_total / 1e3
             gpu = sum(split.values())
             rec.update({k: round(v, 1) for k, v in split.items()}, gpu_busy_ms=round(gpu, 1),
                        host_not_overlapped_ms=round(max(0.0, wall * 1e3 - gpu), 1))

@@ -1,4 +1,5 @@
-"""The GPU's measured bf16 matmul rate: the compute roofline the build benchmarks divide by."""
+"""The GPU's measured bf16 matmul rate (the compute roofline the build benchmarks divide by) and
+the profile benchmarks' split of kernel time by class."""
 from __future__ import annotations
 
 import time
@@ -21,3 +22,17 @@ def matmul_tflops(device) -> float:
         a @ a
     torch.cuda.synchronize()
     return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
+
+
+def kernel_class(name: str, copies: bool = False) -> str:
+    """The record field a profiled CUDA kernel's time goes to (the profile benchmarks' split):
+    ``attention_ms`` (lazy-rag's Triton attention kernels), ``matmul_ms`` (cuBLAS GEMMs),
+    ``d2h_ms`` (device-to-host copies, with ``copies``), else ``other_kernels_ms``."""
+    n = name.lower()
+    if copies and "memcpy" in n and ("dtoh" in n or "device -> pageable" in n or "device -> pinned" in n):
+        return "d2h_ms"
+    if "paged_attn" in n or "shared_chunk" in n or "merge" in n or "prefill_runs" in n:
+        return "attention_ms"
+    if "gemm" in n or "nvjet" in n or "cutlass" in n or "sm90_xmma" in n:
+        return "matmul_ms"
+    return "other_kernels_ms"
