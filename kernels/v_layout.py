@@ -31,11 +31,13 @@ def keys_major(v_pages: torch.Tensor) -> bool:
     return v_pages.stride(-1) != 1
 
 
-def new_v_pages(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """Zero-filled keys-major V pages: memory [..., head_dim, page_size], returned as the view
-    [..., page_size, head_dim] (shape)."""
+def new_v_pages(shape, dtype: torch.dtype, device, zero: bool = True) -> torch.Tensor:
+    """Keys-major V pages: memory [..., head_dim, page_size], returned as the view
+    [..., page_size, head_dim] (shape). Zero-filled, as the kernels need (module docstring),
+    unless ``zero=False`` (pages only the torch reference reads, which reads no unwritten slot)."""
     *lead, page, d = shape
-    return torch.zeros((*lead, d, page), dtype=dtype, device=device).transpose(-1, -2)
+    alloc = torch.zeros if zero else torch.empty
+    return alloc((*lead, d, page), dtype=dtype, device=device).transpose(-1, -2)
 
 
 def dims_major(v_pages: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ from collections import Counter, deque
 
 import torch
 
-from ..kernels import FP8, copy_rotate_run, dequantize_rows, new_v_pages, quantize_rows, write_kv
+from ..kernels import (FP8, copy_rotate_run, dequantize_rows, interpreting, new_v_pages, quantize_rows,
+                       write_kv)
 
 
 class OutOfPages(RuntimeError):
@@ -58,9 +59,10 @@ class PagePool:
         self.k = alloc(shape, dtype=dtype, device=self.device)
         if dtype == FP8:
             # fp8 V keys-major (a transposed view, indexed as above): the attention kernels'
-            # P @ V loads it without byte-wise shared-memory gathers; zero-filled, because they
-            # read whole pages (kernels/v_layout.py)
-            self.v = new_v_pages(shape, dtype, self.device)
+            # P @ V loads it without byte-wise shared-memory gathers; zero-filled wherever the
+            # Triton kernels run, because they read whole pages (kernels/v_layout.py)
+            self.v = new_v_pages(shape, dtype, self.device,
+                                 zero=self.device.type == "cuda" or interpreting())
         else:
             self.v = alloc(shape, dtype=dtype, device=self.device)
         self.k_scale = self.v_scale = None

@@ -415,10 +415,10 @@ def test_keys_major_writers():
 
 
 def test_pool_v_layout():
-    """An fp8 pool holds V keys-major, zero-filled (the kernels read whole pages); other pools
-    keep V dims-major."""
+    """An fp8 pool holds V keys-major, zero-filled where the Triton kernels run (they read whole
+    pages: CUDA, or the interpreter, as here on the CPU); other pools keep V dims-major."""
     from lazy_rag.engine.page_pool import PagePool
-    fp8 = PagePool(2, 3, 2, 4, 32, dtype=FP8)
+    fp8 = PagePool(2, 3, 2, 4, 32, dtype=FP8, device=DEV)
     assert keys_major(fp8.v) and not keys_major(fp8.k)
     assert (fp8.v.view(torch.uint8) == 0).all()
     assert not keys_major(PagePool(2, 3, 2, 4, 32).v)
