@@ -593,7 +593,8 @@ def add_pair(rec, base, times, nbytes, flops, reports=None):
     to bf16's. times: {kv_dtype: (t_us, timer)}, "bf16" first, then the fp8 variants in their
     timing order ("fp8": V pages keys-major as the engine's pool lays them out;
     "fp8_dims_major": V dims-major, the layout before); nbytes: {"bf16" / "fp8": bytes read};
-    reports: {kv_dtype: compiled-kernel report}, default the last kernel's for the one fp8."""
+    reports: {kv_dtype: the attention kernel's compiled report} (none for the write cases, whose
+    kernel is not an attention kernel)."""
     for kv_dtype, (t, timer) in times.items():
         fp8 = kv_dtype != "bf16"
         extra = {}
@@ -603,7 +604,7 @@ def add_pair(rec, base, times, nbytes, flops, reports=None):
             extra = dict(bw_vs_bf16=round((nb / t) / (nbytes["bf16"] / tb), 3),
                          speedup_vs_bf16=round(tb / t, 3),
                          v_layout="dims_major" if kv_dtype == "fp8_dims_major" else "keys_major",
-                         **((reports or {}).get(kv_dtype) or (kernel_report() if not reports else {})))
+                         **(reports or {}).get(kv_dtype, {}))
         rec.add(dict(base, kv_dtype="fp8" if fp8 else kv_dtype), t, timer,
                 nbytes["fp8" if fp8 else "bf16"], flops, **extra)
 

@@ -212,8 +212,8 @@ def one_size(a) -> dict:
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
     stages = dict(report.stages) if report is not None else {}
-    for k in ("encode_s", "first_encode_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_idle_s", "bound",
-              "batches"):
+    for k in ("encode_s", "first_encode_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s",
+              "writer_idle_s", "bound", "batches"):
         if k in stages:
             rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
                 else stages[k]

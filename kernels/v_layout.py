@@ -40,12 +40,6 @@ def new_v_pages(shape, dtype: torch.dtype, device, zero: bool = True) -> torch.T
     return alloc((*lead, d, page), dtype=dtype, device=device).transpose(-1, -2)
 
 
-def dims_major(v_pages: torch.Tensor) -> torch.Tensor:
-    """The same pages laid out dims-major (a copy when keys-major): what stores and host
-    buffers hold."""
-    return v_pages.contiguous() if keys_major(v_pages) else v_pages
-
-
 def to_keys_major(v_pages: torch.Tensor) -> torch.Tensor:
     """A keys-major copy of V pages [..., page_size, head_dim] (tests and benchmarks)."""
     out = new_v_pages(v_pages.shape, v_pages.dtype, v_pages.device)

@@ -26,10 +26,10 @@ off by the next writer and never read. A build stages its records (``begin_build
 safe from a writer thread) and its commit (one SQLite transaction, ``commit_build``) makes them
 and the new segment lengths visible, after ``flush`` has fsynced the segments; every
 ``CHECKPOINT_BYTES`` (and ``CHECKPOINT_MIN_S`` since the last) a build also commits what it
-wrote so far to ``pending_kv``, so that a build that is killed resumes instead of encoding again. A query's write-back (``write_back``) appends
-and commits at once, under the index's write guard. The build's commit also compacts: a segment
-whose live records fill less than ``COMPACT_BELOW`` of it has them copied to the current segment
-and is deleted once the commit is durable.
+wrote so far to ``pending_kv``, so that a build that is killed resumes instead of encoding again.
+A query's write-back (``write_back``) appends and commits at once, under the index's write guard.
+The build's commit also compacts: a segment whose live records fill less than ``COMPACT_BELOW``
+of it has them copied to the current segment and is deleted once the commit is durable.
 """
 from __future__ import annotations
 
@@ -659,7 +659,7 @@ class ChunkStore:
         self._appender: _Appender | None = None
         self._staged: dict[str, KVLocation] | None = None  # a build's records, until its commit
         self._unsaved: list[tuple[str, KVLocation]] = []   # staged since the last checkpoint
-        self.checkpoint_s = 0.0   # a build's time in checkpoint commits (its pipeline's stage times)
+        self.checkpoint_s = 0.0   # this build's time in checkpoint commits (its pipeline's stage times)
         self._last_checkpoint = time.monotonic()
         # write-backs by this process: a loaded index's snapshot does not see its own commits
         self._overrides: dict[str, KVLocation] = {}
@@ -931,7 +931,7 @@ class ChunkStore:
             self.remove_stray_segments(db)
             self._appender = self._open_appender(db)
             self._staged, self._unsaved = {}, []
-            self._last_checkpoint = time.monotonic()
+            self._last_checkpoint, self.checkpoint_s = time.monotonic(), 0.0
             if resume:
                 mine = set(self._appender.committed)
                 for cid, seg, off, n, crc in db.rows("SELECT chunk_id, seg, off, len, crc FROM pending_kv"):

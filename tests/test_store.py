@@ -219,6 +219,9 @@ def test_checkpoints_are_rate_limited(tmp_path, monkeypatch, min_s, checkpointed
     pending.close()
     assert (store.checkpoint_s > 0) == bool(checkpointed)
     store.end_build(committed=False)
+    store.begin_build()   # the next build's checkpoint time starts from zero
+    assert store.checkpoint_s == 0.0
+    store.end_build(committed=False)
 
 
 def test_writes_from_a_writer_thread_while_another_thread_reads(tmp_path, monkeypatch):
