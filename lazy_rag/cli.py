@@ -402,7 +402,9 @@ def tune(
                                                    "articles only."),
     examples: int = typer.Option(512, help="Training prompts (some held out for the KL curve)."),
     retrieval: Optional[Path] = typer.Option(None, help="Ranking of the train split (`lazy-rag eval retrieve --split "
-                                                        "train`): distractors as retrieved."),
+                                                        "train`): the prompts as retrieval hands them over."),
+    gold_position: str = typer.Option("retrieved", help="With --retrieval: retrieved (the ranking's order, the gold "
+                                                        "paragraph where it was ranked) or random."),
     prompts: str = typer.Option("mixed", help="Training prompts' instruction: mixed, frozen (the eval's) or default."),
     top_k: int = typer.Option(4, "--k", help="Chunks per prompt."),
     steps: int = typer.Option(240, help="Optimizer steps."),
@@ -446,7 +448,7 @@ def tune(
         else:
             wrapper, report = tune_model(model, options, out=out_file, data=data, examples=examples, k=top_k,
                                          device=device, dtype=dtype, work_dir=work_dir, log=log, retrieval=retrieval,
-                                         prompts=prompts, init=init)
+                                         prompts=prompts, init=init, gold_position=gold_position)
     except LazyRagError as e:
         _fail(e)
     h = report["history"]

@@ -273,7 +273,8 @@ def test_squad_examples_use_train_articles_and_retrieved_distractors(tmp_path, t
     ranked = {q.id: [(p, 1.0 - i / 100) for i, p in enumerate(reversed(pids))] for q in train}
     path = save_retrieval(tmp_path / "r.json", ranked, data_hash=passages_hash(ds.passages), dataset="squad",
                           split="train", embedder="test", depth=len(pids))
-    exs = squad_examples(tokenizer, 6, k=3, seed=1, data=data, retrieval=path, prompts="frozen")
+    exs = squad_examples(tokenizer, 6, k=3, seed=1, data=data, retrieval=path, prompts="frozen",
+                         gold_position="random")
     text_ids = {tuple(tokenizer(p.text, add_special_tokens=False).input_ids): p.id for p in ds.passages}
     for e in exs:
         q = next(q for q in train if q.question == e.question)
@@ -283,3 +284,46 @@ def test_squad_examples_use_train_articles_and_retrieved_distractors(tmp_path, t
     assert len({e.instruction for e in exs}) == 1 and exs[0].system_prompt
     with pytest.raises(LazyRagError, match="prompt choice"):
         squad_examples(tokenizer, 2, k=3, data=data, prompts="other")
+    with pytest.raises(LazyRagError, match="gold position"):
+        squad_examples(tokenizer, 2, k=3, data=data, retrieval=path, gold_position="first")
+
+
+def test_squad_examples_keep_the_retrievers_order(tmp_path, tokenizer):
+    """The default with a ranking file: the prompt is the retriever's top k in its order, the gold
+    paragraph where it was ranked; ranked below k, it takes a random place instead of the k-th."""
+    from helpers import squad_file
+    from lazy_rag.quality.data import load_dataset, passages_hash
+    from lazy_rag.quality.retrieval import save_retrieval
+    from lazy_rag.tune import squad_examples
+
+    articles = [[(f"Paragraph {a}-{p} says the answer is {a * 10 + p}.", [(f"What does {a}-{p} say?", f"{a * 10 + p}")])
+                 for p in range(3)] for a in range(4)]
+    data = squad_file(tmp_path / "squad.json", articles)
+    ds = load_dataset("squad", data)
+    train = ds.split("train")
+    pids = [p.id for p in ds.passages]
+    others = list(reversed(pids))
+    # question i's gold at rank i (ranks 0..2 inside k=3, rank 3+ below it)
+    ranked = {}
+    for i, q in enumerate(train):
+        order = [p for p in others if p != q.passage]
+        order.insert(i, q.passage)
+        ranked[q.id] = [(p, 1.0 - j / 100) for j, p in enumerate(order)]
+    path = save_retrieval(tmp_path / "r.json", ranked, data_hash=passages_hash(ds.passages), dataset="squad",
+                          split="train", embedder="test", depth=len(pids))
+    exs = squad_examples(tokenizer, len(train), k=3, seed=0, data=data, retrieval=path)
+    text_ids = {tuple(tokenizer(p.text, add_special_tokens=False).input_ids): p.id for p in ds.passages}
+    rank_of = {q.question: i for i, q in enumerate(train)}
+    seen_below = 0
+    for e in exs:
+        i = rank_of[e.question]
+        q = train[i]
+        got = [text_ids[c] for c in e.chunks]
+        top = [p for p, _ in ranked[q.id]][:3]
+        if i < 3:
+            assert got == top and got.index(q.passage) == i
+        else:
+            seen_below += 1
+            assert len(got) == 3 and q.passage in got
+            assert [p for p in got if p != q.passage] == top[:2]
+    assert seen_below == len(train) - 3

@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--data", type=Path)
     p.add_argument("--examples", type=int, default=512)
     p.add_argument("--retrieval", type=Path, help="Ranking file of the train split (`lazy-rag eval retrieve --split train`).")
+    p.add_argument("--gold-position", default="retrieved", help="With --retrieval: retrieved (the ranking's order) or random.")
     p.add_argument("--prompts", default="mixed", help="mixed, frozen or default")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--steps", type=int, default=240)
@@ -54,9 +55,12 @@ def main() -> None:
     t0 = time.perf_counter()
     wrapper, report = tune_model(a.model, options, out=a.out / f"{a.name}.safetensors", data=a.data,
                                  examples=a.examples, k=a.k, device="cuda", dtype=a.dtype, progress="lines",
-                                 retrieval=a.retrieval, prompts=a.prompts, work_dir=a.work_dir)
+                                 retrieval=a.retrieval, prompts=a.prompts, work_dir=a.work_dir,
+                                 gold_position=a.gold_position)
     report.update(benchmark="tune_wrapper", mode="lazy+wrapper", model=a.name, wrapper_digest=wrapper.digest,
                   device_name=torch.cuda.get_device_name(), torch=torch.__version__, wall_s=round(time.perf_counter() - t0, 1),
+                  retrieval=a.retrieval.name if a.retrieval else None,
+                  gold_position=a.gold_position if a.retrieval else "random",
                   command="python3 " + shlex.join(sys.argv))
     (a.out / f"tune_{a.name}.json").write_text(json.dumps([report], indent=1))
     h = report["history"]

@@ -1,10 +1,15 @@
 """Training prompts for a chunk wrapper: a question over k chunks, as lazy-rag assembles it.
 
 - ``squad_examples``: SQuAD v1.1 dev questions of the *train* articles (the first half; the eval
-  scores the other half), each over its gold paragraph and k - 1 distractors, the gold paragraph
-  at a random place. Distractors are the retriever's top-ranked other paragraphs when a ranking
-  file is given (``lazy-rag eval retrieve --split train``: what serving hands the model), else
-  half from the same article and half from others. ``prompts``: "mixed" alternates between the
+  scores the other half), each over its gold paragraph and k - 1 distractors. With a ranking file
+  (``lazy-rag eval retrieve --split train``) the prompt is what serving hands the model: the
+  retriever's top k in its order (``gold_position="retrieved"``), the gold paragraph where the
+  retriever ranked it, or at a random place instead of the k-th when it ranked it lower. This
+  matters: on SQuAD the retriever puts the gold paragraph first for ~64% of questions, and that is
+  where a wrapper trained with the gold at a uniformly random place lost its points (Qwen2.5-1.5B,
+  QUALITY.md). ``gold_position="random"`` (and any run without a ranking file) places the gold at a
+  random place; distractors then come from the ranking, or else half from the same article and
+  half from others. ``prompts``: "mixed" alternates between the
   runtime's default instruction and the eval's frozen prompt; "frozen" or "default" uses one.
 - ``index_examples``: a user's own index, no labels. For a random chunk the model writes a
   question that the chunk answers (full attention, the chunk alone in the prompt); the training
@@ -40,6 +45,7 @@ class Example:
 
 
 PROMPT_CHOICES = ("mixed", "frozen", "default")
+GOLD_POSITIONS = ("retrieved", "random")
 
 
 def _prompts(choice: str) -> tuple[tuple[str, str | None], ...]:
@@ -54,14 +60,18 @@ def _prompts(choice: str) -> tuple[tuple[str, str | None], ...]:
 
 
 def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retrieval=None,
-                   prompts: str = "mixed") -> list[Example]:
+                   prompts: str = "mixed", gold_position: str = "retrieved") -> list[Example]:
     """``n`` prompts from the train articles of SQuAD v1.1 dev (``data``: its file, default the
     packaged copy); never a question of the evaluated half. ``retrieval``: a ranking file of the
-    train split (distractors as retrieved)."""
+    train split (distractors as retrieved); ``gold_position``: "retrieved" keeps the ranking's
+    order (needs ``retrieval``), "random" puts the gold paragraph at a random place."""
     from ..quality.data import load_dataset, passages_hash
     from ..quality.prompts import EXAMPLE_QUESTION_IDS
     from ..quality.retrieval import load_retrieval
 
+    if gold_position not in GOLD_POSITIONS:
+        raise LazyRagError(f"Unknown gold position {gold_position!r}; choose one of {', '.join(GOLD_POSITIONS)}.")
+    keep_order = retrieval is not None and gold_position == "retrieved"
     ds = load_dataset("squad", data)
     questions = [q for q in ds.split("train") if q.id not in EXAMPLE_QUESTION_IDS]
     ranked = None
@@ -86,14 +96,18 @@ def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retr
     choices = _prompts(prompts)
     out = []
     for i, q in enumerate(rng.sample(questions, min(n, len(questions)))):
-        if ranked is not None:
+        top = [p for p, _ in ranked[q.id]][:k] if ranked is not None else []
+        if keep_order and q.passage in top:
+            chosen = top  # the gold paragraph already where the retriever ranked it
+        elif ranked is not None:
             chosen = [p for p, _ in ranked[q.id] if p != q.passage][:k - 1]
         else:
             same = [p for p in by_article[q.article] if p != q.passage]
             near = rng.sample(same, min(len(same), (k - 1 + 1) // 2))
             others = [p for p in train_passages if p != q.passage and p not in near]
             chosen = near + rng.sample(others, k - 1 - len(near))
-        chosen.insert(rng.randrange(k), q.passage)
+        if q.passage not in chosen:
+            chosen.insert(rng.randrange(len(chosen) + 1), q.passage)
         instruction, system_prompt = choices[i % len(choices)]
         out.append(Example(q.question.strip(), tuple(ids(p) for p in chosen), instruction, system_prompt,
                            origin=f"squad:{q.id}", gold=q.answers[0].strip() if q.answers else None))

@@ -30,19 +30,22 @@ def _start_from(llm, init, current, options: TuneOptions):
 def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: Path | None = None,
                examples: int = 512, k: int = 4, device: str = "auto", dtype: str = "auto",
                work_dir: Path | None = None, progress: str = "auto", log=print, llm=None, retrieval: Path | None = None,
-               prompts: str = "mixed", init: str | None = "none"):
+               prompts: str = "mixed", init: str | None = "none", gold_position: str = "retrieved"):
     """Train a general wrapper for ``model`` (a bundled name, a folder or a .gguf) on prompts from
     SQuAD v1.1 dev's train articles (``retrieval``: their ranking file, for retrieved distractors;
-    ``prompts``: mixed, frozen or default; ``options.gold_weight``: add cross-entropy on SQuAD's
+    ``prompts``: mixed, frozen or default; ``gold_position``: "retrieved" keeps the ranking's order,
+    "random" places the gold paragraph anywhere; ``options.gold_weight``: add cross-entropy on SQuAD's
     gold answers); returns (wrapper, report). ``out`` default: ``wrapper-<model>.safetensors`` in
     the current folder. ``init``: a wrapper (name or path) to start from, or "none"."""
     from ..llm import LazyLLM
 
     llm = llm or LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none")
-    exs = squad_examples(llm.tokenizer, examples, k=k, seed=options.seed, data=data, retrieval=retrieval, prompts=prompts)
+    exs = squad_examples(llm.tokenizer, examples, k=k, seed=options.seed, data=data, retrieval=retrieval, prompts=prompts,
+                         gold_position=gold_position)
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
-    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts)
+    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts,
+                                    gold_position if retrieval is not None else "random")
     start = _start_from(llm, init, None, options)  # "auto": no index wrapper, so token embeddings
     return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start)
 
