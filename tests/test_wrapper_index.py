@@ -203,6 +203,7 @@ def test_tune_index_starts_from_its_wrapper_and_rewraps_it(llm, tmp_path):
                                  work_dir=tmp_path / "work", log=lines.append, llm=llm)
     assert any(start.digest in s for s in lines) and report["init"] == start.digest
     assert wrapper.digest != start.digest and report["kv_bytes_written"] > 0
+    assert wrapper.recipe["data"]["source"].startswith("index")
     fresh = LazyIndex.load(tmp_path / "idx", llm=llm)
     assert fresh.wrapper.digest == wrapper.digest
     llm.engine.clear_cache()
@@ -243,7 +244,11 @@ def test_cli_tune_a_model_then_index_with_the_wrapper(tmp_path, tokenizer):
                               "--steps", "2", "--batch", "4", "--micro-batch", "4", "--device", "cpu",
                               "--gold-weight", "0.5", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     assert res.exit_code == 0, res.output
-    assert ChunkWrapper.load(out).recipe["gold_weight"] == 0.5
+    recipe = ChunkWrapper.load(out).recipe
+    assert recipe["gold_weight"] == 0.5
+    # how the prompts were laid out travels in the file (no ranking file: the gold at a random place)
+    assert recipe["data"]["gold_position"] == "random" and recipe["data"]["retrieval"] is None
+    assert recipe["data"]["k"] == 2
     assert "held-out KL" in res.output and out.exists()
     src = tmp_path / "docs"
     src.mkdir()

@@ -47,7 +47,10 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
     work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts,
                                     gold_position if retrieval is not None else "random")
     start = _start_from(llm, init, None, options)  # "auto": no index wrapper, so token embeddings
-    return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start)
+    layout = {"source": "squad_v1.1_dev train articles", "prompts": prompts, "k": k,
+              "retrieval": Path(retrieval).name if retrieval is not None else None,
+              "gold_position": gold_position if retrieval is not None else "random"}
+    return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start, data=layout)
 
 
 def tune_index(index_dir: Path, options: TuneOptions, examples: int = 256, k: int = 4, device: str = "auto",
@@ -70,6 +73,7 @@ def tune_index(index_dir: Path, options: TuneOptions, examples: int = 256, k: in
     if start is not None:
         log(f"starting from the wrapper {start.name} ({start.digest})")
     wrapper, report = train_wrapper(idx.llm, exs, options, out or work / "wrapper.safetensors", work,
-                                    progress=progress, name=f"tuned:{Path(index_dir).name}", log=log, init=start)
+                                    progress=progress, name=f"tuned:{Path(index_dir).name}", log=log, init=start,
+                                    data={"source": "index (questions written by the model)", "k": k})
     report["kv_bytes_written"] = idx.rewrap(wrapper, progress=progress)
     return wrapper, report

@@ -208,13 +208,14 @@ def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None
 
 def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path | None = None,
                   progress: str = "auto", name: str = "", log=print,
-                  init: ChunkWrapper | None = None) -> tuple[ChunkWrapper, dict]:
+                  init: ChunkWrapper | None = None, data: dict | None = None) -> tuple[ChunkWrapper, dict]:
     """Train a wrapper for ``llm`` on ``examples`` (``tune.examples``); write it to ``out``.
     ``work_dir`` holds the teacher cache and the checkpoint (a run with the same settings
     resumes from it). ``init``: a wrapper of the same shape to start from (its vectors; e.g. the
     one an index already has) instead of token embeddings. With ``options.gold_weight`` > 0 the
-    examples' labelled answers (``Example.gold``) add a cross-entropy term. Returns the wrapper
-    and a report (held-out KL curve, timings)."""
+    examples' labelled answers (``Example.gold``) add a cross-entropy term. ``data``: how the
+    examples were made (source, ranking file, gold placement), recorded in the wrapper's recipe.
+    Returns the wrapper and a report (held-out KL curve, timings)."""
     options.check()
     if options.gold_weight > 0 and not any(e.gold for e in examples):
         raise LazyRagError("--gold-weight needs labelled answers, and none of these examples has one (an index's "
@@ -365,7 +366,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
         if adapter is not None:
             adapters.remove(adapter_key)
     seconds = time.perf_counter() - t_train
-    recipe = {**settings, "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
+    recipe = {**settings, **({"data": data} if data else {}), "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
               "examples_left_out": len(dropped), "examples_math_attention": len(slow),
               "device": str(llm.device)}
