@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 import weakref
@@ -67,6 +66,7 @@ from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, 
                     KV_DTYPE_NAMES, _DTYPES, _fsync_dir, segment_name)
 from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
+from .tempfiles import create_temp
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
@@ -77,7 +77,7 @@ EMBED_BATCH = 64
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

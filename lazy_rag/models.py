@@ -20,6 +20,7 @@ import torch
 from .architecture import check_supported
 from .deps import require
 from .errors import LazyRagError, MissingModelPackageError
+from .tempfiles import create_temp
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def bundled_gguf(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target.parent)
+    fd, tmp = create_temp(target.parent, prefix=f".{name}.")
     with os.fdopen(fd, "wb") as out:
         for d, (_, rel) in zip(dirs, m.parts):
             with open(d / rel, "rb") as f:

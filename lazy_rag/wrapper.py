@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 from .chunk_adapter import ChunkAdapter, ChunkAdapters
 from .errors import LazyRagError
+from .tempfiles import create_temp
 
 FORMAT = "lazy-rag-wrapper/1"
 BUNDLED_DIR = Path(__file__).parent / "wrappers"
@@ -106,7 +106,7 @@ class ChunkWrapper:
     # -- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (a temp file in the same folder, then a rename)."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,10 +118,15 @@ class ChunkWrapper:
             # bf16 on disk (the digest hashes bf16 values, so a loaded adapter has the same digest)
             meta["adapter"] = json.dumps(self.adapter.describe())
             tensors.update({k: t.detach().to("cpu", torch.bfloat16).contiguous() for k, t in self.adapter.tensors().items()})
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        # serialised in memory and written through our own temp file: safetensors' save_file makes
+        # its file 0600, which an index served by another user could not read (tempfiles.py)
+        data = save(tensors, metadata=meta)
+        fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
         try:
-            save_file(tensors, tmp, metadata=meta)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

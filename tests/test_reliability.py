@@ -500,3 +500,39 @@ def test_a_build_not_on_a_terminal_prints_progress_lines(tmp_path, smollm2, embe
                     progress=True)  # stderr is captured here, so not a terminal: lines
     err = capsys.readouterr().err
     assert "[embedding chunks]" in err and re.search(r"\[encoding chunk KV\] (\d+)/\1 \(100%\)", err)
+
+
+def test_every_file_of_an_index_takes_the_umask_so_another_user_can_serve_it(tmp_path, smollm2, embedder):
+    """An index built as one user and served as another (root in a container image, a service
+    account) must be readable like its segments: manifest, vector index and wrapper were written
+    through mkstemp, which made them 0600 whatever the umask."""
+    from lazy_rag.tempfiles import create_temp
+    from lazy_rag.wrapper import ChunkWrapper
+
+    src = tmp_path / "docs"
+    src.mkdir()
+    for name, text in DOCS.items():
+        (src / name).write_text(text)
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "idx"
+        LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+        wrapper = ChunkWrapper(torch_randn(4, smollm2.model.config.hidden_size), 2, 2, name="t")
+        wrapper.save(tmp_path / "w.safetensors")
+        files = [p for p in out.rglob("*") if p.is_file() and not sidecar(p)] + [tmp_path / "w.safetensors"]
+        names = {p.name for p in files}
+        assert "manifest.json" in names and any(n.startswith("vectors") for n in names)
+        modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
+        assert set(modes.values()) == {"0o644"}, sorted(modes.items())
+        os.umask(0o077)  # the umask decides, as for open(): a private umask keeps files private
+        fd, path = create_temp(tmp_path, prefix=".x.")
+        os.close(fd)
+        assert Path(path).stat().st_mode & 0o777 == 0o600 and Path(path).name.startswith(".x.")
+    finally:
+        os.umask(old)
+
+
+def torch_randn(*shape):
+    import torch
+
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))

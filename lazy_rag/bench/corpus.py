@@ -18,11 +18,11 @@ import json
 import os
 import re
 import tarfile
-import tempfile
 from pathlib import Path
 
 from ..errors import LazyRagError
 from ..quality.data import BIGBENCH_REQUIREMENT, cache_dir
+from ..tempfiles import create_temp
 
 TASK_MEMBER = "bigbench/benchmark_tasks/paragraph_segmentation/task.json"
 # share of a few very common English words among an article's words above which it is English:
@@ -101,7 +101,7 @@ def write_wiki_corpus(dest: Path, sdist: Path, languages: str = "en", max_chars:
             break
         path = dest / f"{i:04d}-{_slug(text)}.txt"
         if not path.exists() or path.read_text() != text:
-            fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{path.name}.", suffix=".tmp")
+            fd, tmp = create_temp(dest, prefix=f".{path.name}.")
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, path)

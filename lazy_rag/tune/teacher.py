@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from ..progress import Progress
 from ..requests import ChunkSource
+from ..tempfiles import create_temp
 
 STOP = ("\n",)
 
@@ -41,7 +41,7 @@ def teacher_key(llm, examples, top_k: int, max_new_tokens: int) -> str:
 
 def _save(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
         torch.save(obj, tmp)

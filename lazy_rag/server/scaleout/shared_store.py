@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 from ...errors import LazyRagError
 from ...store import (NOT_IN_MEMORY, RECORD_HEADER, RECORD_MAGIC, ChunkKV, ChunkStore, _fsync_dir, _pwrite_all,
                        body_crc, body_length)
+from ...tempfiles import create_temp
 
 log = logging.getLogger("lazy_rag.server.scaleout")
 
@@ -141,7 +141,7 @@ class SharedChunkStore(ChunkStore):
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+            fd, tmp = create_temp(path.parent, prefix=TEMP_PREFIX)
             try:
                 _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, body_crc(body), length), *body], 0)
                 os.fsync(fd)
