@@ -89,6 +89,27 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def _keep_encode_calibration(llm, report: "BuildReport") -> None:
+    """Fit the engine's encode costs (its read-or-encode choice for cold chunks) at the end of a
+    build that encoded KV, where a machine-wide calibration file keeps the fit for a day: the
+    first `lazy-rag query` then loads it instead of timing probe encodes inside its TTFT. With no
+    file to keep it in (``LAZY_RAG_CALIBRATION=off``) the query process would probe anyway, so
+    nothing runs. A failure here costs only that query its probes, never the build."""
+    from .engine.read_or_encode import calibration_path
+
+    if calibration_path() is None:
+        return
+    t0 = time.perf_counter()
+    try:
+        how = llm.engine.calibrate_read_or_encode()
+    except Exception as e:  # noqa: BLE001 - an optional warm-up
+        log.warning("Could not measure the engine's encode costs after the build (%s: %s); the first query "
+                    "measures them.", type(e).__name__, e)
+        return
+    report.stages["encode_calibration_s"] = round(time.perf_counter() - t0, 3)
+    log.info("encode costs for cold chunks: %s (%.1f s)", how, time.perf_counter() - t0)
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -1026,6 +1047,8 @@ class LazyIndex:
                 if carried_vecs is not None or vecs_new is not None else None
         index = cls._commit(out, llm, embedder, run, prev, settings, records, vecs, new_files, drop_sources, repair,
                             old_vectors, wrapper, report)
+        if todo_records and precompute_kv:
+            _keep_encode_calibration(llm, report)
         report.chunks_added = len(new_records)
         report.chunks_total = index.manifest["num_chunks"]
         report.tokens_total = index.manifest["num_tokens"]

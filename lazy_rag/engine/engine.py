@@ -316,6 +316,12 @@ class Engine:
                 self.pm.free(pages)
             out[i] = self.tiers.keep(key, kv, chunks[i], None, None) if cache else kv  # already on the host
 
+    def calibrate_read_or_encode(self) -> str:
+        """Measure (or load the kept) encode costs the read-or-encode choice weighs against reads
+        (``KVPlanner.calibrate``); returns "measured", "kept" or the fit already in use."""
+        with self.lock:
+            return self.planner.calibrate()
+
     def clear_cache(self) -> None:
         """Forget every cached chunk and prefix page not in use, and the host tier: the next
         requests read their chunks from disk or encode them (cold-start measurements, tests)."""

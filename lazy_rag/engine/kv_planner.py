@@ -270,6 +270,14 @@ class KVPlanner:
         self.chooser.calibrate_kept(self._calibration_key(), encode, small=small, large=large,
                                     repeats=2 if cuda else 1, linear=not cuda)
 
+    def calibrate(self) -> str:
+        """Fit the read-or-encode chooser's encode costs now, unless it has a fit: a build calls
+        this so that the probes (seconds on a CPU, ~17 s for Qwen2.5-1.5B on 2 cores) are paid while
+        indexing and kept, not in the first query's TTFT. Returns where the fit came from."""
+        if not self.chooser.calibrated:
+            self._calibrate()
+        return self.chooser.calibration
+
     def _calibration_key(self) -> str:
         """What an encode's speed depends on: the device, torch and its threads, the model's shape
         and dtype, the pool's dtype and page size (not the weights' values)."""

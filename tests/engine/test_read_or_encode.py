@@ -196,3 +196,34 @@ def test_a_cold_chunk_is_read_or_encoded_by_cost_and_answers_the_same(llm, recor
             assert out.token_ids == reference.token_ids
         if path == "disk":  # each read teaches the chooser the rate of where it came from
             assert (planner.chooser.page_cache_measured if cached else planner.chooser.disk_measured) >= 3
+
+
+def test_a_build_keeps_the_encode_fit_so_the_first_query_probes_nothing(monkeypatch, tmp_path, tokenizer):
+    """The probes run at the end of a build that encoded KV (seconds on a CPU for a 1.5B model),
+    where a calibration file keeps them: a later process's first query loads the fit instead of
+    timing probes inside its TTFT. With no file to keep it in, the build probes nothing."""
+    from helpers import small_llm
+    from lazy_rag import LazyIndex
+    from lazy_rag.engine import read_or_encode as roe
+    from tiny_models import tiny_model
+
+    texts = ["The lighthouse was completed in 1871.", "Keepers lived there until 1954.", "The lens came from Paris."]
+    monkeypatch.setenv("LAZY_RAG_CALIBRATION", "off")
+    built = LazyIndex.from_texts(texts, tmp_path / "off", llm=small_llm(tiny_model("llama", seed=4), tokenizer),
+                                 ids=["a", "b", "c"], split=False, vectors=False, progress=False, wrapper="none")
+    assert "encode_calibration_s" not in built.build_report.stages
+    monkeypatch.setenv("LAZY_RAG_CALIBRATION", str(tmp_path / "calibration.json"))
+    builder = small_llm(tiny_model("llama", seed=4), tokenizer)
+    built = LazyIndex.from_texts(texts, tmp_path / "idx", llm=builder, ids=["a", "b", "c"], split=False,
+                                 vectors=False, progress=False, wrapper="none")
+    assert built.build_report.stages["encode_calibration_s"] >= 0
+    assert builder.engine.planner.chooser.calibration == "measured"
+    key = builder.engine.planner._calibration_key()
+    assert roe.load_calibration(key) is not None
+    querier = small_llm(tiny_model("llama", seed=4), tokenizer)  # another process, in effect
+    assert querier.engine.planner._calibration_key() == key and not querier.engine.planner.chooser.calibrated
+    loaded = LazyIndex.load(tmp_path / "idx", llm=querier)
+    res = querier.generate(loaded.segments("When was it completed?", ["a", "b"]), max_new_tokens=1,
+                           source=loaded.chunk_source)
+    assert res.stats.chunk_sources  # the chunks came from the index, through the chooser
+    assert querier.engine.planner.chooser.calibration == "kept"
