@@ -64,9 +64,9 @@ from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
                     KV_DTYPE_NAMES, _DTYPES, _fsync_dir, segment_name)
+from .tempfiles import atomic_write_bytes as _atomic_write_bytes  # a module global: tests fail it on purpose
 from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
-from .tempfiles import create_temp
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
@@ -74,19 +74,6 @@ POINTER = "manifest.json"  # format 2: a pointer for tools; format 1: the index'
 SETTINGS_KEYS = ("model", "kv_dtype", "embedder", "chunking", "generation", "commit_id", "num_chunks", "num_tokens")
 FORMAT1_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_chunks", "embedder")
 EMBED_BATCH = 64
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _keep_encode_calibration(llm, report: "BuildReport") -> None:
@@ -106,8 +93,9 @@ def _keep_encode_calibration(llm, report: "BuildReport") -> None:
         log.warning("Could not measure the engine's encode costs after the build (%s: %s); the first query "
                     "measures them.", type(e).__name__, e)
         return
-    report.stages["encode_calibration_s"] = round(time.perf_counter() - t0, 3)
-    log.info("encode costs for cold chunks: %s (%.1f s)", how, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    report.stages["encode_calibration_s"] = round(seconds, 3)
+    log.info("encode costs for cold chunks: %s (%.1f s)", how, seconds)
 
 
 def _sha256(data: bytes) -> str:

@@ -7,7 +7,8 @@ by any other user, while the same index's KV segments and SQLite table, created 
 sqlite, were 0644 under the usual umask 022: an index built as one user (root in a container
 image, a build job) and served as another failed to load. ``create_temp`` keeps mkstemp's
 guarantees (a fresh name, ``O_EXCL``, in the destination folder so the rename is atomic) and
-lets the umask decide the mode, as for every other file of the index.
+lets the umask decide the mode, as for every other file of the index; ``atomic_write_bytes`` is
+the whole write through it.
 """
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def create_temp(folder: str | os.PathLike, prefix: str = "", suffix: str = ".tmp
         except FileExistsError:
             continue
     raise FileExistsError(f"Could not create a temporary file in {folder} (100 names taken).")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: written to a temp file in the same folder,
+    fsynced, then renamed over it (a reader sees the old file or the new one, never a part)."""
+    path = Path(path)
+    fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

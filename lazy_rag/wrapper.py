@@ -33,7 +33,7 @@ import torch
 
 from .chunk_adapter import ChunkAdapter, ChunkAdapters
 from .errors import LazyRagError
-from .tempfiles import create_temp
+from .tempfiles import atomic_write_bytes
 
 FORMAT = "lazy-rag-wrapper/1"
 BUNDLED_DIR = Path(__file__).parent / "wrappers"
@@ -120,17 +120,7 @@ class ChunkWrapper:
             tensors.update({k: t.detach().to("cpu", torch.bfloat16).contiguous() for k, t in self.adapter.tensors().items()})
         # serialised in memory and written through our own temp file: safetensors' save_file makes
         # its file 0600, which an index served by another user could not read (tempfiles.py)
-        data = save(tensors, metadata=meta)
-        fd, tmp = create_temp(path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, save(tensors, metadata=meta))
         return path
 
     @classmethod

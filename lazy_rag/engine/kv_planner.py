@@ -272,7 +272,7 @@ class KVPlanner:
 
     def calibrate(self) -> str:
         """Fit the read-or-encode chooser's encode costs now, unless it has a fit: a build calls
-        this so that the probes (seconds on a CPU, ~17 s for Qwen2.5-1.5B on 2 cores) are paid while
+        this so that the probes (seconds on a CPU, tens of seconds for a 1.5B model) are paid while
         indexing and kept, not in the first query's TTFT. Returns where the fit came from."""
         if not self.chooser.calibrated:
             self._calibrate()

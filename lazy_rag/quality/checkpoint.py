@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ..errors import LazyRagError
-from ..index import _atomic_write_bytes
+from ..tempfiles import atomic_write_bytes
 
 VERSION = 1
 
@@ -69,7 +69,7 @@ class Checkpoint:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": VERSION, "signature": self.digest, "settings": self.state}
-        _atomic_write_bytes(self.path, json.dumps(data, ensure_ascii=False).encode())
+        atomic_write_bytes(self.path, json.dumps(data, ensure_ascii=False).encode())
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

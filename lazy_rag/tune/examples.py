@@ -96,11 +96,11 @@ def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retr
     choices = _prompts(prompts)
     out = []
     for i, q in enumerate(rng.sample(questions, min(n, len(questions)))):
-        top = [p for p, _ in ranked[q.id]][:k] if ranked is not None else []
-        if keep_order and q.passage in top:
-            chosen = top  # the gold paragraph already where the retriever ranked it
-        elif ranked is not None:
-            chosen = [p for p, _ in ranked[q.id] if p != q.passage][:k - 1]
+        order = [p for p, _ in ranked[q.id]] if ranked is not None else None
+        if keep_order and q.passage in order[:k]:
+            chosen = order[:k]  # the gold paragraph already where the retriever ranked it
+        elif order is not None:
+            chosen = [p for p in order if p != q.passage][:k - 1]
         else:
             same = [p for p in by_article[q.article] if p != q.passage]
             near = rng.sample(same, min(len(same), (k - 1 + 1) // 2))

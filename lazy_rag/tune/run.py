@@ -44,12 +44,11 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
                          gold_position=gold_position)
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
-    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts,
-                                    gold_position if retrieval is not None else "random")
+    placed = gold_position if retrieval is not None else "random"  # what squad_examples did
+    work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts, placed)
     start = _start_from(llm, init, None, options)  # "auto": no index wrapper, so token embeddings
     layout = {"source": "squad_v1.1_dev train articles", "prompts": prompts, "k": k,
-              "retrieval": Path(retrieval).name if retrieval is not None else None,
-              "gold_position": gold_position if retrieval is not None else "random"}
+              "retrieval": Path(retrieval).name if retrieval is not None else None, "gold_position": placed}
     return train_wrapper(llm, exs, options, out, work, progress=progress, name=name, log=log, init=start, data=layout)
 
 

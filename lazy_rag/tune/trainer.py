@@ -366,7 +366,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
         if adapter is not None:
             adapters.remove(adapter_key)
     seconds = time.perf_counter() - t_train
-    recipe = {**settings, **({"data": data} if data else {}), "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
+    recipe = {**settings, **({"data": data} if data else {}),
+              "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
               "examples_left_out": len(dropped), "examples_math_attention": len(slow),
               "device": str(llm.device)}
