@@ -23,6 +23,13 @@ token count varies far more than a decode batch does, so the buckets are coarser
 padding) and the number of graphs is bounded (least recently used dropped). A step longer than
 the largest bucket is GPU-bound anyway and stays eager. Steps with a fresh sequence (full mode,
 a prefix miss), a prefix tail, APE or explicit slot positions stay eager too.
+
+A cold lazy request's step, which encodes the request's missing chunks as extra sequences ahead of
+its own tokens (``kv_planner``), replays an append graph as well (``AppendGraphs.run_encoding``):
+the chunks and any tail go through the Triton kernel as the eager step runs them, and every token's
+unrotated K/V is captured into one static buffer of ``max_encode_tokens`` rows, copied out per chunk
+right after the replay. Eager, that step's kernel launches cost a small model more than ``full``
+re-encoding the same tokens through one flash call per layer (BENCHMARKS.md, "Indexing at scale").
 """
 from __future__ import annotations
 
@@ -245,6 +252,7 @@ class AppendKey:
     block_m: int   # query tokens per kernel tile
     virtual: bool  # ids may be chunk-wrapper slots (the wrapper rows are read in the graph)
     split_target: float = 2.0   # the kernel's split-KV programs per SM (the plan's)
+    encodes: bool = False       # the step encodes chunks: every token's unrotated K/V is captured
 
     @property
     def seqs(self) -> int:
@@ -265,18 +273,45 @@ class AppendGraphs:
     """Prefill / append steps replayed from CUDA graphs (module docstring)."""
 
     def __init__(self, runner, max_batch: int = 256, page_step: int = 32, max_graphs: int = 48,
-                 max_tokens: int = TOKEN_BUCKETS[-1]):
+                 max_tokens: int = TOKEN_BUCKETS[-1], max_encode_tokens: int = 2048):
         # a weak reference: the runner owns its graphs, and a cycle would keep a dropped engine's
         # page pool (gigabytes of GPU memory) alive until the next garbage collection
         self.runner = weakref.proxy(runner)
         self.max_batch, self.page_step, self.max_graphs = max_batch, page_step, max_graphs
         self.max_tokens = max_tokens
+        # steps that encode chunks capture their K/V into one static buffer of this many tokens
+        # (allocated at the first such step: 268 MB for an 8B shape, 25 MB for Qwen2.5-0.5B);
+        # a longer one is GPU-bound, so eager costs it little
+        self.max_encode_tokens = min(max_tokens, max_encode_tokens)
+        self.captured_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: OrderedDict[AppendKey, _Captured] = OrderedDict()
         self.replays = 0
+        self.encode_replays = 0
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of the step, or None when it must run eagerly."""
-        packed = self.pack(seqs)
+        out = self._replay(seqs, encodes=False)
+        return None if out is None else out[:len(seqs)]
+
+    def run_encoding(self, jobs, seqs: list[Sequence]):
+        """A step whose sequences encode chunks in their prefill (``jobs``, ``EncodeJob``s packed
+        ahead of ``seqs`` as ``ModelRunner.run`` packs them): (logits [len(seqs), vocab], the
+        jobs' unrotated K and V [layers, their tokens, Hkv, D], each job's (start, end) rows in
+        them), or None when the step must run eagerly. The logits and the K/V are views of the
+        graphs' static buffers: valid until the next replay."""
+        out = self._replay(list(jobs) + list(seqs), encodes=True)
+        if out is None:
+            return None
+        self.encode_replays += 1
+        spans, at = [], 0
+        for job in jobs:
+            spans.append((at, at + len(job.compute_pos)))
+            at += len(job.compute_pos)
+        k, v = self.captured_kv
+        return out[len(jobs):len(jobs) + len(seqs)], (k[:, :at], v[:, :at]), spans
+
+    def _replay(self, seqs, encodes: bool) -> torch.Tensor | None:
+        packed = self.pack(seqs, encodes)
         if packed is None:
             return None
         host, key = packed
@@ -287,17 +322,20 @@ class AppendGraphs:
         cap.buf.copy_(host)
         cap.graph.replay()
         self.replays += 1
-        return cap.out[:len(seqs)]
+        return cap.out
 
-    def pack(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AppendKey] | None:
-        """(packed inputs on the host, graph key), or None when the step stays eager."""
+    def pack(self, seqs: list[Sequence], encodes: bool = False) -> tuple[torch.Tensor, AppendKey] | None:
+        """(packed inputs on the host, graph key), or None when the step stays eager. ``encodes``:
+        the first sequences are chunk encodes; like the eager step of ``ModelRunner.run``, fresh
+        sequences and tails then take the Triton kernel too, and every token's K/V is captured."""
         r = self.runner
         ps = r.pool.page_size
         if not seqs or len(seqs) > self.max_batch:
             return None
         n = sum(len(s.compute_pos) for s in seqs)
-        T = token_bucket(n, self.max_tokens)
-        if T is None or any(attention_path(s, True, ps)[0] != "paged" for s in seqs):
+        T = token_bucket(n, self.max_encode_tokens if encodes else self.max_tokens)
+        paged = ("paged", "fresh", "tail") if encodes else ("paged",)
+        if T is None or any(attention_path(s, True, ps)[0] not in paged for s in seqs):
             return None
         tables = [page_rows(s, ps) for s in seqs]
         if any(t[4] is not None for t in tables):
@@ -307,7 +345,7 @@ class AppendGraphs:
         P = max(1, -(-max(len(t[0]) for t in tables) // self.page_step)) * self.page_step
         H, Hkv = shp.num_heads, shp.num_kv_heads
         key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, H, Hkv, r.pool.device, total=n),
-                        r.parts.virtual_rows is not None, plan_split_target(longest, H, Hkv))
+                        r.parts.virtual_rows is not None, plan_split_target(longest, H, Hkv), encodes)
         return self._pack(key, seqs, tables), key
 
     def _pack(self, key: AppendKey, seqs, tables) -> torch.Tensor:
@@ -352,9 +390,23 @@ class AppendGraphs:
         table = PageTable(indptr, pid, ppos, plen, shift, max_pages=key.pages)
         plan = PrefillPlan(tseq, tq0, key.block_m, key.split_target)
         attention = AppendAttention(self.runner, qo, pos.to(torch.int32), table, plan)
+        capture = False
+        if key.encodes:
+            k, v = self._captured_kv()
+            capture = (k[:, :key.tokens], v[:, :key.tokens])
         logits, _ = self.runner.forward(ids, pos, wpage, wslot, attention, key_pos=kpos, logits_rows=last,
-                                        virtual=key.virtual, num_layers=num_layers)
+                                        virtual=key.virtual, num_layers=num_layers, capture=capture)
         return logits
+
+    def _captured_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static K and V capture buffers of the encoding graphs, [layers, max_encode_tokens,
+        Hkv, D] each, made at the first capture that needs them (outside the graph's pool)."""
+        if self.captured_kv is None:
+            r = self.runner
+            shp = r.parts.shape
+            shape = (shp.num_layers, self.max_encode_tokens, shp.num_kv_heads, shp.head_dim)
+            self.captured_kv = tuple(torch.empty(shape, dtype=r.parts.dtype, device=r.pool.device) for _ in range(2))
+        return self.captured_kv
 
     def _capture(self, key: AppendKey) -> _Captured:
         while len(self.graphs) >= self.max_graphs:

@@ -338,6 +338,7 @@ class Engine:
                 "requests_waiting": len(self.scheduler.waiting), "requests_running": len(self.scheduler.running),
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 "append_graph_replays": append.replays if append else 0,
+                "encode_graph_replays": append.encode_replays if append else 0,
                 "append_graphs": len(append.graphs) if append else 0,
                 "shared_chunk_steps": self.runner.shared_decode_steps + (graphs.shared_replays if graphs else 0),
                 **{k: round(v, 4) for k, v in self.timers.items()},

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..architecture import ModelParts
-from ..chunk_adapter import encoding_chunks
+from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
@@ -67,14 +67,15 @@ class ModelRunner:
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
-                capture: bool | int = False, num_layers: int | None = None, virtual: bool = True):
+                capture: bool | int | tuple = False, num_layers: int | None = None, virtual: bool = True):
         """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
         ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q unrotated and k as stored.
         ``num_layers``: stop after that many layers. ``virtual=False``: no id is a chunk wrapper's
         slot (decode steps; a captured graph must not read the wrapper table). ``capture``: keep the
-        unrotated K and V of every token (True) or of the first ``capture`` tokens (an int).
+        unrotated K and V of every token (True) or of the first ``capture`` tokens (an int), or
+        write them into given (K, V) buffers [layers, m, Hkv, D] (the first m tokens).
         Returns (fp32 logits of ``logits_rows`` or None, captured unrotated K and V
         [layers, captured, Hkv, D] or None). No host syncs and no
         allocation that depends on values: a decode step through it can be captured in a graph."""
@@ -83,9 +84,9 @@ class ModelRunner:
         depth = len(p.layers) if num_layers is None else num_layers
         cos, sin = p.rope_table.cos_sin(pos, p.dtype)
         kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
-        caught = None
-        m = n if capture is True else int(capture)
-        if m:
+        caught = capture if isinstance(capture, tuple) else None
+        m = caught[0].shape[1] if caught else n if capture is True else int(capture)
+        if m and caught is None:
             caught = (torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
                       torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
         x = p.embed_ids(ids, virtual)
@@ -130,6 +131,16 @@ class ModelRunner:
                 out = self.append_graphs.run(seqs)
                 if out is not None:
                     return out
+        elif self.append_graphs is not None and ChunkAdapters.find(self.parts.model) is None:
+            # a cold request's step (its missing chunks encoded in its prefill) from a graph too:
+            # eager, a launch-bound shape pays more in kernel launches than `full` pays to
+            # re-encode the same tokens. Chunk adapters gate per token outside any graph, so
+            # their steps stay eager.
+            out = self.append_graphs.run_encoding(jobs, seqs)
+            if out is not None:
+                logits, caught, spans = out
+                self._keep_encoded(seqs, caught, spans)
+                return logits
         batch = self._pack(jobs + seqs)
         last = torch.tensor([b - 1 for _, b in batch.spans[len(jobs):]], device=self.pool.device)
         encoded = batch.spans[len(jobs) - 1][1] if jobs else 0
@@ -139,10 +150,15 @@ class ModelRunner:
                                           StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
                                           key_pos=batch.key_pos, logits_rows=last, capture=encoded)
         if jobs:
-            kvs = iter(self._chunk_kvs(*caught, batch.spans[:len(jobs)], to_host=False))
-            for s in seqs:
-                s.encoded_kv = [next(kvs) for _ in getattr(s, "encode_jobs", ())]
+            self._keep_encoded(seqs, caught, batch.spans[:len(jobs)])
         return logits
+
+    def _keep_encoded(self, seqs, caught, spans) -> None:
+        """Each sequence's ``encoded_kv``: its encode jobs' KV, copied out of the step's captured
+        K/V (``caught``, rows ``spans`` in job order)."""
+        kvs = iter(self._chunk_kvs(*caught, spans, to_host=False))
+        for s in seqs:
+            s.encoded_kv = [next(kvs) for _ in getattr(s, "encode_jobs", ())]
 
     @torch.inference_mode()
     def encode(self, jobs, to_host: bool = False, quantize: bool = False) -> list[ChunkKV]:

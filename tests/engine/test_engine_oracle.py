@@ -133,6 +133,29 @@ def test_real_shape_model_64_concurrent_requests(mode, real_shape_llm):
         assert st["shared_chunk_steps"] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real-shape model on CUDA (tests/gpu_parity.sh)")
+def test_cold_requests_encode_in_a_graph_and_keep_their_kv(real_shape_llm):
+    """A cold lazy request (no tier holds its chunks) encodes them in its own prefill step, which
+    replays a CUDA graph with the chunks' K/V captured into a static buffer. Its first token is
+    the oracle's, and the KV it kept (host tier) serves a later request exactly."""
+    rng = random.Random(9)
+    reqs = requests(rng, 4, num_chunks=12, chunk_len=(60, 300), vocab=120000, max_new=1)
+    eng = real_shape_llm.engine
+    for segs, _ in reqs:
+        eng.clear_cache()
+        before = eng.stats()["encode_graph_replays"]
+        cold = real_shape_llm.generate(segs, max_new_tokens=1, mode="lazy", output_first_logits=True)
+        assert eng.stats()["encode_graph_replays"] == before + 1
+        assert cold.stats.chunk_sources == {"encoded": 3}
+        ref = teacher_forced_logits(real_shape_llm, segs, "lazy", cold.token_ids[:1])[0].cpu()
+        assert rel_err(cold.first_logits, ref) < 1e-3
+        eng.pm.evict_unreferenced()   # the pool forgets the chunks; the host tier keeps their KV
+        again = real_shape_llm.generate(segs, max_new_tokens=1, mode="lazy", output_first_logits=True)
+        assert again.stats.chunk_sources == {"host": 3}
+        assert rel_err(again.first_logits, ref) < 1e-3
+    eng.pm.check()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA only (tests/gpu_parity.sh)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_rms_norm_rounds_like_every_familys_module(dtype):
