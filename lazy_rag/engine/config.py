@@ -35,7 +35,10 @@ class EngineConfig:
     plain LFU it ages. ``cuda_graphs``: replay decode steps, and prefill / append steps of up to
     ``append_graph_tokens`` new tokens whose attention is the Triton kernels' (lazy, block, short
     prefix-hit tails), from captured graphs (CUDA only; ``append_graph_tokens=0``: decode only).
-    Each captured append shape holds its activations in the graphs' shared memory pool.
+    Each captured append shape holds its activations in the graphs' shared memory pool. A cold
+    lazy request's step, which encodes its missing chunks, replays one too when it has at most
+    2,048 new tokens; their K/V is captured into one static buffer of that many tokens
+    (``cuda_graphs.AppendGraphs.run_encoding``).
     ``kv_dtype``: how the pool, the host tier and the KV an engine encodes store keys and values:
     None or "auto" in the model's dtype; "fp8": float8_e4m3fn with one fp16 scale per (layer,
     token, KV head) for K and for V (``kernels/kv_quant.py``), 50.8% of bf16's bytes at head_dim
