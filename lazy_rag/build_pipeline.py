@@ -46,6 +46,9 @@ class PipelineStats:
     kv_bytes: int = 0
     encode_s: float = 0.0        # the engine's encode calls (forward + copy to the host)
     first_encode_s: float = 0.0  # ... of which the first batch's (kernel compiles, first pinned buffers)
+    second_encode_s: float = 0.0  # ... and the second's (its pinned buffers are new too)
+    first_write_s: float = 0.0   # the writer's first batch (its prepare waits included)
+    first_written_s: float = 0.0  # from the pipeline's start until the first batch is on its way to disk
     write_s: float = 0.0         # the writer thread's store writes (the two below included)
     prepare_wait_s: float = 0.0  # ... of which waiting for the prepare pool's records
     checkpoint_s: float = 0.0    # ... of which checkpoint commits (fsync + transaction)
@@ -70,6 +73,7 @@ class KVWriter:
                  background: bool = True):
         self.store, self.written, self.stats = store, written, stats
         self.background = background
+        self.t_start = time.perf_counter()
         self.error: BaseException | None = None
         self.pool = self.thread = None
         if not background:
@@ -175,7 +179,11 @@ class KVWriter:
             if on_written is not None:
                 on_written(records)
         finally:
-            self.stats.write_s += time.perf_counter() - t0
+            now = time.perf_counter()
+            if not self.stats.first_write_s:
+                self.stats.first_write_s = now - t0
+                self.stats.first_written_s = now - self.t_start
+            self.stats.write_s += now - t0
 
 
 class _Aborted(Exception):
@@ -236,6 +244,8 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
             stats.encode_s += time.perf_counter() - t0
             if not stats.batches:
                 stats.first_encode_s = stats.encode_s
+            elif stats.batches == 1:
+                stats.second_encode_s = stats.encode_s - stats.first_encode_s
             stats.batches += 1
             writer.put(batch, kvs, progress)
         writer.close()

@@ -164,9 +164,10 @@ class ModelRunner:
     def encode(self, jobs, to_host: bool = False, quantize: bool = False) -> list[ChunkKV]:
         """Encode chunks (``sequence.EncodeJob``) into their pool pages in one forward; returns each
         chunk's captured unrotated KV, in the pool's format (fp8 with per-token scales for an fp8
-        pool, or with ``quantize``). ``to_host``: the KV on the host, as views of one copy of the
-        whole batch (an index build: one DMA into pinned memory per tensor instead of a copy and a
-        pin per chunk, which made the 8B build's encode 2-3x slower than its forward).
+        pool, or with ``quantize``). ``to_host``: the KV on the host, each chunk's tensors
+        contiguous views of one copy of the whole batch (``chunk_major_on_host``: an index build,
+        one DMA into pinned memory per tensor instead of a copy and a pin per chunk, which made the
+        8B build's encode 2-3x slower than its forward).
         ``quantize``: fp8 whatever the pool (an fp8 store's build: quantised here on the device,
         half the bytes to copy, instead of on the host's writer threads)."""
         batch = self._pack(jobs)
@@ -192,9 +193,7 @@ class ModelRunner:
         if quantize:  # (k8, k_scale, v8, v_scale) -> ChunkKV's order
             tensors = (tensors[0], tensors[2], tensors[1], tensors[3])
         if to_host:
-            if k.device.type == "cuda":
-                tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors)
-            return [ChunkKV(*(t[:, a:b] for t in tensors)) for a, b in spans]
+            return chunk_major_on_host(tensors, spans)
         return [ChunkKV(*(t[:, a:b].clone() for t in tensors)) for a, b in spans]
 
     # -- choosing the chunk tokens to recompute (Recovery.select) -----------------------------------
@@ -242,6 +241,34 @@ class ModelRunner:
         shifted = tok.key_pos != tok.pos
         return PackedBatch(t(tok.ids), t(tok.pos), t(tok.pages), t(tok.slots), t(tok.key_pos) if shifted else None,
                            tok.spans)
+
+
+def chunk_major_on_host(tensors, spans) -> list[ChunkKV]:
+    """Each span's ChunkKV on the host from layer-major batch tensors [layers, tokens, ...], every
+    tensor of it contiguous: the spans are laid out one after the other on the device (one copy
+    each), then each tensor goes to the host in one copy (into pinned memory from CUDA: one DMA per
+    tensor instead of a copy and a pin per chunk). An index build's writer then hands the store
+    views it writes as they are; a chunk's slice of a layer-major batch is not contiguous, and the
+    store's copy of it (2 GB per batch of the 8B shape, on the host's prepare threads, into freshly
+    faulted memory on a build's first batch) was the writer's largest cost after the disk itself
+    (BENCHMARKS.md, "A machine's first 8B build")."""
+    out = [[] for _ in spans]
+    for t in tensors:
+        layers, rest = t.shape[0], tuple(t.shape[2:])
+        per_token = math.prod(rest)
+        flat = torch.empty(layers * per_token * sum(b - a for a, b in spans), dtype=t.dtype, device=t.device)
+        at, places = 0, []
+        for a, b in spans:
+            shape = (layers, b - a, *rest)
+            n = math.prod(shape)
+            flat[at:at + n].view(shape).copy_(t[:, a:b])
+            places.append((at, n, shape))
+            at += n
+        if flat.device.type == "cuda":
+            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+        for parts, (at, n, shape) in zip(out, places):
+            parts.append(flat[at:at + n].view(shape))
+    return [ChunkKV(*parts) for parts in out]
 
 
 class PackedBatch:

@@ -23,3 +23,34 @@ def test_chunks_encoded_together_equal_each_encoded_alone(tokenizer, device):
             # fp32 on both paths: the kernel and SDPA differ in summation order only
             torch.testing.assert_close(kv.k, alone.k, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(kv.v, alone.v, rtol=1e-4, atol=1e-5)
+
+
+
+def test_a_builds_host_kv_is_contiguous_per_chunk_and_equals_the_cached_encode(tokenizer, device):
+    """``encode_chunks(cache=False)`` (an index build) hands each chunk's tensors to the store as
+    contiguous host views of one batch copy, laid out chunk after chunk: the store writes them
+    without copying. Their values are those of the cached path, bit for bit."""
+    from lazy_rag.engine.model_runner import chunk_major_on_host
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(200, 4000, (n,), generator=g).tolist() for n in (7, 33, 1, 64)]
+    for quantize in (False, True):
+        built = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize)
+        for ids, kv in zip(chunks, built):
+            assert kv.k.device.type == "cpu" and kv.quantized == quantize
+            for t in kv.tensors().values():
+                assert t.is_contiguous() and t.shape[1] == len(ids)
+        # one storage per tensor kind, the chunks back to back in it
+        assert built[0].k.untyped_storage().data_ptr() == built[1].k.untyped_storage().data_ptr()
+        assert built[1].k.data_ptr() == built[0].k.data_ptr() + built[0].k.nbytes
+        if not quantize:
+            plain = built
+    for a, b in zip(plain, llm.engine.encode_chunks(chunks)):
+        assert torch.equal(a.k, b.k.cpu()) and torch.equal(a.v, b.v.cpu())
+    # the layout itself: each span of a layer-major batch, exactly
+    t = torch.arange(3 * 10 * 2 * 4, dtype=torch.float32).view(3, 10, 2, 4)
+    spans = [(0, 4), (4, 5), (5, 10)]
+    for (a, b), kv in zip(spans, chunk_major_on_host((t, -t), spans)):
+        assert kv.k.is_contiguous() and torch.equal(kv.k, t[:, a:b]) and torch.equal(kv.v, -t[:, a:b])
