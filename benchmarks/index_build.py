@@ -51,8 +51,8 @@ from lazy_rag.bench.roofline import matmul_tflops
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
            "pct_of_write_bw", "bound", "disk_bytes_per_token", "gpu_peak_gb", "host_peak_gb", "update_s",
-           "update_pct_of_build", "query_warm_ttft_ms", "query_page_cache_ttft_ms", "query_cold_first_ttft_ms", "query_cold_ttft_ms",
-           "full_ttft_ms"]
+           "update_pct_of_build", "query_warm_ttft_ms", "query_page_cache_ttft_ms", "query_cold_first_ttft_ms",
+           "query_cold_ttft_ms", "full_ttft_ms"]
 
 
 # -- the corpus -----------------------------------------------------------------------------------
