@@ -73,7 +73,6 @@ class KVWriter:
                  background: bool = True):
         self.store, self.written, self.stats = store, written, stats
         self.background = background
-        self.t_start = time.perf_counter()
         self.error: BaseException | None = None
         self.pool = self.thread = None
         if not background:
@@ -179,11 +178,10 @@ class KVWriter:
             if on_written is not None:
                 on_written(records)
         finally:
-            now = time.perf_counter()
+            seconds = time.perf_counter() - t0
             if not self.stats.first_write_s:
-                self.stats.first_write_s = now - t0
-                self.stats.first_written_s = now - self.t_start
-            self.stats.write_s += now - t0
+                self.stats.first_write_s = seconds
+            self.stats.write_s += seconds
 
 
 class _Aborted(Exception):
@@ -229,6 +227,8 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     def progress(done_records):
         n = sum(len(r.token_ids) for r in done_records)
         elapsed = time.perf_counter() - t_start
+        if not stats.first_written_s:
+            stats.first_written_s = elapsed
         rate = (stats.tokens + n) / elapsed if elapsed > 0 else 0.0
         stats.tokens += n
         stats.chunks += len(done_records)
