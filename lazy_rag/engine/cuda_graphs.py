@@ -304,9 +304,10 @@ class AppendGraphs:
             return None
         self.encode_replays += 1
         spans, at = [], 0
-        for job in jobs:
-            spans.append((at, at + len(job.compute_pos)))
-            at += len(job.compute_pos)
+        for job in jobs:   # packed first, in order (step_tokens)
+            n = len(job.compute_pos)
+            spans.append((at, at + n))
+            at += n
         k, v = self.captured_kv
         return out[len(jobs):len(jobs) + len(seqs)], (k[:, :at], v[:, :at]), spans
 
