@@ -59,6 +59,14 @@ def _prompts(choice: str) -> tuple[tuple[str, str | None], ...]:
     return tuple(both.values()) if choice == "mixed" else (both[choice],)
 
 
+def gold_placement(retrieval, gold_position: str) -> str:
+    """How ``squad_examples`` places the gold paragraph: "retrieved" (the ranking's order) only
+    with a ranking file, else "random"."""
+    if gold_position not in GOLD_POSITIONS:
+        raise LazyRagError(f"Unknown gold position {gold_position!r}; choose one of {', '.join(GOLD_POSITIONS)}.")
+    return gold_position if retrieval is not None else "random"
+
+
 def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retrieval=None,
                    prompts: str = "mixed", gold_position: str = "retrieved") -> list[Example]:
     """``n`` prompts from the train articles of SQuAD v1.1 dev (``data``: its file, default the
@@ -69,9 +77,7 @@ def squad_examples(tokenizer, n: int, k: int = 4, seed: int = 0, data=None, retr
     from ..quality.prompts import EXAMPLE_QUESTION_IDS
     from ..quality.retrieval import load_retrieval
 
-    if gold_position not in GOLD_POSITIONS:
-        raise LazyRagError(f"Unknown gold position {gold_position!r}; choose one of {', '.join(GOLD_POSITIONS)}.")
-    keep_order = retrieval is not None and gold_position == "retrieved"
+    keep_order = gold_placement(retrieval, gold_position) == "retrieved"
     ds = load_dataset("squad", data)
     questions = [q for q in ds.split("train") if q.id not in EXAMPLE_QUESTION_IDS]
     ranked = None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import LazyRagError
 from ..models import cache_dir
-from .examples import index_examples, squad_examples
+from .examples import gold_placement, index_examples, squad_examples
 from .trainer import TuneOptions, train_wrapper
 
 
@@ -44,7 +44,7 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
                          gold_position=gold_position)
     name = Path(model).stem
     out = Path(out) if out is not None else Path(f"wrapper-{name}.safetensors")
-    placed = gold_position if retrieval is not None else "random"  # what squad_examples did
+    placed = gold_placement(retrieval, gold_position)
     work = work_dir or _work_dir(llm, "squad", data, examples, k, options.seed, retrieval, prompts, placed)
     start = _start_from(llm, init, None, options)  # "auto": no index wrapper, so token embeddings
     layout = {"source": "squad_v1.1_dev train articles", "prompts": prompts, "k": k,
