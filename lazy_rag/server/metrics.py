@@ -13,6 +13,11 @@ from ..errors import LazyRagError
 
 log = logging.getLogger("lazy_rag.server")
 
+# the engine's counter of each tier (KVPlanner.admit counts "chunk_" + a request's chunk sources:
+# "hits" for the pool, "from_<tier>" for the rest)
+CHUNK_TIER_COUNTERS = {"pool": "chunk_hits", "host": "chunk_from_host", "disk": "chunk_from_disk",
+                       "encoded": "chunk_from_encoded", "recomputed": "chunk_from_recomputed"}
+
 # seconds: a CPU answer takes seconds, a GPU TTFT tens of milliseconds
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -45,9 +50,10 @@ class EngineCollector:
         g.add_metric(["private"], s["pages_private"])
         yield g
         c = CounterMetricFamily("lazy_rag_chunks_served", "Chunks placed in prompts, by the tier that held their "
-                                "KV (pool, host, disk; encoded: no tier had it).", labels=["tier"])
-        for tier in ("pool", "host", "disk", "encoded"):
-            c.add_metric([tier], s.get(f"chunk_{tier}", 0))
+                                "KV (pool, host, disk; encoded: no tier had it; recomputed: on disk, but encoding "
+                                "it was faster than reading it).", labels=["tier"])
+        for tier, counter in CHUNK_TIER_COUNTERS.items():
+            c.add_metric([tier], s.get(counter, 0))
         yield c
         c = CounterMetricFamily("lazy_rag_engine_failed_requests", "Requests the engine failed (one at a time).")
         c.add_metric([], s["failed_requests"])
