@@ -591,40 +591,33 @@ def fp8_token_bytes(shape):
 def add_pair(rec, base, times, nbytes, flops, reports=None):
     """The bf16 and fp8 records of one case, each fp8 one with its bandwidth and speed relative
     to bf16's. times: {kv_dtype: (t_us, timer)}, "bf16" first, then the fp8 variants in their
-    timing order ("fp8": V pages keys-major as the engine's pool lays them out, the kernel's
-    default fp8_convert; "fp8_<convert>": another fp8_convert (decode); "fp8_dims_major": V
-    dims-major, the layout before); nbytes: {"bf16" / "fp8": bytes read};
+    timing order ("fp8": V pages keys-major as the engine's pool lays them out;
+    "fp8_dims_major": V dims-major, the layout before); nbytes: {"bf16" / "fp8": bytes read};
     reports: {kv_dtype: the attention kernel's compiled report} (none for the write cases, whose
     kernel is not an attention kernel)."""
-    from lazy_rag.kernels.paged_attention import DEFAULT_FP8_CONVERT, FP8_CONVERT
-
     for kv_dtype, (t, timer) in times.items():
         fp8 = kv_dtype != "bf16"
         extra = {}
         if fp8:
             tb = times["bf16"][0]
             nb = nbytes["fp8"]
-            conv = kv_dtype[len("fp8_"):]
             extra = dict(bw_vs_bf16=round((nb / t) / (nbytes["bf16"] / tb), 3),
                          speedup_vs_bf16=round(tb / t, 3),
                          v_layout="dims_major" if kv_dtype == "fp8_dims_major" else "keys_major",
-                         fp8_convert=conv if conv in FP8_CONVERT else DEFAULT_FP8_CONVERT,
                          **(reports or {}).get(kv_dtype, {}))
         rec.add(dict(base, kv_dtype="fp8" if fp8 else kv_dtype), t, timer,
                 nbytes["fp8" if fp8 else "bf16"], flops, **extra)
 
 
-# fp8 decode tuning variants (--sweep with --only fp8). Earlier sweeps (block_n 64-256, 4-8
-# warps, 3-6 stages, 2-4 programs per SM: kernels_h100_fp8_keys_major.json) found nothing
-# faster than the defaults; the kernel holds ~210-250 registers per thread, so only two
-# programs (8 warps) share an SM. These cap the registers (maxnreg: 168 fits three programs, 128
-# four, at the cost of some spills) with more programs per SM, under each fp8_convert.
-FP8_DECODE_TUNING = [dict(maxnreg=r, split_target=sp, num_stages=st, fp8_convert=conv)
-                     for r, sp, st, conv in ((168, 2, 3, "dot"), (168, 3, 3, "dot"),
-                                             (128, 2, 3, "dot"), (128, 4, 3, "dot"),
-                                             (128, 4, 2, "dot"), (168, 3, 3, "regs"),
-                                             (128, 4, 3, "regs"), (168, 3, 3, "regs_k"),
-                                             (128, 4, 3, "regs_v"))]
+# fp8 decode tuning variants (--sweep with --only fp8): an fp8 tile holds half a bf16 tile's
+# bytes, so the bytes in flight per SM that hide the memory latency need longer tiles, more
+# stages or more programs per SM than bf16's defaults (block_n 128, 4 warps, 3 stages, 2
+# programs per SM)
+FP8_DECODE_TUNING = [dict(block_n=bn, num_warps=w, num_stages=st, split_target=sp)
+                     for bn, w, st, sp in ((128, 4, 4, 2), (128, 4, 3, 4), (128, 4, 4, 4),
+                                           (128, 4, 6, 4), (256, 4, 3, 2), (256, 8, 3, 2),
+                                           (256, 8, 4, 2), (256, 4, 3, 4), (64, 4, 6, 4),
+                                           (128, 8, 4, 4))]
 
 
 def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, sweep=False):
@@ -634,7 +627,6 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, sweep=False
     import torch
 
     from lazy_rag.kernels import lazy_decode, lazy_prefill, plan_prefill, to_keys_major, write_kv
-    from lazy_rag.kernels.paged_attention import DEFAULT_FP8_CONVERT, FP8_CONVERT
 
     H, D = shape.H, shape.D
     q_io = lambda n: 2 * n * H * D * shape.elem_bytes  # noqa: E731  (q read, out written)
@@ -646,13 +638,9 @@ def fp8_cases(shape, rec, batches, ctxs, prefill_batches, news, rng, sweep=False
             outs = [torch.empty(B, H, D, device=DEVICE, dtype=shape.dtype) for _ in range(n_sets)]
             times, reports = {}, {}
             fp8 = dict(k_scale=ks, v_scale=vs)
-            # the keys-major pool under each place of the e4m3 -> fp16 conversion (fp8_regs_k:
-            # fp8_convert="regs_k", ...), then the dims-major V layout under the default
-            variants = [("bf16", (k_pages, v_pages), {})]
-            variants += [("fp8" if conv == DEFAULT_FP8_CONVERT else f"fp8_{conv}", (k8, v8_keys),
-                          dict(fp8, fp8_convert=conv)) for conv in FP8_CONVERT]
-            variants += [("fp8_dims_major", (k8, v8), fp8)]
-            for kv_dtype, pages, scales in variants:
+            for kv_dtype, pages, scales in (("bf16", (k_pages, v_pages), {}),
+                                            ("fp8", (k8, v8_keys), fp8),
+                                            ("fp8_dims_major", (k8, v8), fp8)):
                 times[kv_dtype] = bench(each(partial(
                     lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
                     rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)), n_sets)
@@ -730,7 +718,6 @@ def check_fp8_once(shape):
 
     from lazy_rag.kernels import (dequantize_rows, lazy_decode, lazy_prefill, paged_attention_ref,
                                   to_keys_major)
-    from lazy_rag.kernels.paged_attention import FP8_CONVERT
 
     rng = np.random.default_rng(2)
     case = SharedCase(shape, 2, 40, rng, n_chunks=6, per_seq=2, q_tokens=0)
@@ -744,11 +731,9 @@ def check_fp8_once(shape):
     for layout, v in (("", v8), ("_keys_major", to_keys_major(v8))):
         o = lazy_prefill(q, qo, q_pos, k8, v, case.table, shape.inv_freq, k_scale=ks, v_scale=vs)
         errs["prefill" + layout] = ((o.double() - r).abs().max() / r.abs().max()).item()
-        for conv in FP8_CONVERT:
-            od = lazy_decode(q[last].contiguous(), k8, v, case.table, q_pos[last],
-                             shape.inv_freq, k_scale=ks, v_scale=vs, fp8_convert=conv)
-            errs[f"decode{layout}_{conv}"] = ((od.double() - r[last]).abs().max()
-                                              / r[last].abs().max()).item()
+        od = lazy_decode(q[last].contiguous(), k8, v, case.table, q_pos[last], shape.inv_freq,
+                         k_scale=ks, v_scale=vs)
+        errs["decode" + layout] = ((od.double() - r[last]).abs().max() / r[last].abs().max()).item()
     return {k: float(f"{e:.3g}") for k, e in errs.items()}
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -89,9 +88,6 @@ def pool(num_pages: int, fp8: bool):
     return k8, v8, dict(k_scale=ks, v_scale=vs)
 
 
-DECODE_KW = {}   # extra launch keywords of the decode cases (--decode-kw)
-
-
 def decode(batch: int, ctx: int, fp8: bool):
     pps = ctx // PAGE
     t = table(batch, pps, PAGE)
@@ -102,8 +98,7 @@ def decode(batch: int, ctx: int, fp8: bool):
     paged_attention.launch(q, ar, torch.full((batch,), ctx - 1, dtype=torch.int32), k, v, t, inv,
                            rope_mode="rotate_q", attention_scaling=1.0, sm_scale=None,
                            tile_seq=ar[:batch], tile_q0=ar[:batch], block_m=1,
-                           max_tiles_hint=t.max_pages, num_splits=None, out=None, **sc,
-                           **DECODE_KW)
+                           max_tiles_hint=t.max_pages, num_splits=None, out=None, **sc)
 
 
 def prefill(batch: int, new: int, cached: int, fp8: bool):
@@ -246,12 +241,9 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--v-dims-major", action="store_true",
                     help="fp8 V pages dims-major (the layout before the pool's keys-major one)")
-    ap.add_argument("--decode-kw", default="{}",
-                    help='launch keywords for the decode cases, JSON: \'{"maxnreg": 168}\'')
     args = ap.parse_args()
     global V_KEYS_MAJOR
     V_KEYS_MAJOR = not args.v_dims_major
-    DECODE_KW.update(json.loads(args.decode_kw))
     paged_attention._num_sms = lambda device: NUM_SMS
     # the split merge is not compiled (not the subject; a launch would need a driver)
     paged_attention.merge_splits = prefill_runs.merge_splits = lambda *a, **k: None

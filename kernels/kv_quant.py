@@ -30,8 +30,8 @@ scale 2^-14 and zeros. AMAX_MAX = 448 * 65504 keeps the scale finite.
 Per-token scales need no calibration and suit appends (a decode step writes one token). The
 attention kernels read fp8 pages and scale in registers: the scores of key n are
 (q . k8_n) * k_scale_n (RoPE is linear per token, so rotating k8 commutes with its scale), and
-the value scales fold into the scores (p_n times v_scale_n, as 2^(score + log2 v_scale_n), so
-that v8 enters P @ V exactly as stored: paged_attention.softmax_tile).
+the values enter as (p * v_scale) @ v8 (or v8 * v_scale for fp16 compute: see
+paged_attention.py).
 """
 from __future__ import annotations
 

@@ -103,100 +103,16 @@ def qk_f16_scale(q1, q2, rope_scale):
     return q_mul, q_div
 
 
-# the smallest per-token scale the quantiser writes (kv_quant.AMAX_MIN / 448)
-SCALE_MIN = tl.constexpr(2.0 ** -14)
-
-
 @triton.jit
-def value_fold(ptrs, mask, FAST: tl.constexpr):
-    """(log2 vs, 1 / vs) of a tile's per-key value scales vs [BLOCK_N] (fp32) for the fold of
-    softmax_tile: the scores take + log2 vs, the softmax sum * (1 / vs). Keys not loaded get
-    vs = 1; a scale is never taken below SCALE_MIN (a slot never quantised holds 0, and zero
-    values, which then stay 0). FAST (GPU): the SFU's lg2.approx / rcp.approx, one instruction
-    each per key (libdevice's log2f is a long sequence); their errors cancel between the
-    numerator and the denominator (softmax_tile). Else (the interpreter) exact."""
-    vs = tl.maximum(tl.load(ptrs, mask=mask, other=1.0).to(tl.float32), SCALE_MIN)
-    if FAST:
-        lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [vs],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-        rc = tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=r,r", [vs],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        lg = tl.log2(vs)
-        rc = 1.0 / vs
-    return lg, rc
-
-
-@triton.jit
-def softmax_tile(sc, m_i, l_i, acc, rvs, FOLD_V: tl.constexpr):
-    """One KV tile of the online softmax (all three attention kernels): sc [ROWS, BLOCK_N] the
-    tile's scores in log2 units, -inf where not visible. Returns (p, m_new, l_i, acc): p the
-    P @ V weights (fp32), the running row max and sum updated, acc rescaled to the new max.
-
-    FOLD_V (fp8 values with per-key scales vs): the caller has added log2 vs_n to each score
-    column (value_fold; fused with the keys' scale into one fma), so p_n = P_n * vs_n in the
-    units of 2^-m and p @ v8 is P @ (v8 * vs): v8 enters the dot exactly as stored, converted
-    to fp16 by one cvt per pair of elements (e4m3 -> bf16 costs about four instructions per
-    pair, and dequantising v8 * vs in registers more), and nothing is multiplied per element of
-    V. The row max m runs over the folded scores, so p <= 1 never overflows fp16, and the terms
-    that weigh most in the output (probability times the value row's size: each row's largest
-    |v8| is ~448) get fp16's full precision. The denominator takes each fold back out,
-    l += sum_n p_n * (1 / vs_n) (rvs) = sum_n 2^(sc_n - m), so o = acc / l and the log2-sum-exp
-    m + log2(l) keep their meaning (an approximate log2 or reciprocal scales a key's term in
-    the numerator and the denominator alike). Nothing is reduced beyond the softmax's own row
-    max and sum: a per-tile max of the scales (the rejected fp16 variant in BENCHMARKS.md) was
-    a cross-warp reduction inside the pipelined loop."""
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    if FOLD_V:
-        l_i = l_i * alpha + tl.sum(p * rvs[None, :], axis=1)
-    else:
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-    return p, m_new, l_i, acc * alpha[:, None]
-
-
-@triton.jit
-def _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE_IDS,
-                 PAGE_LEN, p_start, p_end, tt, t_hi, kvh, slot, off, PPT: tl.constexpr,
-                 FAST: tl.constexpr):
-    """fp8: tile tt's per-key scales (ks fp32, and value_fold's log2 / reciprocal of the value
-    scales), masked to its pages' slots in use; nothing is read for tt >= t_hi."""
-    e = p_start + tt * PPT + slot
-    ok = (slot < PPT) & (e < tl.minimum(p_end, p_start + t_hi * PPT))
-    pid = tl.load(PAGE_IDS + e, mask=ok, other=0).to(tl.int64)
-    ok = ok & (off < tl.load(PAGE_LEN + e, mask=ok, other=0))
-    ks = tl.load(K_SCALE + pid * stride_ksp + kvh * stride_ksh + off, mask=ok,
-                 other=0.0).to(tl.float32)
-    lvs, rvs = value_fold(V_SCALE + pid * stride_vsp + kvh * stride_vsh + off, ok, FAST)
-    return ks, lvs, rvs
-
-
-@triton.jit
-def e4m3_to(x, dtype: tl.constexpr, IN_REGS: tl.constexpr):
-    """fp8 x -> dtype (exact). IN_REGS (GPU, dtype fp16): by inline PTX, one cvt per pair of
-    elements, applied to the tile in the layout it was loaded in, so the tile is staged for its
-    dot as fp16 (ldmatrix) instead of as bytes: Triton's own cast is moved next to the dot and
-    makes it read the bytes, and the other operand, with plain 32-/64-bit shared loads and
-    register moves (fp8_convert in launch). Not pure, or Triton moves it as well."""
-    if IN_REGS:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-            "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16, is_pure=False, pack=4).to(dtype)
-    return x.to(dtype)
-
-
-@triton.jit
-def pv_operands(p, v, dtype: tl.constexpr, PV_F16: tl.constexpr):
-    """The P @ V dot's operands: in fp16 for fp8 values with 16-bit compute (PV_F16: e4m3 ->
-    fp16 is exact and one cvt per pair; p from softmax_tile's fold is <= 1), else in the compute
-    dtype."""
-    if PV_F16:
-        pv_dtype: tl.constexpr = tl.float16
-    else:
-        pv_dtype: tl.constexpr = dtype
-    return p.to(pv_dtype), v.to(pv_dtype)
+def _scaled_pv(p, v8, vs, dtype: tl.constexpr, SCALE_V_TILE: tl.constexpr):
+    """The P @ V operands for fp8 values with per-key scales vs [BLOCK_N] (fp32): P's column n
+    times vs[n] and v8 converted (exact), since P @ (v8 * vs[:, None]) == (P * vs[None, :]) @ v8:
+    ROWS x BLOCK_N multiplies instead of BLOCK_N x D (16 rows in decode). SCALE_V_TILE (fp16
+    compute): v8 * vs dequantised in registers instead, because p * vs, smaller than p by the
+    scale, would fall into fp16's subnormals."""
+    if SCALE_V_TILE:
+        return p.to(dtype), (v8.to(tl.float32) * vs[:, None]).to(dtype)
+    return (p * vs[None, :]).to(dtype), v8.to(dtype)
 
 
 @triton.jit
@@ -258,9 +174,8 @@ def _paged_attn_kernel(
     DOT_PREC: tl.constexpr, MULTI_SHIFT: tl.constexpr, HAS_SLOT_POS: tl.constexpr,
     WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
-    stride_vsh=None, KV_FP8: tl.constexpr = False, PV_F16: tl.constexpr = False,
+    stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
-    K_REGS: tl.constexpr = False, V_REGS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -304,10 +219,6 @@ def _paged_attn_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, 2 * HALF], dtype=tl.float32)
-    if KV_FP8:
-        ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp,
-                                          stride_vsh, PAGE_IDS, PAGE_LEN, p_start, p_end, t_lo,
-                                          t_hi, kvh, slot, off, PPT, FAST_TRIG)
 
     for tt in range(t_lo, t_hi):
         e0 = p_start + tt * PPT
@@ -348,15 +259,10 @@ def _paged_attn_kernel(
         k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
         if KV_FP8:
             # e4m3 -> compute dtype is exact; the per-token scales multiply the scores below
-            k1 = e4m3_to(k1, qk_dtype, K_REGS)
-            k2 = e4m3_to(k2, qk_dtype, K_REGS)
-            # this tile's scales, loaded one iteration ahead: plain loads, which the software
-            # pipeline leaves synchronous, had their latency exposed in every iteration
-            ks, lvs, rvs = ks_n, lvs_n, rvs_n
-            ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh,
-                                              stride_vsp, stride_vsh, PAGE_IDS, PAGE_LEN,
-                                              p_start, p_end, tt + 1, t_hi, kvh, slot, off,
-                                              PPT, FAST_TRIG)
+            k1 = k1.to(qk_dtype)
+            k2 = k2.to(qk_dtype)
+            s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
+            ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
         if ROPE_MODE == 1:
             k1f = k1.to(tl.float32)
             k2f = k2.to(tl.float32)
@@ -392,20 +298,26 @@ def _paged_attn_kernel(
                     sc = tl.where(sel[None, :], sc2, sc)
                     todo = todo & (sh != su)
         if KV_FP8:
-            # column n times k_scale[n], plus the value scale's log2 (softmax_tile's fold)
-            sc = sc * (ks * qk_scale_log2)[None, :] + lvs[None, :]
+            sc = sc * (ks * qk_scale_log2)[None, :]     # column n times k_scale[n]
         else:
             sc = sc * qk_scale_log2
-            rvs = 1.0
         vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
         sc = tl.where(vis, sc, float("-inf"))
-        p, m_i, l_i, acc = softmax_tile(sc, m_i, l_i, acc, rvs, KV_FP8)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         v = load_v(V + kvh * stride_vh, pid, off, stride_vp, stride_vt, stride_vd, e_ok, k_ok,
                    2 * HALF, PAGE, V_KEYS_MAJOR)
-        if V_REGS:
-            v = e4m3_to(v, tl.float16, True)
-        pv, v = pv_operands(p, v, dtype, PV_F16)
+        if KV_FP8:
+            vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
+                         mask=k_ok, other=0.0).to(tl.float32)
+            pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
+        else:
+            pv = p.to(dtype)
         acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
+        m_i = m_new
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, 2 * HALF, DIRECT, WRITE_LSE)
@@ -526,21 +438,18 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | None = None, fp8_convert: str | None = None,
-           maxnreg: int | None = None):
+           qk_f16: bool | None = None):
     """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
     kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
     host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
-    num_splits (split-KV programs per sequence; None: about split_target programs per SM),
-    maxnreg (a cap on registers per thread, for more programs per SM; None: the compiler's).
+    num_splits (split-KV programs per sequence; None: about split_target programs per SM).
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
     q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 (qk_f16_scale; None: with
-    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop). fp8_convert:
-    where fp8 K / V tiles become fp16 (FP8_CONVERT; None: DEFAULT_FP8_CONVERT)."""
+    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -572,8 +481,6 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         # 8 warps, 2 stages.
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
         meta["num_stages"] = num_stages or (3 if rows <= 64 else 2)
-        if maxnreg:
-            meta["maxnreg"] = maxnreg
     grid = (tile_seq.numel(), Hkv, num_splits)
     global LAST_KERNEL
     LAST_KERNEL = _paged_attn_kernel[grid](
@@ -591,41 +498,17 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
-        **fp8_convert_args(scaled, q.dtype, mode, fp8_convert, interp), **meta,
+        **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)
     return (out, row_lse) if return_lse else out
 
 
-# Where the tiles kernel turns fp8 K / V tiles into fp16 (e4m3_to): "dot" leaves it to Triton's
-# cast (moved next to the dot), "regs" converts both right after their loads, "regs_k" / "regs_v"
-# one of them. Benchmarked side by side: benchmarks/attention_kernels.py --only fp8.
-FP8_CONVERT = {"dot": (False, False), "regs_k": (True, False), "regs_v": (False, True),
-               "regs": (True, True)}
-DEFAULT_FP8_CONVERT = "dot"
-
-
-def fp8_convert_args(scaled: dict, compute_dtype, mode: int, fp8_convert: str | None,
-                     interp: bool) -> dict:
-    """K_REGS / V_REGS for fp8_convert (none for pages in the compute dtype). A tile is
-    converted in registers only where its dot runs in fp16 (the QK dot with QK_F16 or fp16
-    compute; P @ V with PV_F16), and never in the interpreter (no inline PTX)."""
-    name = DEFAULT_FP8_CONVERT if fp8_convert is None else fp8_convert
-    if name not in FP8_CONVERT:
-        raise ValueError(f"fp8_convert={fp8_convert!r}: expected one of {sorted(FP8_CONVERT)}")
-    if not scaled or interp:
-        return {}
-    k_regs, v_regs = FP8_CONVERT[name]
-    k_f16 = scaled["QK_F16"] or compute_dtype == torch.float16
-    return dict(K_REGS=k_regs and k_f16, V_REGS=v_regs and scaled["PV_F16"])
-
-
 def fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16: bool = True) -> dict:
     """The attention kernels' fp8 keyword arguments (both kernels): none for pages in q's dtype
     (the arguments stay None, specialized away: the kernels compile as without them), else the
-    scale tensors, their page and head strides, KV_FP8, PV_F16 (16-bit compute: softmax_tile's
-    fp16 P @ V) and QK_F16
+    scale tensors, their page and head strides, KV_FP8, SCALE_V_TILE (fp16 compute) and QK_F16
     (the QK dot in fp16: qk_f16_scale; taken with bf16 compute when qk_f16, and with fp32
     compute only when forced, qk_f16 == "force", for the CPU tests)."""
     check_scales(k_pages, k_scale, "k_pages")
@@ -638,5 +521,5 @@ def fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16: bool = True) -> dict
     return dict(K_SCALE=k_scale, V_SCALE=v_scale, stride_ksp=k_scale.stride(0),
                 stride_ksh=k_scale.stride(1), stride_vsp=v_scale.stride(0),
                 stride_vsh=v_scale.stride(1), KV_FP8=True,
-                PV_F16=q.dtype in (torch.float16, torch.bfloat16),
+                SCALE_V_TILE=q.dtype == torch.float16,
                 QK_F16=bool(qk_f16) and (q.dtype == torch.bfloat16 or qk_f16 == "force"))

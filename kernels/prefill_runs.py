@@ -53,8 +53,8 @@ import triton.language as tl
 
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
-from .paged_attention import (_tile_rows, _write_tile, merge_splits, pv_operands, softmax_tile,
-                              split_count, split_outputs, value_fold)
+from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,
+                              split_outputs)
 from .rope import cos_sin
 from .v_layout import load_v, v_args
 
@@ -175,17 +175,15 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             e_a, e_b, D: tl.constexpr, PAGE: tl.constexpr, PPT: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
             HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
-            stride_vsp=None, KV_FP8: tl.constexpr = False, PV_F16: tl.constexpr = False,
-            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False,
-            FAST: tl.constexpr = False):
+            stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
+            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
     hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
     guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
-    KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values folded in
-    by paged_attention.softmax_tile, P @ V in fp16 with PV_F16, else in PV_DTYPE (None: qr's
-    dtype; the compute dtype where qr is fp16 for the QK dot, QK_F16). FAST: value_fold's
-    approximate log2 / reciprocal (GPU). V_KEYS_MAJOR: V pages keys-major (v_layout.py)."""
+    KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
+    paged_attention._scaled_pv, in PV_DTYPE (None: qr's dtype; the compute dtype where qr is fp16
+    for the QK dot, QK_F16). V_KEYS_MAJOR: V pages keys-major (v_layout.py)."""
     dtype = qr.dtype
     if PV_DTYPE is None:
         pv_dtype = dtype
@@ -240,29 +238,31 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             k = k.to(dtype)      # exact; the scale multiplies the score column instead
             col = (tl.load(KS_h + pid * stride_ksp + off, mask=k_ok, other=0.0).to(tl.float32)
                    * qk_scale_log2)[None, :]
-            # the value scales' log2 joins the scores (softmax_tile's fold)
-            lvs, rvs = value_fold(VS_h + pid * stride_vsp + off, k_ok, FAST)
         else:
             col = qk_scale_log2
-            lvs = 0.0
-            rvs = 1.0
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC)
         if MASKED:
             vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
-            if KV_FP8:
-                qk = tl.where(vis, qk * col + lvs[None, :], float("-inf"))
-            else:
-                qk = tl.where(vis, qk * col, float("-inf"))
+            qk = tl.where(vis, qk * col, float("-inf"))
         else:
-            qk = qk * col + tl.where(k_ok, lvs, float("-inf"))[None, :]
-        p, m_i, l_i, acc = softmax_tile(qk, m_i, l_i, acc, rvs, KV_FP8)
+            qk = qk * col + tl.where(k_ok, 0.0, float("-inf"))[None, :]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if V_KEYS_MAJOR:
             v = load_v(V_h, pid + tl.zeros_like(off), off, stride_vp, stride_vt, stride_vd,
                        e_ok, k_ok, D, PAGE, True)
         else:
             v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)
-        pv, v = pv_operands(p, v, pv_dtype, PV_F16)
+        if KV_FP8:
+            vs = tl.load(VS_h + pid * stride_vsp + off, mask=k_ok, other=0.0).to(tl.float32)
+            pv, v = _scaled_pv(p, v, vs, pv_dtype, SCALE_V_TILE)
+        else:
+            pv = p.to(dtype)
         acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -284,7 +284,7 @@ def _prefill_runs_kernel(
     DOT_PREC: tl.constexpr, HAS_SLOT_POS: tl.constexpr, SCAN: tl.constexpr,
     ROTATE_BY_TOKEN: tl.constexpr, WRITE_LSE: tl.constexpr = False,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
-    stride_vsh=None, KV_FP8: tl.constexpr = False, PV_F16: tl.constexpr = False,
+    stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
@@ -355,13 +355,13 @@ def _prefill_runs_kernel(
                                     PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
                                     e, mid, D, PAGE, PPT, BLOCK_N, DOT_PREC, False,
                                     HAS_SLOT_POS, KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8,
-                                    PV_F16, dtype, V_KEYS_MAJOR, FAST_TRIG)
+                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
-                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, PV_F16, dtype,
-                                V_KEYS_MAJOR, FAST_TRIG)
+                                KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype,
+                                V_KEYS_MAJOR)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,

@@ -51,8 +51,7 @@ import triton.language as tl
 
 from .decode import copy_into, lazy_decode
 from .page_table import PageTable, interpreting, use_triton
-from .paged_attention import (LN2, _rotate_query, fp8_args, pv_operands, softmax_tile, split_count,
-                              value_fold)
+from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_count
 from .reference import paged_attention_ref
 from .v_layout import load_v, v_args
 
@@ -174,7 +173,7 @@ def _shared_chunk_kernel(
     G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     PPT: tl.constexpr, BLOCK_N: tl.constexpr, FAST_TRIG: tl.constexpr, DOT_PREC: tl.constexpr,
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None, stride_vsh=None,
-    KV_FP8: tl.constexpr = False, PV_F16: tl.constexpr = False, QK_F16: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False, QK_F16: tl.constexpr = False,
     V_KEYS_MAJOR: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
@@ -233,18 +232,25 @@ def _shared_chunk_kernel(
             if KV_FP8:
                 ks = tl.load(K_SCALE + pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off, mask=k_ok,
                              other=0.0).to(tl.float32)
-                lvs, rvs = value_fold(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
-                                      k_ok, FAST_TRIG)
-                sc = sc * (ks * qk_scale_log2)[None, :] + lvs[None, :]   # softmax_tile's fold
+                sc = sc * (ks * qk_scale_log2)[None, :]
             else:
                 sc = sc * qk_scale_log2
-                rvs = 1.0
             sc = tl.where(k_ok[None, :], sc, float("-inf"))
-            p, m_i, l_i, acc = softmax_tile(sc, m_i, l_i, acc, rvs, KV_FP8)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
             v = load_v(V + kvh * stride_vh, pid, off, stride_vp, stride_vt, stride_vd, e_ok, k_ok,
                        2 * HALF, PAGE, V_KEYS_MAJOR)
-            pv, v = pv_operands(p, v, dtype, PV_F16)
+            if KV_FP8:
+                vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off, mask=k_ok,
+                             other=0.0).to(tl.float32)
+                pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
+            else:
+                pv = p.to(dtype)
             acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
+            m_i = m_new
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -18,13 +18,9 @@ from lazy_rag.kernels import (FP8, copy_rotate_run, copy_rotate_run_ref, dequant
                               plan_prefill, quantize_rows, rope_cos_sin, rotate, to_keys_major,
                               write_kv)
 from lazy_rag.kernels.kv_quant import AMAX_MIN, fake_quantize
-from lazy_rag.kernels.paged_attention import FP8_CONVERT
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SEQS = PREFILL + [([], 6, 2)]
-# where the decode kernel turns fp8 tiles into fp16 (paged_attention.FP8_CONVERT): every place
-# on the GPU; in the interpreter (no inline PTX) every name means Triton's own cast
-CONVERTS = sorted(FP8_CONVERT, key=lambda c: c != "dot") if DEV == "cuda" else ["dot"]
 LAYOUTS = {"plain": dict(), "hidden": dict(hide=0.3), "compact": dict(scatter=True),
            "both": dict(hide=0.3, scatter=True, all_hidden=2)}
 
@@ -192,14 +188,13 @@ DECODE = [(1, 64, 4, "rotate_q", None, False), (3, 64, 16, "rotate_k", 3, False)
 
 
 @pytest.mark.parametrize("G,D,page,rope_mode,splits,shuffle,dtype", with_dtypes(DECODE))
-@pytest.mark.parametrize("convert", CONVERTS)
-def test_decode_fp8(G, D, page, rope_mode, splits, shuffle, dtype, convert):
+def test_decode_fp8(G, D, page, rope_mode, splits, shuffle, dtype):
     c = Case(MIXED, CHUNKS, Hkv=2, G=G, D=D, page=page, dtype=dtype, seed=G * 5 + page,
              shuffle=shuffle)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=G)
     out, lse = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode=rope_mode,
                            num_splits=splits, out=torch.full_like(c.q, float("nan")),
-                           return_lse=True, k_scale=ks, v_scale=vs, fp8_convert=convert)
+                           return_lse=True, k_scale=ks, v_scale=vs)
     ref, ref_lse = _ref(c, deq, rope_mode, return_lse=True)
     assert rel_err(out, ref) < TOL[dtype]
     _check_lse(lse, ref_lse, dtype)
@@ -310,45 +305,35 @@ def test_copy_rotate_run_fp8(n, page, first_slot, shift):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_value_scales_across_fp16s_range(dtype):
-    """The value scales fold into the scores (paged_attention.softmax_tile) and P @ V runs in
-    fp16 on 16-bit compute: value rows scaled from 2^-20 (below AMAX_MIN: the scale clamps and
-    the row falls into e4m3's subnormals) to 2^12, and a whole sequence of small values (scale
-    clamped at AMAX_MIN: p * v_scale would be an fp16 subnormal), keep each output row within
-    tolerance of that row's own size (the other tests measure against the largest output,
-    which would hide a small row's error). The small rows stay normal fp16 outputs: an output
-    below 2^-14 is rounded to fp16's subnormal grid whatever the kernel does."""
+    """fp8 values whose per-token scales span fp16's range: value rows scaled from 2^-20 (below
+    AMAX_MIN: the scale clamps and the row falls into e4m3's subnormals) to 2^12, and a whole
+    sequence of small values (every scale clamped at AMAX_MIN), keep each output row within tolerance of that row's own size, in decode and
+    both prefill kernels (the other tests measure against the largest output, which would hide
+    a small row's error). The small rows stay normal fp16 outputs: an output below 2^-14 is
+    rounded to fp16's subnormal grid whatever the kernel does."""
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=64, page=16, dtype=dtype, seed=11)
     g = torch.Generator().manual_seed(5)
     rows = c.v.shape[:-1]
     v = c.v * 2.0 ** torch.randint(-20, 13, rows, generator=g)[..., None]
     ip, qo = c.table.indptr.tolist(), c.qo_indptr.tolist()
-    tiny = c.table.page_ids[ip[2]:ip[3]].cpu().long()   # sequence 2 all tiny (its chunks too)
-    v[tiny] = c.v[tiny] * 2.0 ** -10          # below AMAX_MIN; outputs still normal fp16
+    small = c.table.page_ids[ip[2]:ip[3]].cpu().long()   # sequence 2 (and its chunks): small
+    v[small] = c.v[small] * 2.0 ** -10
     (k8, ks), (v8, vs) = quantize_rows(c.k), quantize_rows(v)
     dev = c.q.device
     k8, ks, v8, vs = k8.to(dev), ks.to(dev), v8.to(dev), vs.to(dev)
     deq = (dequantize_rows(k8, ks).to(dev), dequantize_rows(v8, vs).to(dev))
     ref = _ref(c, deq, "rotate_q").double().cpu()
-    outs = {f"decode {conv}": lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c),
-                                          rope_mode="rotate_q", num_splits=2, k_scale=ks,
-                                          v_scale=vs, fp8_convert=conv) for conv in CONVERTS}
+    outs = {"decode": lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
+                                  num_splits=2, k_scale=ks, v_scale=vs)}
     for kernel in ("runs", "tiles"):
         outs[kernel] = lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
                                     rope_mode="rotate_q", kernel=kernel, k_scale=ks, v_scale=vs)
     size = ref.abs().amax(-1)
-    assert (size[qo[2]:qo[3]] < 2.0 ** -7).all()   # the tiny sequence
+    assert (size[qo[2]:qo[3]] < 2.0 ** -7).all()
     for name, out in outs.items():
-        err = (out.double().cpu() - ref).abs().amax(-1) / size.clamp_min(1e-300)
         assert torch.isfinite(out).all(), name
+        err = (out.double().cpu() - ref).abs().amax(-1) / size.clamp_min(1e-300)
         assert err.max().item() < 2 * TOL[dtype], (name, err.max().item())
-
-
-def test_fp8_convert_names_are_checked():
-    c = Case(MIXED, CHUNKS, Hkv=2, G=2, D=64, page=4, dtype=DTYPES[0], seed=1)
-    (k8, v8, ks, vs), _ = fp8_pages(c, seed=1)
-    with pytest.raises(ValueError, match="fp8_convert='registers'.*expected one of"):
-        lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), k_scale=ks, v_scale=vs,
-                    fp8_convert="registers")
 
 
 # -- the fp16 QK dot over fp8 keys (QK_F16, paged_attention.qk_f16_scale) -----------------------
@@ -430,10 +415,6 @@ def test_keys_major_v_pages(kind, args):
     assert rel_err(outs[1], ref) < TOL[dtype]
     if DEV == "cpu":
         assert torch.equal(outs[0], outs[1])
-    for conv in CONVERTS[1:] if kind == "decode" else ():    # the GPU's other conversions
-        out = lazy_decode(c.q, k8, v_keys, c.table, c.q_pos, _inv(c), rope_mode=rope_mode,
-                          num_splits=splits, k_scale=ks, v_scale=vs, fp8_convert=conv)
-        assert rel_err(out, ref) < TOL[dtype], conv
 
 
 def test_keys_major_writers():
