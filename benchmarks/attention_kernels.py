@@ -817,7 +817,7 @@ def main(argv=None):
         shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
                             tuning_sets=[{}] + SHARED_TUNING)
     if args.only in (None, "fp8"):
-        fp8_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+        fp8_cases(shape, rec, [1, 16, 32] if quick else [1, 8, 16, 32, 128],
                   [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
                   sweep=bool(args.sweep) and args.only == "fp8")
     if args.only in (None, "decode"):

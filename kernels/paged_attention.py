@@ -383,16 +383,56 @@ def _slot_pos_args(table: PageTable, page: int, dummy: torch.Tensor):
 
 
 def split_count(device, n_programs: int, n_kv_tiles: int, num_splits: int | None,
-                split_target: float) -> tuple[int, int]:
+                split_target: float, per_sm: int | None = None) -> tuple[int, int]:
     """(num_splits, tiles_per_split) of split-KV over n_kv_tiles tiles per sequence, for
     n_programs (query tile, KV head) programs: num_splits None picks about split_target programs
-    per SM; at most 64 splits, no more than tiles, and no split left empty by the rounding."""
+    per SM, or, with per_sm (how many programs the kernel's registers and shared memory let one
+    SM hold), wave_splits' count; at most 64 splits, no more than tiles, and no split left empty
+    by the rounding."""
+    if num_splits is None and per_sm:
+        num_splits = wave_splits(n_programs, n_kv_tiles, per_sm * _num_sms(device))
     if num_splits is None:
         target = int(split_target * _num_sms(device))
         num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_programs)))
     num_splits = max(1, min(num_splits, n_kv_tiles, 64))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
     return triton.cdiv(n_kv_tiles, tiles_per_split), tiles_per_split
+
+
+def wave_splits(n_programs: int, n_kv_tiles: int, slots: int) -> int:
+    """The split count for n_programs programs of n_kv_tiles KV tiles each when `slots` programs
+    run at once: each count's time taken as (waves of programs) x (tiles per program + 1, the
+    program's fixed work: query, epilogue, its partial for the merge), and the smallest count
+    within 3% of the best. A count that leaves a partial last wave (B32 x 8k in 2 splits on 3
+    programs per SM: 512 programs, 1.3 waves) costs as much as a whole one, which the plain
+    programs-per-SM target does not see."""
+    costs = []
+    for s in range(1, min(n_kv_tiles, 64) + 1):
+        per = triton.cdiv(n_kv_tiles, s)
+        waves = triton.cdiv(n_programs * triton.cdiv(n_kv_tiles, per), slots)
+        costs.append((waves * (per + 1), s))
+    best = min(c for c, _ in costs)
+    return min(s for c, s in costs if c <= 1.03 * best)
+
+
+# fp8 decode (the tiles kernel at <= 64 rows, 4 warps, keys-major V): the loop is bound by
+# latency, with two programs (8 warps) per SM at the ~250 registers the compiler takes; capped at
+# 168 registers, three programs share an SM (65,536 / (128 threads x 168)) for a few spilled
+# bytes, and wave_splits fills whole waves of them (BENCHMARKS.md, "fp8 decode: three programs
+# per SM").
+FP8_DECODE_MAXNREG = 168
+FP8_DECODE_PER_SM = 3
+
+
+def fp8_decode_occupancy(fp8: bool, rows: int, interp: bool, num_warps: int | None,
+                         keys_major: bool, programs: int, num_sms: int) -> bool:
+    """Whether a launch takes FP8_DECODE_MAXNREG registers and wave_splits: fp8 pages, decode
+    rows, the default 4 warps, V keys-major (the pool's layout: dims-major V spills far more at
+    the cap), on the GPU, and more programs (at the plain split count) than one wave of two per
+    SM. A launch that fits in one wave (a few sequences) has nothing to gain from occupancy and
+    would only pay the spills."""
+    return (fp8 and rows <= 64 and not interp and num_warps in (None, 4) and keys_major
+            and programs > 2 * num_sms)
 
 
 def split_outputs(q, out, num_splits: int, return_lse: bool):
@@ -438,13 +478,16 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | None = None):
+           qk_f16: bool | None = None, maxnreg: int | None = None):
     """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
     kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
     host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
-    num_splits (split-KV programs per sequence; None: about split_target programs per SM).
+    num_splits (split-KV programs per sequence; None: about split_target programs per SM),
+    maxnreg (a cap on registers per thread, for more programs per SM; None: the compiler's,
+    or FP8_DECODE_MAXNREG where fp8_decode_occupancy says, whose split count is then
+    wave_splits').
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
@@ -467,8 +510,16 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     ppt = max(1, block_n // page)
     bn = triton.next_power_of_2(ppt * page)
     n_kv_tiles = max(1, triton.cdiv(max(max_tiles_hint, 1), ppt))
-    num_splits, tiles_per_split = split_count(q.device, tile_seq.numel() * Hkv, n_kv_tiles,
-                                              num_splits, split_target)
+    n_programs = tile_seq.numel() * Hkv
+    splits_asked = num_splits
+    num_splits, tiles_per_split = split_count(q.device, n_programs, n_kv_tiles, splits_asked,
+                                              split_target)
+    if maxnreg is None and fp8_decode_occupancy(bool(scaled), rows, interp, num_warps,
+                                                v_layout["V_KEYS_MAJOR"],
+                                                n_programs * num_splits, _num_sms(q.device)):
+        maxnreg = FP8_DECODE_MAXNREG
+        num_splits, tiles_per_split = split_count(q.device, n_programs, n_kv_tiles, splits_asked,
+                                                  split_target, FP8_DECODE_PER_SM)
     direct = num_splits == 1
     out, row_lse, po, po_strides, lse, l_strides = split_outputs(q, out, num_splits, return_lse)
     scale = D ** -0.5 if sm_scale is None else sm_scale
@@ -481,6 +532,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         # 8 warps, 2 stages.
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
         meta["num_stages"] = num_stages or (3 if rows <= 64 else 2)
+        if maxnreg:
+            meta["maxnreg"] = maxnreg
     grid = (tile_seq.numel(), Hkv, num_splits)
     global LAST_KERNEL
     LAST_KERNEL = _paged_attn_kernel[grid](

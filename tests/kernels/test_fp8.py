@@ -455,3 +455,64 @@ def test_pool_v_layout():
     assert keys_major(fp8.v) and not keys_major(fp8.k)
     assert (fp8.v.view(torch.uint8) == 0).all()
     assert not keys_major(PagePool(2, 3, 2, 4, 32).v)
+
+
+# -- fp8 decode's launch: capped registers and whole waves of programs ---------------------------
+
+def test_wave_splits_fill_whole_waves():
+    """wave_splits picks the split count whose programs fill whole waves: B32 / B16 x 8k of the 8B
+    shape (8 KV heads, 64 tiles of 128 keys) on 132 SMs x 3 programs: 3 splits (768 programs in
+    two full waves, 384 in one), where the programs-per-SM target would take 2 (512 programs,
+    1.3 waves) or 3; a single sequence spreads over every slot it can fill; the count never
+    exceeds the tiles or 64, and whole waves beat a partial one of the same size."""
+    from lazy_rag.kernels.paged_attention import split_count, wave_splits
+    slots = 3 * 132
+    assert wave_splits(32 * 8, 64, slots) == 3
+    assert wave_splits(16 * 8, 64, slots) == 3
+    assert wave_splits(8, 64, slots) == 32             # 256 programs of 2 tiles: one wave
+    assert wave_splits(8, 5, slots) == 5               # no more splits than tiles
+    s = wave_splits(1, 1000, slots)                    # nor more than 64: 16 tiles each,
+    assert s <= 64 and triton_cdiv(1000, s) == 16      # the fewest that 64 splits allow
+    assert wave_splits(slots, 64, slots) == 1          # one full wave already
+    # split_count with per_sm takes it (and still leaves no split empty)
+    dev = torch.device("cpu")                          # 4 "SMs" off the GPU
+    n, tiles = 6, 40
+    splits, per = split_count(dev, n, tiles, None, 2.0, per_sm=3)
+    assert splits == triton_cdiv(tiles, per) and (splits - 1) * per < tiles
+    assert (splits, per) == split_count(dev, n, tiles, wave_splits(n, tiles, 12), 2.0)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def test_fp8_decode_occupancy_rule():
+    """Capped registers and whole waves only where they pay: fp8, decode rows, 4 warps,
+    keys-major V, on the GPU, more programs than one wave of two per SM (B16 x 8k of the 8B
+    shape: 128 programs x 3 splits on 132 SMs), not a single sequence's 32 splits of 8 heads."""
+    from lazy_rag.kernels.paged_attention import fp8_decode_occupancy as occ
+    assert occ(True, 16, False, None, True, 384, 132)
+    assert not occ(True, 16, False, None, True, 256, 132)      # B1: one wave already
+    assert not occ(False, 16, False, None, True, 384, 132)     # bf16 pages
+    assert not occ(True, 128, False, None, True, 384, 132)     # prefill rows
+    assert not occ(True, 16, True, None, True, 384, 132)       # the interpreter
+    assert not occ(True, 16, False, 8, True, 384, 132)         # a caller's warps
+    assert not occ(True, 16, False, None, False, 384, 132)     # dims-major V
+
+
+def test_fp8_decode_under_capped_registers():
+    """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take) and at a
+    caller's own cap equals the reference; on the GPU the cap holds."""
+    from lazy_rag.kernels import paged_attention as pa
+    c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
+    (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
+    # keys-major (the layout that takes the cap) reads whole pages: NaN tails become finite
+    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device), v8.float()).to(FP8)
+    v8 = to_keys_major(v8)
+    ref = _ref(c, deq, "rotate_q")
+    for cap in (pa.FP8_DECODE_MAXNREG, 128):
+        out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
+                          k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2)
+        assert rel_err(out, ref) < TOL[DTYPES[0]]
+        if DEV == "cuda":
+            assert pa.LAST_KERNEL.n_regs <= cap
