@@ -307,10 +307,11 @@ def test_copy_rotate_run_fp8(n, page, first_slot, shift):
 def test_value_scales_across_fp16s_range(dtype):
     """fp8 values whose per-token scales span fp16's range: value rows scaled from 2^-20 (below
     AMAX_MIN: the scale clamps and the row falls into e4m3's subnormals) to 2^12, and a whole
-    sequence of small values (every scale clamped at AMAX_MIN), keep each output row within tolerance of that row's own size, in decode and
-    both prefill kernels (the other tests measure against the largest output, which would hide
-    a small row's error). The small rows stay normal fp16 outputs: an output below 2^-14 is
-    rounded to fp16's subnormal grid whatever the kernel does."""
+    sequence of small values (every scale clamped at AMAX_MIN), keep each output row within
+    tolerance of that row's own size, in decode and both prefill kernels (the other tests
+    measure against the largest output, which would hide a small row's error). The small rows
+    stay normal fp16 outputs: an output below 2^-14 is rounded to fp16's subnormal grid
+    whatever the kernel does."""
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=64, page=16, dtype=dtype, seed=11)
     g = torch.Generator().manual_seed(5)
     rows = c.v.shape[:-1]
@@ -472,17 +473,17 @@ def test_wave_splits_fill_whole_waves():
     assert wave_splits(8, 64, slots) == 32             # 256 programs of 2 tiles: one wave
     assert wave_splits(8, 5, slots) == 5               # no more splits than tiles
     s = wave_splits(1, 1000, slots)                    # nor more than 64: 16 tiles each,
-    assert s <= 64 and triton_cdiv(1000, s) == 16      # the fewest that 64 splits allow
+    assert s <= 64 and _cdiv(1000, s) == 16            # the fewest that 64 splits allow
     assert wave_splits(slots, 64, slots) == 1          # one full wave already
     # split_count with per_sm takes it (and still leaves no split empty)
     dev = torch.device("cpu")                          # 4 "SMs" off the GPU
     n, tiles = 6, 40
     splits, per = split_count(dev, n, tiles, None, 2.0, per_sm=3)
-    assert splits == triton_cdiv(tiles, per) and (splits - 1) * per < tiles
+    assert splits == _cdiv(tiles, per) and (splits - 1) * per < tiles
     assert (splits, per) == split_count(dev, n, tiles, wave_splits(n, tiles, 12), 2.0)
 
 
-def triton_cdiv(a, b):
+def _cdiv(a, b):
     return -(-a // b)
 
 
@@ -507,7 +508,8 @@ def test_fp8_decode_under_capped_registers():
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
     # keys-major (the layout that takes the cap) reads whole pages: NaN tails become finite
-    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device), v8.float()).to(FP8)
+    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device),
+                     v8.float()).to(FP8)
     v8 = to_keys_major(v8)
     ref = _ref(c, deq, "rotate_q")
     for cap in (pa.FP8_DECODE_MAXNREG, 128):
