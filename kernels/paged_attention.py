@@ -57,6 +57,7 @@ calls compile to the same code as before the flags existed (TTIR to cubin, check
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -399,6 +400,7 @@ def split_count(device, n_programs: int, n_kv_tiles: int, num_splits: int | None
     return triton.cdiv(n_kv_tiles, tiles_per_split), tiles_per_split
 
 
+@functools.lru_cache(maxsize=1024)   # one search per launch shape: eager decode asks every layer
 def wave_splits(n_programs: int, n_kv_tiles: int, slots: int) -> int:
     """The split count for n_programs programs of n_kv_tiles KV tiles each when `slots` programs
     run at once: each count's time taken as (waves of programs) x (tiles per program + 1, the

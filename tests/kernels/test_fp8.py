@@ -11,6 +11,7 @@ fp16 compute); on the GPU (tests/kernels/run_gpu.sh) in bf16 / fp16.
 """
 import pytest
 import torch
+import triton
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
 from lazy_rag.kernels import (FP8, copy_rotate_run, copy_rotate_run_ref, dequantize_rows,
@@ -36,6 +37,14 @@ def fp8_pages(c: Case, seed: int):
     dev = c.q.device
     return ((k8.to(dev), v8.to(dev), ks.to(dev), vs.to(dev)),
             (dequantize_rows(k8, ks).to(dev), dequantize_rows(v8, vs).to(dev)))
+
+
+def finite_tails(v8):
+    """fp8 V pages for a keys-major copy: the case's NaN page tails and hidden slots (never to be
+    read by a per-key load) become the largest finite value, which a keys-major load does read
+    (whole pages, v_layout.py) and must weight by 0."""
+    return torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device),
+                       v8.float()).to(FP8)
 
 
 def _inv(c):
@@ -396,9 +405,7 @@ def test_keys_major_v_pages(kind, args):
         c = Case(SEQS, CHUNKS, Hkv=2, G=G, D=D, page=page, dtype=dtype, seed=G * 3 + page,
                  pos_base=64, **LAYOUTS[layout])
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=G + 2)
-    # the case's NaN page tails and hidden slots (never to be read by a per-key load) become the
-    # largest finite value, which a keys-major load does read and must weight by 0
-    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device), v8.float()).to(FP8)
+    v8 = finite_tails(v8)
     v_keys = to_keys_major(v8)
     assert keys_major(v_keys) and torch.equal(v_keys.view(torch.uint8), v8.view(torch.uint8))
     outs = []
@@ -473,18 +480,14 @@ def test_wave_splits_fill_whole_waves():
     assert wave_splits(8, 64, slots) == 32             # 256 programs of 2 tiles: one wave
     assert wave_splits(8, 5, slots) == 5               # no more splits than tiles
     s = wave_splits(1, 1000, slots)                    # nor more than 64: 16 tiles each,
-    assert s <= 64 and _cdiv(1000, s) == 16            # the fewest that 64 splits allow
+    assert s <= 64 and triton.cdiv(1000, s) == 16      # the fewest that 64 splits allow
     assert wave_splits(slots, 64, slots) == 1          # one full wave already
     # split_count with per_sm takes it (and still leaves no split empty)
     dev = torch.device("cpu")                          # 4 "SMs" off the GPU
     n, tiles = 6, 40
     splits, per = split_count(dev, n, tiles, None, 2.0, per_sm=3)
-    assert splits == _cdiv(tiles, per) and (splits - 1) * per < tiles
+    assert splits == triton.cdiv(tiles, per) and (splits - 1) * per < tiles
     assert (splits, per) == split_count(dev, n, tiles, wave_splits(n, tiles, 12), 2.0)
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 def test_fp8_decode_occupancy_rule():
@@ -507,10 +510,7 @@ def test_fp8_decode_under_capped_registers():
     from lazy_rag.kernels import paged_attention as pa
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
-    # keys-major (the layout that takes the cap) reads whole pages: NaN tails become finite
-    v8 = torch.where(torch.isnan(v8.float()), torch.tensor(448.0, device=v8.device),
-                     v8.float()).to(FP8)
-    v8 = to_keys_major(v8)
+    v8 = to_keys_major(finite_tails(v8))     # the layout that takes the cap
     ref = _ref(c, deq, "rotate_q")
     for cap in (pa.FP8_DECODE_MAXNREG, 128):
         out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
