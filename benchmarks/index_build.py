@@ -21,7 +21,10 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            write bandwidth (fsync'ed, 2 GiB before the build) of the index's disk;
            ``pct_of_write_bw_same_bytes_writeback``: the same over a probe after the build that
            writes as many bytes as it did and starts each block's writeback as the store does.
-           The build includes its final fsync.
+           The build includes its final fsync. ``encode_pct_of_prefill_roofline``: the encode stage
+           alone past its first batch (``stage_encode_tokens_per_s``), against the same roofline.
+           ``bound``: the stage the other waited on past the first batch (``stage_writer_fill_s``,
+           the writer's wait for that batch, is the pipeline filling, not the encoder's pace).
   update   1% of the documents (at least one) changed, the build run again: seconds, and as a
            percentage of the full build.
   query    retrieval + TTFT (``max_new_tokens=1``) of a few questions, warm (KV in the pool /
@@ -215,10 +218,15 @@ def one_size(a) -> dict:
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
     stages = dict(report.stages) if report is not None else {}
     for k in ("encode_s", "first_encode_s", "second_encode_s", "first_write_s", "first_written_s", "write_s",
-              "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_idle_s", "bound", "batches"):
+              "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s", "writer_idle_s", "staging_wait_s",
+              "own_pins", "bound", "batches", "encode_tokens_per_s"):
         if k in stages:
             rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
                 else stages[k]
+    if stages.get("encode_tokens_per_s") and roof_tps == roof_tps:
+        # the encode alone past the first batch, against the same roofline: what the accelerator
+        # sustains beside the writer (the build's bound is the slower of the two stages)
+        rec["encode_pct_of_prefill_roofline"] = round(100 * stages["encode_tokens_per_s"] / roof_tps, 1)
     # update: 1% of the documents changed
     n_change = max(1, len(docs) // 100)
     if kind == "files":

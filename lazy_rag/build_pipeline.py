@@ -29,7 +29,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from . import build_estimate
 from .kernels import FP8
+from .pinned_staging import ALIGN, PinnedStaging
 
 _STOP = object()
 # tokens per batch on a CPU device: a few chunks per forward. On 2 cores (SmolLM2-135M, chunks of
@@ -37,6 +41,8 @@ _STOP = object()
 # 57-58 s at one chunk per forward or 2048-4096, and 64-66 s at the engine's max_batched_tokens
 # (16384, right for a GPU), presumably as the activations of a long forward fall out of the caches
 CPU_BATCH_TOKENS = 1024
+# pinned staging buffers of a GPU build: the batch being encoded and the two the writer may hold
+STAGING_SLOTS = 3
 
 
 @dataclass
@@ -45,23 +51,32 @@ class PipelineStats:
     tokens: int = 0
     kv_bytes: int = 0
     encode_s: float = 0.0        # the engine's encode calls (forward + copy to the host)
-    first_encode_s: float = 0.0  # ... of which the first batch's (kernel compiles, first pinned buffers)
-    second_encode_s: float = 0.0  # ... and the second's (its pinned buffers are new too)
+    first_encode_s: float = 0.0  # ... of which the first batch's (kernel compiles on a fresh machine)
+    second_encode_s: float = 0.0  # ... and the second's
+    staging_wait_s: float = 0.0  # ... of all, waiting for a pinned staging buffer (pinned_staging)
     first_write_s: float = 0.0   # the writer's first batch (its prepare waits included)
     first_written_s: float = 0.0  # from the pipeline's start until the first batch is on its way to disk
     write_s: float = 0.0         # the writer thread's store writes (the two below included)
     prepare_wait_s: float = 0.0  # ... of which waiting for the prepare pool's records
     checkpoint_s: float = 0.0    # ... of which checkpoint commits (fsync + transaction)
     encoder_wait_s: float = 0.0  # the encoder waiting for room in the queue: the disk is the bound
-    writer_idle_s: float = 0.0   # the writer waiting for KV to write: the encoder is the bound
+    writer_fill_s: float = 0.0   # the writer waiting for the first batch (the pipeline filling)
+    writer_idle_s: float = 0.0   # the writer waiting for KV to write after that: the encoder is the bound
+    own_pins: int = 0            # host tensors that did not fit a staging buffer and were pinned anew
     seconds: float = 0.0
     batches: int = 0
     bound: str = field(default="")
+
+    first_batch_tokens: int = 0  # the first batch's tokens (for the encode rate past it)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["tokens_per_s"] = self.tokens / self.seconds if self.seconds else 0.0
         d["write_gbps"] = self.kv_bytes / self.write_s / 1e9 if self.write_s else 0.0
+        # the encode's own rate past the first batch (whose compiles and first buffers are the
+        # pipeline's fill): what the accelerator sustains while the writer runs beside it
+        rest = self.encode_s - self.first_encode_s
+        d["encode_tokens_per_s"] = (self.tokens - self.first_batch_tokens) / rest if rest > 0 else 0.0
         return d
 
 
@@ -92,29 +107,39 @@ class KVWriter:
         self.thread = threading.Thread(target=self._run, name="lazy-rag-kv-writer", daemon=True)
         self.thread.start()
 
-    def put(self, records, kvs, on_written=None) -> None:
+    def put(self, records, kvs, on_written=None, lease=None) -> None:
         """Queue one batch; blocks while more than ``max_pending_bytes`` wait to be written
         (a batch larger than that alone is still taken). Raises the writer's error, if any.
-        Inline (not ``background``): writes the batch now; its error, if any, is raised here."""
+        Inline (not ``background``): writes the batch now; its error, if any, is raised here.
+        ``lease``: the batch's staging buffer (pinned_staging), released once it is written."""
         if not self.background:
-            self._raise()
             try:
-                self._write(records, kvs, on_written)
-            except BaseException as e:
-                self.error = e
-                raise
+                self._raise()
+                try:
+                    self._write(records, kvs, on_written)
+                except BaseException as e:
+                    self.error = e
+                    raise
+            finally:
+                if lease is not None:
+                    lease.release()
             return
         nbytes = sum(kv.nbytes for kv in kvs)
         t0 = time.perf_counter()
-        with self.cond:
-            while self.error is None and self.pending and self.pending + nbytes > self.max_pending:
-                self.cond.wait()
-            self._raise()
-            self.pending += nbytes
+        try:
+            with self.cond:
+                while self.error is None and self.pending and self.pending + nbytes > self.max_pending:
+                    self.cond.wait()
+                self._raise()
+                self.pending += nbytes
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
         self.stats.encoder_wait_s += time.perf_counter() - t0
         if self.pool is not None:
             kvs = [self.pool.submit(self.store.prepare, r.id, r.token_ids, kv) for r, kv in zip(records, kvs)]
-        self.items.put((records, kvs, nbytes, on_written))
+        self.items.put((records, kvs, nbytes, on_written, lease))
 
     def close(self) -> None:
         """Wait until everything queued is written; raises the writer's error, if any."""
@@ -145,21 +170,32 @@ class KVWriter:
             raise self.error
 
     def _run(self) -> None:
+        first = True
         while True:
             t0 = time.perf_counter()
             item = self.items.get()
-            self.stats.writer_idle_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            if first:  # the pipeline filling (the first batch's encode), not the encoder's pace
+                self.stats.writer_fill_s += waited
+                first = False
+            else:
+                self.stats.writer_idle_s += waited
             if item is _STOP:
                 return
-            records, kvs, nbytes, on_written = item
-            if self.error is None:
-                try:
-                    self._write(records, kvs, on_written)
-                except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
-                    self.error = e
-            with self.cond:
-                self.pending -= nbytes
-                self.cond.notify_all()
+            records, kvs, nbytes, on_written, lease = item
+            try:
+                if self.error is None:
+                    try:
+                        self._write(records, kvs, on_written)
+                    except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
+                        self.error = e
+            finally:
+                del kvs   # nothing of this batch's host buffer is used past here
+                if lease is not None:
+                    lease.release()
+                with self.cond:
+                    self.pending -= nbytes
+                    self.cond.notify_all()
 
     def _write(self, records, kvs, on_written) -> None:
         t0 = time.perf_counter()
@@ -190,14 +226,30 @@ class _Aborted(Exception):
 
 def batches_by_tokens(records, batch_tokens: int):
     """Consecutive slices of ``records`` of at most ``batch_tokens`` tokens (one record larger
-    than that is a batch of its own)."""
-    batch, n = [], 0
+    than that is a batch of its own), balanced: as few batches as the budget allows, of about
+    equal size, instead of full batches and a small remainder. A small last batch picks other
+    attention-kernel settings than the full ones (kernels.prefill.runs_rows), and on a machine's
+    first build compiling those took seconds, as long as several batches' encodes."""
+    records = list(records)
+    sizes = [len(r.token_ids) for r in records]
+    n_batches, n = 0, 0   # as many batches as filling each up to the budget makes
+    for t in sizes:
+        if n and n + t > batch_tokens:
+            n_batches, n = n_batches + 1, 0
+        n += t
+    n_batches += 1 if n else 0
+    target = sum(sizes) / max(1, n_batches)
+    batch, n, done, k = [], 0, 0, 1
     for r in records:
-        if batch and n + len(r.token_ids) > batch_tokens:
+        t = len(r.token_ids)
+        # a record whose middle lies past this batch's share starts the next batch
+        if batch and (n + t > batch_tokens or done + n + t / 2 > k * target):
             yield batch
+            done += n
+            k += 1
             batch, n = [], 0
         batch.append(r)
-        n += len(r.token_ids)
+        n += t
     if batch:
         yield batch
 
@@ -221,7 +273,18 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     # the disk took to write it (the 8B fp8 build waited 9.8 s of its 22.6 s on them)
     quantize = store.kv_dtype == FP8 and not on_cpu
     stats = PipelineStats()
-    writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
+    # the host copies' pinned buffers, reused batch after batch: one batch encoding, up to two
+    # waiting for the disk (max_pending_bytes)
+    staging = None
+    if llm.device.type == "cuda" and torch.cuda.is_available():
+        slot = batch_tokens * build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
+        staging = PinnedStaging(STAGING_SLOTS, int(slot) + 8 * ALIGN)
+    try:
+        writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
+    except BaseException:
+        if staging is not None:
+            staging.close()
+        raise
     t_start = time.perf_counter()
 
     def progress(done_records):
@@ -237,21 +300,36 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     try:
         for batch in batches_by_tokens(records, batch_tokens):
             t0 = time.perf_counter()
-            # not cached in the engine's memory tiers: the KV goes to disk, and a build must not
-            # hold a corpus's KV in memory (queries read it from the store)
-            kvs = engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper, cache=False,
-                                       quantize=quantize)
+            lease = staging.lease() if staging is not None else None
+            try:
+                # not cached in the engine's memory tiers: the KV goes to disk, and a build must
+                # not hold a corpus's KV in memory (queries read it from the store)
+                kvs = engine.encode_chunks([r.token_ids for r in batch], store.shared_prefix_ids, wrapper,
+                                           cache=False, quantize=quantize,
+                                           host_alloc=lease.take if lease is not None else None)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
             stats.encode_s += time.perf_counter() - t0
             if not stats.batches:
                 stats.first_encode_s = stats.encode_s
+                stats.first_batch_tokens = sum(len(r.token_ids) for r in batch)
             elif stats.batches == 1:
                 stats.second_encode_s = stats.encode_s - stats.first_encode_s
             stats.batches += 1
-            writer.put(batch, kvs, progress)
+            if lease is not None:
+                stats.own_pins += lease.own_pins
+                stats.staging_wait_s += lease.waited_s
+            writer.put(batch, kvs, progress, lease)
+            del kvs
         writer.close()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if staging is not None:
+            staging.close()
     stats.seconds = time.perf_counter() - t_start
     stats.checkpoint_s = getattr(store, "checkpoint_s", 0.0)
     if background:

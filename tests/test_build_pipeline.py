@@ -2,13 +2,17 @@
 thread beside the encoder (an accelerator) and writes on the encoding thread (a CPU device):
 order, batch sizes, stats, the first write error stopping the build and re-raised in the caller,
 a caller's error stopping the writer, and ``written`` for a store of one file per chunk."""
+import random
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lazy_rag.build_pipeline import CPU_BATCH_TOKENS, encode_and_write
+from lazy_rag import build_pipeline
+from lazy_rag.build_pipeline import CPU_BATCH_TOKENS, STAGING_SLOTS, batches_by_tokens, encode_and_write
+from lazy_rag.pinned_staging import PinnedStaging
 from lazy_rag.store import ChunkKV, ChunkStore
 
 
@@ -20,20 +24,26 @@ def kv_for(ids) -> ChunkKV:
 class FakeEngine:
     def __init__(self, fail_at: int | None = None):
         self.config = SimpleNamespace(max_batched_tokens=16384)
-        self.batches, self.fail_at = [], fail_at
+        self.batches, self.fail_at, self.host_ptrs = [], fail_at, []
 
-    def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False):
+    def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False, host_alloc=None):
         assert cache is False
         if self.fail_at is not None and len(self.batches) == self.fail_at:
             raise RuntimeError("encode failed")
         self.batches.append([len(c) for c in chunks])
         self.quantize = quantize
-        return [kv_for(c) for c in chunks]
+        kvs = [kv_for(c) for c in chunks]
+        if host_alloc is None:
+            return kvs
+        # as the engine does: each tensor copied into the host tensor host_alloc gives it
+        out = [ChunkKV(*(host_alloc(t.shape, t.dtype).copy_(t) for t in (kv.k, kv.v))) for kv in kvs]
+        self.host_ptrs.append(out[0].k.data_ptr())
+        return out
 
 
 def fake_llm(device: str, **kw):
     return SimpleNamespace(engine=FakeEngine(**kw), device=torch.device(device), dtype=torch.float32,
-                           shape=SimpleNamespace(kv_bytes_per_token=2))
+                           shape=SimpleNamespace(kv_bytes_per_token=2, num_layers=1, num_kv_heads=1))
 
 
 class Bar:
@@ -53,8 +63,8 @@ class ListStore:
 
     shared_prefix_ids, kv_dtype = (), None
 
-    def __init__(self, fail_at: int | None = None):
-        self.writes, self.fail_at = [], fail_at
+    def __init__(self, fail_at: int | None = None, delay: float = 0.0):
+        self.writes, self.fail_at, self.delay = [], fail_at, delay
 
     def path(self, chunk_id):
         return f"/kv/{chunk_id}"
@@ -62,7 +72,9 @@ class ListStore:
     def write(self, chunk_id, token_ids, kv) -> int:
         if self.fail_at is not None and len(self.writes) == self.fail_at:
             raise OSError(28, "No space left on device")
+        time.sleep(self.delay)
         assert kv.k.flatten().tolist() == list(token_ids)
+        assert kv.v.flatten().tolist() == [-t for t in token_ids]
         self.writes.append((chunk_id, threading.current_thread()))
         return kv.nbytes
 
@@ -131,3 +143,48 @@ def test_an_fp8_store_is_quantised_by_the_engine_on_an_accelerator(tmp_path, dev
     store.kv_dtype = kv_dtype
     encode_and_write(llm, store, records(3), None, Bar(), [])
     assert llm.engine.quantize is quantize
+
+
+def test_batches_are_balanced_within_the_budget():
+    """As many batches as filling each to the budget makes, of about equal size: 10 x 300 tokens
+    at 1000 a batch are 4 batches of 2-3 records, not 3, 3, 3 and 1 (a small last batch picks
+    other kernel settings, and compiled them on a fresh machine); order kept, none over budget."""
+    sizes = [len(b) for b in batches_by_tokens(records(10), 1000)]
+    assert len(sizes) == 4 and sum(sizes) == 10 and max(sizes) - min(sizes) <= 1
+    rng = random.Random(0)
+    for _ in range(50):
+        recs = [SimpleNamespace(token_ids=[0] * rng.randint(1, 700)) for _ in range(rng.randint(1, 60))]
+        budget = rng.randint(700, 3000)
+        batches = list(batches_by_tokens(recs, budget))
+        assert [r for b in batches for r in b] == recs
+        assert all(sum(len(r.token_ids) for r in b) <= budget for b in batches)
+        greedy, n = 1, 0
+        for r in recs:
+            if n and n + len(r.token_ids) > budget:
+                greedy, n = greedy + 1, 0
+            n += len(r.token_ids)
+        assert len(batches) <= greedy + 1
+    assert list(batches_by_tokens([], 1000)) == []
+    one_big = [SimpleNamespace(token_ids=[0] * 5000)]
+    assert list(batches_by_tokens(one_big, 1000)) == [one_big]
+
+
+def test_an_accelerator_build_reuses_its_staging_buffers(monkeypatch):
+    """On CUDA the host copies land in STAGING_SLOTS reused buffers (here unpinned, on a machine
+    without CUDA): a slow disk makes the encoder wait for a buffer rather than overwrite one the
+    writer has not written yet (the store checks every value it writes), and no buffer beyond the
+    slots is ever made."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    made = []
+
+    def staging(slots, slot_bytes):
+        made.append(PinnedStaging(slots, slot_bytes, pin=False))
+        return made[-1]
+
+    monkeypatch.setattr(build_pipeline, "PinnedStaging", staging)
+    llm, store = fake_llm("cuda"), ListStore(delay=0.01)
+    stats = encode_and_write(llm, store, records(24), None, Bar(), [], batch_tokens=600)
+    assert [cid for cid, _ in store.writes] == [r.id for r in records(24)]
+    assert len(llm.engine.batches) == 12 and len(set(llm.engine.host_ptrs)) <= STAGING_SLOTS
+    assert stats.own_pins == 0 and len(made) == 1 and made[0].slots == STAGING_SLOTS
+    assert not writer_threads() and not [t for t in threading.enumerate() if t.name == "lazy-rag-pinned-staging"]

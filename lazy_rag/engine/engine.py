@@ -263,14 +263,15 @@ class Engine:
 
     # -- chunk encoding (index builds) ----------------------------------------------------------
     def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = (), wrapper=None,
-                      cache: bool = True, quantize: bool = False) -> list[ChunkKV]:
+                      cache: bool = True, quantize: bool = False, host_alloc=None) -> list[ChunkKV]:
         """Each chunk's position-free KV on the host (keys unrotated), encoded after
         ``shared_prefix`` and inside ``wrapper`` (its slots' KV included), many chunks per forward.
         Encoded chunks stay cached in the pool and the host tier, unless ``cache=False``: an
         index build, which writes the KV to disk and would otherwise hold its whole corpus's KV in
         memory up to the pool's and the host tier's budgets (6 GiB by default on a CPU).
         ``quantize`` (with ``cache=False``): the KV comes back fp8 with its per-token scales
-        (``kernels.quantize_rows``, computed on the engine's device), as an fp8 store holds it."""
+        (``kernels.quantize_rows``, computed on the engine's device), as an fp8 store holds it.
+        ``host_alloc`` (with ``cache=False``): where the host copies go (``ModelRunner.encode``)."""
         prefix = tuple(int(t) for t in shared_prefix)
         with self.lock, torch.inference_mode():  # the lock also guards the host's wrapper table
             chunks = [self.host.wrap_chunk(ids, wrapper) for ids in chunks]
@@ -283,17 +284,18 @@ class Engine:
                 batch: list[int] = []
                 for i, ids in enumerate(chunks):
                     if batch and sum(len(chunks[j]) for j in batch) + len(ids) > budget:
-                        self._encode_batch(chunks, batch, prefix, pre, out, cache, quantize)
+                        self._encode_batch(chunks, batch, prefix, pre, out, cache, quantize, host_alloc)
                         batch = []
                     batch.append(i)
                 if batch:
-                    self._encode_batch(chunks, batch, prefix, pre, out, cache, quantize)
+                    self._encode_batch(chunks, batch, prefix, pre, out, cache, quantize, host_alloc)
             finally:
                 if pre is not None:
                     self.pm.release(pre)
         return out
 
-    def _encode_batch(self, chunks, batch, prefix, pre, out, cache: bool, quantize: bool = False) -> None:
+    def _encode_batch(self, chunks, batch, prefix, pre, out, cache: bool, quantize: bool = False,
+                      host_alloc=None) -> None:
         p = len(prefix)
         cached = [Run(0, p, tuple(pre.pages), 0)] if pre is not None else []
         jobs, owned = [], []
@@ -303,7 +305,8 @@ class Engine:
                 pages = self.pm.allocate(self.pool.pages_for(len(ids)))
                 owned.append(pages)
                 jobs.append(EncodeJob(list(prefix) + ids, list(cached), [Run(p, len(ids), tuple(pages), p)]))
-            kvs = self.runner.encode(jobs, to_host=not cache, quantize=quantize and not cache)
+            kvs = self.runner.encode(jobs, to_host=not cache, quantize=quantize and not cache,
+                                     host_alloc=None if cache else host_alloc)
         except BaseException:
             for pages in owned:
                 self.pm.free(pages)

@@ -161,7 +161,7 @@ class ModelRunner:
             s.encoded_kv = [next(kvs) for _ in getattr(s, "encode_jobs", ())]
 
     @torch.inference_mode()
-    def encode(self, jobs, to_host: bool = False, quantize: bool = False) -> list[ChunkKV]:
+    def encode(self, jobs, to_host: bool = False, quantize: bool = False, host_alloc=None) -> list[ChunkKV]:
         """Encode chunks (``sequence.EncodeJob``) into their pool pages in one forward; returns each
         chunk's captured unrotated KV, in the pool's format (fp8 with per-token scales for an fp8
         pool, or with ``quantize``). ``to_host``: the KV on the host, each chunk's tensors
@@ -169,13 +169,15 @@ class ModelRunner:
         one DMA into pinned memory per tensor instead of a copy and a pin per chunk, which made the
         8B build's encode 2-3x slower than its forward).
         ``quantize``: fp8 whatever the pool (an fp8 store's build: quantised here on the device,
-        half the bytes to copy, instead of on the host's writer threads)."""
+        half the bytes to copy, instead of on the host's writer threads). ``host_alloc(shape,
+        dtype)``: where the host copies go (an index build's reused pinned buffers,
+        ``pinned_staging``), instead of fresh pinned memory per tensor."""
         batch = self._pack(jobs)
         with self._adapters_on(jobs, batch):
             _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                      StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
                                      capture=True)
-        return self._chunk_kvs(*caught, batch.spans, to_host, quantize)
+        return self._chunk_kvs(*caught, batch.spans, to_host, quantize, host_alloc)
 
     def _adapters_on(self, jobs, batch: "PackedBatch"):
         """The chunk adapters (chunk_adapter.py) on for the encode jobs' tokens (the first spans
@@ -185,7 +187,7 @@ class ModelRunner:
         spans = [(a, b, job.tokens) for job, (a, b) in zip(jobs, batch.spans)]
         return encoding_chunks(self.parts.model, spans, int(batch.ids.shape[0]), batch.ids.device)
 
-    def _chunk_kvs(self, k, v, spans, to_host: bool, quantize: bool = False) -> list[ChunkKV]:
+    def _chunk_kvs(self, k, v, spans, to_host: bool, quantize: bool = False, host_alloc=None) -> list[ChunkKV]:
         """Each span's ChunkKV from captured K/V [layers, n, Hkv, D], in the pool's format (fp8
         also with ``quantize``)."""
         quantize = quantize or self.pool.quantized
@@ -193,7 +195,7 @@ class ModelRunner:
         if quantize:  # (k8, k_scale, v8, v_scale) -> ChunkKV's order
             tensors = (tensors[0], tensors[2], tensors[1], tensors[3])
         if to_host:
-            return chunk_major_on_host(tensors, spans)
+            return chunk_major_on_host(tensors, spans, host_alloc)
         return [ChunkKV(*(t[:, a:b].clone() for t in tensors)) for a, b in spans]
 
     # -- choosing the chunk tokens to recompute (Recovery.select) -----------------------------------
@@ -243,7 +245,7 @@ class ModelRunner:
                            tok.spans)
 
 
-def chunk_major_on_host(tensors, spans) -> list[ChunkKV]:
+def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
     """Each span's ChunkKV on the host from layer-major batch tensors [layers, tokens, ...], every
     tensor of it contiguous: the spans are laid out one after the other on the device (one copy
     each), then each tensor goes to the host in one copy (into pinned memory from CUDA: one DMA per
@@ -251,7 +253,8 @@ def chunk_major_on_host(tensors, spans) -> list[ChunkKV]:
     views it writes as they are; a chunk's slice of a layer-major batch is not contiguous, and the
     store's copy of it (2 GB per batch of the 8B shape, on the host's prepare threads, into freshly
     faulted memory on a build's first batch) was the writer's largest cost after the disk itself
-    (BENCHMARKS.md, "A machine's first 8B build")."""
+    (BENCHMARKS.md, "A machine's first 8B build"). ``host_alloc(shape, dtype)``: the pinned host
+    tensor each one goes to (default: fresh pinned memory)."""
     out = [[] for _ in spans]
     for t in tensors:
         layers, rest = t.shape[0], tuple(t.shape[2:])
@@ -265,7 +268,9 @@ def chunk_major_on_host(tensors, spans) -> list[ChunkKV]:
             places.append((at, n, shape))
             at += n
         if flat.device.type == "cuda":
-            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+            host = host_alloc(flat.shape, flat.dtype) if host_alloc is not None else \
+                torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            flat = host.copy_(flat)
         for parts, (at, n, shape) in zip(out, places):
             parts.append(flat[at:at + n].view(shape))
     return [ChunkKV(*parts) for parts in out]

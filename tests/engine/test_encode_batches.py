@@ -54,3 +54,30 @@ def test_a_builds_host_kv_is_contiguous_per_chunk_and_equals_the_cached_encode(t
     spans = [(0, 4), (4, 5), (5, 10)]
     for (a, b), kv in zip(spans, chunk_major_on_host((t, -t), spans)):
         assert kv.k.is_contiguous() and torch.equal(kv.k, t[:, a:b]) and torch.equal(kv.v, -t[:, a:b])
+
+
+def test_a_builds_host_kv_lands_in_its_staging_buffer(tokenizer, device):
+    """With ``host_alloc`` (an index build's ``PinnedStaging`` lease) every host tensor of a CUDA
+    batch is carved out of the lease's one pinned buffer, with the values of the plain path, bit
+    for bit, in both formats. (On a CPU the KV is on the host already: nothing is staged.)"""
+    from lazy_rag.pinned_staging import PinnedStaging
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    g = torch.Generator().manual_seed(2)
+    chunks = [torch.randint(200, 4000, (n,), generator=g).tolist() for n in (9, 70, 2)]
+    cuda = device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda")
+    staging = PinnedStaging(1, 1 << 22, pin=cuda)
+    for quantize in (False, True):
+        plain = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize)
+        lease = staging.lease()
+        staged = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize, host_alloc=lease.take)
+        assert lease.own_pins == 0
+        if cuda:
+            base, end = lease.buf.data_ptr(), lease.buf.data_ptr() + lease.buf.numel()
+        for a, b in zip(plain, staged):
+            for name, t in b.tensors().items():
+                assert (base <= t.data_ptr() < end and t.is_pinned()) if cuda else lease.buf is None
+                assert torch.equal(t.view(torch.uint8), a.tensors()[name].view(torch.uint8))
+        lease.release()
+    staging.close()
