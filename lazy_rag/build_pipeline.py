@@ -275,10 +275,14 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     stats = PipelineStats()
     # the host copies' pinned buffers, reused batch after batch: one batch encoding, up to two
     # waiting for the disk (max_pending_bytes)
+    batches = list(batches_by_tokens(records, batch_tokens))
     staging = None
-    if llm.device.type == "cuda" and torch.cuda.is_available():
-        slot = batch_tokens * build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
-        staging = PinnedStaging(STAGING_SLOTS, int(slot) + 8 * ALIGN)
+    if batches and llm.device.type == "cuda" and torch.cuda.is_available():
+        # as large as the largest batch and no more buffers than batches: an update of a few
+        # chunks pins a few MB, not three full batches' worth
+        largest = max(sum(len(r.token_ids) for r in b) for b in batches)
+        slot = largest * build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
+        staging = PinnedStaging(min(STAGING_SLOTS, len(batches)), int(slot) + 8 * ALIGN)
     try:
         writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
     except BaseException:
@@ -298,7 +302,7 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         bar.advance(n, note=f"{rate:,.0f} tokens/s, {stats.kv_bytes / 2**30:.2f} GiB written")
 
     try:
-        for batch in batches_by_tokens(records, batch_tokens):
+        for batch in batches:
             t0 = time.perf_counter()
             lease = staging.lease() if staging is not None else None
             try:

@@ -187,4 +187,8 @@ def test_an_accelerator_build_reuses_its_staging_buffers(monkeypatch):
     assert [cid for cid, _ in store.writes] == [r.id for r in records(24)]
     assert len(llm.engine.batches) == 12 and len(set(llm.engine.host_ptrs)) <= STAGING_SLOTS
     assert stats.own_pins == 0 and len(made) == 1 and made[0].slots == STAGING_SLOTS
+    assert made[0].slot_bytes >= 600 * 8 and made[0].slot_bytes < 2 * 600 * 8 + 8 * 512
+    # a build of one small batch: one buffer of that batch's size
+    encode_and_write(fake_llm("cuda"), ListStore(), records(1, tokens=10), None, Bar(), [], batch_tokens=600)
+    assert made[1].slots == 1 and made[1].slot_bytes == 10 * 8 + 8 * 512
     assert not writer_threads() and not [t for t in threading.enumerate() if t.name == "lazy-rag-pinned-staging"]
