@@ -4,7 +4,9 @@ The engine encodes a batch of chunks (up to ``batch_tokens`` tokens, packed into
 ``Engine.encode_chunks``) while a writer thread appends the previous batches' KV to the store, so
 the accelerator never waits on the disk and the disk never waits on the accelerator, unless one
 is the bottleneck; then the other waits on a bounded queue (``max_pending_bytes`` of KV held on
-the host), which keeps the build's memory flat however large the corpus is.
+the host), which keeps the build's memory flat however large the corpus is. On CUDA each batch's
+KV lands in one of a few pinned buffers the build reuses (``pinned_staging``), given back when
+the writer has written the batch.
 
 On a CPU device each batch is written on the encoding thread after its encode instead, with no
 writer thread and no prepare pool: torch's intra-op threads keep every core busy in the forward,
@@ -190,7 +192,7 @@ class KVWriter:
                     except BaseException as e:  # noqa: BLE001 - re-raised in the encoding thread
                         self.error = e
             finally:
-                del kvs   # nothing of this batch's host buffer is used past here
+                item = kvs = None   # nothing reads this batch's host buffer past here
                 if lease is not None:
                     lease.release()
                 with self.cond:
