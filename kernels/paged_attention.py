@@ -47,6 +47,19 @@ slower than the choices above, and were removed.
 Online softmax in base 2 (fp32); output either written directly (one split) or as per-split
 fp32 partials + log2-sum-exp merged by _merge_kernel (flash-decoding).
 
+fp8 pages (per-token scales, kv_quant.py): each score column times its key's scale; the values
+either enter P @ V as (P * v_scale) @ v8 (_scaled_pv), or, in decode with 16-bit compute
+(FOLD_V), the value scales fold into the scores: score_n + log2 v_scale_n, so that
+p_n = 2^(score_n - m) * v_scale_n (m the row max of the folded scores, so p <= 1 fits fp16) and
+P @ V runs in fp16 over v8 exactly as stored (one cvt per pair of elements); the softmax sum
+takes each fold back out (l += p_n / v_scale_n = 2^(score_n - m)), so o = acc / l and the
+log2-sum-exp m + log2 l keep their meaning, and an approximate log2 or reciprocal (the SFU's,
+value_fold) scales a key's term in the numerator and the denominator alike. The tiles' scales
+are loaded one tile ahead. Fewer instructions per tile and 20 bytes of spill under the decode
+register cap instead of 24: on an H200 B32 x 8k 217.5 -> 193.0 us, on an H100 unchanged for
+the batched cases and B1 18.6 -> 16.9 us (BENCHMARKS.md, "the value scales folded into the
+scores, again"). Prefill keeps _scaled_pv: the fold measured slower in the runs kernel.
+
 Row log-sum-exp (launch(return_lse=True)): the natural-log log-sum-exp of each query row's
 visible scaled scores (sm_scale * q.k), -inf for a row that sees no key, so that a caller can
 attend to disjoint key groups in separate calls and merge them exactly. Written only when asked,
@@ -116,6 +129,46 @@ def _scaled_pv(p, v8, vs, dtype: tl.constexpr, SCALE_V_TILE: tl.constexpr):
     return (p * vs[None, :]).to(dtype), v8.to(dtype)
 
 
+# the smallest per-token scale the quantiser writes (kv_quant.AMAX_MIN / 448)
+SCALE_MIN = tl.constexpr(2.0 ** -14)
+
+
+@triton.jit
+def value_fold(ptrs, mask, FAST: tl.constexpr):
+    """(log2 vs, 1 / vs) of a tile's per-key value scales vs [BLOCK_N] (fp32), for FOLD_V (see
+    the kernel): the scores take + log2 vs, the softmax sum * (1 / vs). Keys not loaded get
+    vs = 1; a scale is never taken below SCALE_MIN (a slot never quantised holds 0, and zero
+    values, which then stay 0). FAST (GPU): the SFU's lg2.approx / rcp.approx, one instruction
+    each per key (libdevice's log2f is a long sequence); their errors cancel between the
+    numerator and the denominator. Else (the interpreter) exact."""
+    vs = tl.maximum(tl.load(ptrs, mask=mask, other=1.0).to(tl.float32), SCALE_MIN)
+    if FAST:
+        lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [vs],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+        rc = tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=r,r", [vs],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        lg = tl.log2(vs)
+        rc = 1.0 / vs
+    return lg, rc
+
+
+@triton.jit
+def _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE_IDS,
+                 PAGE_LEN, p_start, p_end, tt, t_hi, kvh, slot, off, PPT: tl.constexpr,
+                 FAST: tl.constexpr):
+    """FOLD_V: tile tt's per-key scales (ks fp32, and value_fold's log2 / reciprocal of the
+    value scales), masked to its pages' slots in use; nothing is read for tt >= t_hi."""
+    e = p_start + tt * PPT + slot
+    ok = (slot < PPT) & (e < tl.minimum(p_end, p_start + t_hi * PPT))
+    pid = tl.load(PAGE_IDS + e, mask=ok, other=0).to(tl.int64)
+    ok = ok & (off < tl.load(PAGE_LEN + e, mask=ok, other=0))
+    ks = tl.load(K_SCALE + pid * stride_ksp + kvh * stride_ksh + off, mask=ok,
+                 other=0.0).to(tl.float32)
+    lvs, rvs = value_fold(V_SCALE + pid * stride_vsp + kvh * stride_vsh + off, ok, FAST)
+    return ks, lvs, rvs
+
+
 @triton.jit
 def _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G: tl.constexpr, GP: tl.constexpr,
                BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
@@ -177,6 +230,7 @@ def _paged_attn_kernel(
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
+    FOLD_V: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -220,6 +274,10 @@ def _paged_attn_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, 2 * HALF], dtype=tl.float32)
+    if FOLD_V:
+        ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp,
+                                          stride_vsh, PAGE_IDS, PAGE_LEN, p_start, p_end, t_lo,
+                                          t_hi, kvh, slot, off, PPT, FAST_TRIG)
 
     for tt in range(t_lo, t_hi):
         e0 = p_start + tt * PPT
@@ -262,8 +320,17 @@ def _paged_attn_kernel(
             # e4m3 -> compute dtype is exact; the per-token scales multiply the scores below
             k1 = k1.to(qk_dtype)
             k2 = k2.to(qk_dtype)
-            s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
-            ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
+            if FOLD_V:
+                # this tile's scales, loaded one iteration ahead: plain loads, which the
+                # software pipeline leaves synchronous, had their latency exposed every tile
+                ks, lvs, rvs = ks_n, lvs_n, rvs_n
+                ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh,
+                                                  stride_vsp, stride_vsh, PAGE_IDS, PAGE_LEN,
+                                                  p_start, p_end, tt + 1, t_hi, kvh, slot, off,
+                                                  PPT, FAST_TRIG)
+            else:
+                s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
+                ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
         if ROPE_MODE == 1:
             k1f = k1.to(tl.float32)
             k2f = k2.to(tl.float32)
@@ -298,7 +365,10 @@ def _paged_attn_kernel(
                     sel = todo & (sh == su)
                     sc = tl.where(sel[None, :], sc2, sc)
                     todo = todo & (sh != su)
-        if KV_FP8:
+        if FOLD_V:
+            # column n times k_scale[n], plus log2 v_scale[n]: the value scales' fold
+            sc = sc * (ks * qk_scale_log2)[None, :] + lvs[None, :]
+        elif KV_FP8:
             sc = sc * (ks * qk_scale_log2)[None, :]     # column n times k_scale[n]
         else:
             sc = sc * qk_scale_log2
@@ -307,11 +377,17 @@ def _paged_attn_kernel(
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FOLD_V:   # each term back in the softmax's own units: sum_n 2^(score_n - m)
+            l_i = l_i * alpha + tl.sum(p * rvs[None, :], axis=1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = load_v(V + kvh * stride_vh, pid, off, stride_vp, stride_vt, stride_vd, e_ok, k_ok,
                    2 * HALF, PAGE, V_KEYS_MAJOR)
-        if KV_FP8:
+        if FOLD_V:
+            pv = p.to(tl.float16)   # <= 1; v8 exactly as stored, one cvt per pair of elements
+            v = v.to(tl.float16)
+        elif KV_FP8:
             vs = tl.load(V_SCALE + pid.to(tl.int64) * stride_vsp + kvh * stride_vsh + off,
                          mask=k_ok, other=0.0).to(tl.float32)
             pv, v = _scaled_pv(p, v, vs, dtype, SCALE_V_TILE)
@@ -553,11 +629,20 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
-        **meta,
+        **fold_args(scaled, rows, q.dtype), **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)
     return (out, row_lse) if return_lse else out
+
+
+def fold_args(scaled: dict, rows: int, compute_dtype) -> dict:
+    """FOLD_V for the tiles kernel: fp8 pages, decode rows (<= 64) and 16-bit compute. Prefill
+    keeps the scaled P @ V (the fold measured slower there in the runs kernel, 7ccb782), and the
+    default calls of other launches compile as before (nothing passed)."""
+    if scaled and rows <= 64 and compute_dtype in (torch.float16, torch.bfloat16):
+        return dict(FOLD_V=True)
+    return {}
 
 
 def fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16: bool = True) -> dict:
