@@ -55,10 +55,10 @@ P @ V runs in fp16 over v8 exactly as stored (one cvt per pair of elements); the
 takes each fold back out (l += p_n / v_scale_n = 2^(score_n - m)), so o = acc / l and the
 log2-sum-exp m + log2 l keep their meaning, and an approximate log2 or reciprocal (the SFU's,
 value_fold) scales a key's term in the numerator and the denominator alike. The tiles' scales
-are loaded one tile ahead. Fewer instructions per tile and 20 bytes of spill under the decode
-register cap instead of 24: on an H200 B32 x 8k 217.5 -> 193.0 us, on an H100 unchanged for
-the batched cases and B1 18.6 -> 16.9 us (BENCHMARKS.md, "the value scales folded into the
-scores, again"). Prefill keeps _scaled_pv: the fold measured slower in the runs kernel.
+are loaded one tile ahead. Fewer instructions per tile and fewer spills under the decode
+register cap: faster on an H200, unchanged for batched decode on an H100, faster there at B1
+(BENCHMARKS.md, "the value scales folded into the scores, again"). Prefill keeps _scaled_pv:
+the fold measured slower in the runs kernel.
 
 Row log-sum-exp (launch(return_lse=True)): the natural-log log-sum-exp of each query row's
 visible scaled scores (sm_scale * q.k), -inf for a row that sees no key, so that a caller can
