@@ -637,9 +637,10 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
 
 
 def fold_args(scaled: dict, rows: int, compute_dtype) -> dict:
-    """FOLD_V for the tiles kernel: fp8 pages, decode rows (<= 64) and 16-bit compute. Prefill
-    keeps the scaled P @ V (the fold measured slower there in the runs kernel, 7ccb782), and the
-    default calls of other launches compile as before (nothing passed)."""
+    """FOLD_V for the tiles kernel: fp8 pages, 16-bit compute and at most 64 rows (decode; on
+    the GPU prefill tiles are 128-256 rows). Larger tiles keep the scaled P @ V (the fold
+    measured slower in the runs kernel's prefill, 7ccb782), and the other launches compile as
+    before (nothing passed)."""
     if scaled and rows <= 64 and compute_dtype in (torch.float16, torch.bfloat16):
         return dict(FOLD_V=True)
     return {}

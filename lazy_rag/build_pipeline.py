@@ -68,7 +68,6 @@ class PipelineStats:
     seconds: float = 0.0
     batches: int = 0
     bound: str = field(default="")
-
     first_batch_tokens: int = 0  # the first batch's tokens (for the encode rate past it)
 
     def as_dict(self) -> dict:
@@ -280,9 +279,11 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     batches = list(batches_by_tokens(records, batch_tokens))
     staging = None
     if batches and llm.device.type == "cuda" and torch.cuda.is_available():
-        # as large as the largest batch and no more buffers than batches: an update of a few
-        # chunks pins a few MB, not three full batches' worth
-        largest = max(sum(len(r.token_ids) for r in b) for b in batches)
+        # as large as the largest batch (with each chunk's wrapper slots, whose KV comes back
+        # with the chunk's) and no more buffers than batches: an update of a few chunks pins a
+        # few MB, not three full batches' worth
+        slots = getattr(wrapper, "slots", 0) or 0
+        largest = max(sum(len(r.token_ids) + slots for r in b) for b in batches)
         slot = largest * build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
         staging = PinnedStaging(min(STAGING_SLOTS, len(batches)), int(slot) + 8 * ALIGN)
     try:

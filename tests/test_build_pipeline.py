@@ -191,4 +191,8 @@ def test_an_accelerator_build_reuses_its_staging_buffers(monkeypatch):
     # a build of one small batch: one buffer of that batch's size
     encode_and_write(fake_llm("cuda"), ListStore(), records(1, tokens=10), None, Bar(), [], batch_tokens=600)
     assert made[1].slots == 1 and made[1].slot_bytes == 10 * 8 + 8 * 512
+    # a wrapper's slots come back with each chunk's KV: room for them too
+    encode_and_write(fake_llm("cuda"), ListStore(), records(2, tokens=10), SimpleNamespace(slots=5), Bar(), [],
+                     batch_tokens=600)
+    assert made[2].slots == 1 and made[2].slot_bytes == 2 * (10 + 5) * 8 + 8 * 512
     assert not writer_threads() and not [t for t in threading.enumerate() if t.name == "lazy-rag-pinned-staging"]
