@@ -116,11 +116,10 @@ class KVWriter:
         if not self.background:
             try:
                 self._raise()
-                try:
-                    self._write(records, kvs, on_written)
-                except BaseException as e:
-                    self.error = e
-                    raise
+                self._write(records, kvs, on_written)
+            except BaseException as e:  # _raise's own error set again: the same one
+                self.error = e
+                raise
             finally:
                 if lease is not None:
                     lease.release()
@@ -241,8 +240,7 @@ def batches_by_tokens(records, batch_tokens: int):
     n_batches += 1 if n else 0
     target = sum(sizes) / max(1, n_batches)
     batch, n, done, k = [], 0, 0, 1
-    for r in records:
-        t = len(r.token_ids)
+    for r, t in zip(records, sizes):
         # a record whose middle lies past this batch's share starts the next batch
         if batch and (n + t > batch_tokens or done + n + t / 2 > k * target):
             yield batch
