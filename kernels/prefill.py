@@ -34,9 +34,11 @@ class PrefillPlan:
 
 
 def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
-                    kernel: str = "runs", total: int | None = None) -> int:
+                    kernel: str = "runs", total: int | None = None,
+                    dtype: torch.dtype | None = None) -> int:
     """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens and
-    all sequences ``total`` (default: longest), for `kernel` ("runs", the default, or "tiles")."""
+    all sequences ``total`` (default: longest), for `kernel` ("runs", the default, or "tiles")
+    in compute `dtype` (None: a 16-bit one)."""
     gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     device = torch.device(device)
     if device.type != "cuda":
@@ -48,7 +50,31 @@ def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
     else:
         rows = runs_rows(longest * gp, (total or longest) * gp, num_kv_heads,
                          paged_attention._num_sms(device))
-    return max(1, rows // gp)
+    return max(1, max_rows(rows, dtype) // gp)
+
+
+def max_rows(rows: int, dtype: torch.dtype | None) -> int:
+    """rows, at most 128 for a 32-bit compute dtype: its 256-row tiles need more shared memory
+    than an SM has (the runs kernel's at head_dim 128: 263 KB against Hopper's 227 KB; the
+    launch fails)."""
+    if dtype is not None and dtype.itemsize > 2:
+        return min(rows, 128)
+    return rows
+
+
+def encode_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
+                   dtype: torch.dtype | None = None) -> int:
+    """Query tokens per tile for an index build's encode batch, whatever its size: the tiles a
+    full build batch takes (runs_rows at its many programs: 256 (token, head) rows once a chunk
+    fills more than one 128-row tile), launched with one split (what a full batch's count is).
+    A small batch (an update of a few documents, a build's short last batch) then runs the
+    kernel the build compiled instead of compiling the variant its own size would pick: seconds
+    of compile on a machine's first run, for a forward of milliseconds."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return default_block_m(longest, num_qo_heads, num_kv_heads, device)
+    gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    return max(1, max_rows(runs_rows(longest * gp, 1 << 40, num_kv_heads, 1), dtype) // gp)
 
 
 def plan_split_target(longest: int, num_qo_heads: int, num_kv_heads: int) -> float:
@@ -74,7 +100,8 @@ def runs_rows(longest_rows: int, total_rows: int, num_kv_heads: int, num_sms: in
 
 
 def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
-                 block_m: int | None = None, kernel: str = "runs") -> PrefillPlan:
+                 block_m: int | None = None, kernel: str = "runs",
+                 dtype: torch.dtype | None = None) -> PrefillPlan:
     """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default_block_m: on the GPU
     64-256 (token, head) rows for the runs kernel (runs_rows), 128 or 256 for the tiles kernel;
     32 rows under the interpreter)."""
@@ -82,7 +109,7 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
     if block_m is None:
         block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device, kernel,
-                                  total=ptr[-1] - ptr[0] if ptr else 0)
+                                  total=ptr[-1] - ptr[0] if ptr else 0, dtype=dtype)
     seq, q0 = query_tiles(ptr, block_m)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return PrefillPlan(mk(seq), mk(q0), block_m,
@@ -134,7 +161,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
-                            kernel=kernel)
+                            kernel=kernel, dtype=q.dtype)
     if kernel == "runs":
         tuning.setdefault("split_target", plan.split_target)
     launch = prefill_runs.launch_runs if kernel == "runs" else paged_attention.launch

@@ -345,7 +345,8 @@ class AppendGraphs:
         longest = max(len(s.compute_pos) for s in seqs)
         P = max(1, -(-max(len(t[0]) for t in tables) // self.page_step)) * self.page_step
         H, Hkv = shp.num_heads, shp.num_kv_heads
-        key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, H, Hkv, r.pool.device, total=n),
+        key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, H, Hkv, r.pool.device, total=n,
+                                                                   dtype=r.parts.dtype),
                         r.parts.virtual_rows is not None, plan_split_target(longest, H, Hkv), encodes)
         return self._pack(key, seqs, tables), key
 

@@ -40,6 +40,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..architecture import ModelParts
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
+from ..kernels.prefill import encode_block_m
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
@@ -175,7 +176,8 @@ class ModelRunner:
         batch = self._pack(jobs)
         with self._adapters_on(jobs, batch):
             _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                                     StepAttention(self, jobs, batch, pack_fresh=True), key_pos=batch.key_pos,
+                                     StepAttention(self, jobs, batch, pack_fresh=True, encode_batch=True),
+                                     key_pos=batch.key_pos,
                                      capture=True)
         return self._chunk_kvs(*caught, batch.spans, to_host, quantize, host_alloc)
 
@@ -289,7 +291,10 @@ class StepAttention:
     (see the module docstring). Everything that does not depend on the layer (page tables,
     masks, gather indices, query rotations) is prepared once here, then ``__call__`` runs per layer."""
 
-    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None, pack_fresh: bool = False):
+    def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None, pack_fresh: bool = False,
+                 encode_batch: bool = False):
+        # encode_batch: an index build's encode (ModelRunner.encode): the kernel's tiles and split
+        # count of a full build batch whatever this one's size (kernels.prefill.encode_block_m)
         # pack_fresh: sequences without history (and tails) on the Triton kernel as well, all in one
         # launch per layer, when there are several: an index build's encode of many short chunks,
         # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
@@ -333,9 +338,13 @@ class StepAttention:
             if len(paged) < len(seqs):
                 rows = torch.tensor([r for j in paged for r in range(*batch.spans[j])], device=dev)
             q_pos = (batch.pos if rows is None else batch.pos[rows]).to(torch.int32)
+            H, Hkv = self.shape.num_heads, self.shape.num_kv_heads
+            block_m = encode_block_m(max(b - a for a, b in zip(qo, qo[1:])), H, Hkv, dev, p.dtype) \
+                if encode_batch else None
             self.paged = (rows, torch.tensor(qo, dtype=torch.int32, device=dev), q_pos,
                           build_table([seqs[j] for j in paged], ps, dev),
-                          plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev))
+                          plan_prefill(qo, H, Hkv, dev, block_m=block_m, dtype=p.dtype),
+                          1 if encode_batch else None)
         self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
     def _shared_decode(self, seqs, batch: PackedBatch) -> DecodeAttention | None:
@@ -379,8 +388,8 @@ class StepAttention:
         return o
 
     def _paged(self, i, q):
-        _, qo, q_pos, table, plan = self.paged
-        return self.runner.paged_prefill(i, q, qo, q_pos, table, plan)
+        _, qo, q_pos, table, plan, num_splits = self.paged
+        return self.runner.paged_prefill(i, q, qo, q_pos, table, plan, num_splits=num_splits)
 
 
 class ApeKernelGroups:
@@ -402,7 +411,7 @@ class ApeKernelGroups:
         self.qo = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
         self.q_pos = pos[a:b].to(torch.int32)
         shp = runner.parts.shape
-        self.plan = plan_prefill([0, b - a], shp.num_heads, shp.num_kv_heads, dev)
+        self.plan = plan_prefill([0, b - a], shp.num_heads, shp.num_kv_heads, dev, dtype=runner.parts.dtype)
         self.temperature, self.log_scale = seq.recovery.ape_temperature, math.log(seq.recovery.ape_scale)
 
     def attend(self, i: int, q):

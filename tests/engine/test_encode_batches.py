@@ -1,6 +1,7 @@
 """An index build encodes many chunks per forward (on CUDA, several fresh chunks share one Triton
 prefill launch per layer instead of one SDPA call each): the KV must be the chunk's own, equal to
 encoding it alone, with or without a shared prefix, whatever the chunks' lengths."""
+import pytest
 import torch
 
 from lazy_rag import LazyLLM
@@ -81,3 +82,22 @@ def test_a_builds_host_kv_lands_in_its_staging_buffer(tokenizer, device):
                 assert torch.equal(t.view(torch.uint8), a.tensors()[name].view(torch.uint8))
         lease.release()
     staging.close()
+
+
+def test_a_small_encode_batch_runs_the_kernel_a_full_one_compiled(tokenizer, device):
+    """On CUDA an update's few chunks take the build's tiles and split count
+    (``prefill.encode_block_m``, one split): the very kernel a full batch compiled, not a variant
+    of its own to compile on a machine's first update."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("the Triton prefill kernel runs on CUDA only")
+    from lazy_rag.kernels import paged_attention
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    g = torch.Generator().manual_seed(2)
+    kernels = []
+    for n_chunks in (48, 2):
+        chunks = [torch.randint(200, 4000, (131,), generator=g).tolist() for _ in range(n_chunks)]
+        llm.engine.encode_chunks(chunks, cache=False)
+        kernels.append(paged_attention.LAST_KERNEL)
+    assert kernels[0] is kernels[1]

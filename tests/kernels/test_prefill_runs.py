@@ -207,3 +207,24 @@ def test_tile_rows_and_split_target_follow_the_measured_rules():
     assert runs_rows(512 * gp, 512 * gp, hkv, sms) == 64            # B1 +512: 256 programs at 64 rows
     assert runs_rows(82 * gp, 32 * 82 * gp, hkv, sms) == 128        # 32 paper requests: 328 programs
     assert plan_split_target(32, 32, 8) == 1.0 and plan_split_target(33, 32, 8) == 2.0
+
+
+def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch):
+    """An index build's encode (prefill.encode_block_m): the tile a full batch of 256-token chunks
+    picks (16k tokens of the 8B shape on 132 SMs: 256 rows), also for an update's few chunks,
+    whose own size would pick 128 rows, a kernel variant the build never compiled; 128 rows at
+    most in fp32 (prefill.max_rows)."""
+    from lazy_rag.kernels import paged_attention
+    from lazy_rag.kernels.prefill import default_block_m, encode_block_m
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    full = default_block_m(256, 32, 8, "cuda", total=16384)
+    assert full * 4 == 256
+    assert default_block_m(256, 32, 8, "cuda", total=1300) * 4 == 128      # an update's own pick
+    assert encode_block_m(256, 32, 8, "cuda") == full
+    assert encode_block_m(30, 32, 8, "cuda") == default_block_m(30, 32, 8, "cuda", total=16384)
+    assert encode_block_m(256, 32, 8, "cpu") == default_block_m(256, 32, 8, "cpu")
+    # fp32 compute: never 256-row tiles (more shared memory than an SM has: the launch fails)
+    assert encode_block_m(256, 32, 8, "cuda", torch.float32) * 4 == 128
+    assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.float32) * 4 == 128
+    assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.bfloat16) == full
