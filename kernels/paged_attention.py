@@ -32,10 +32,14 @@ RoPE (ROPE_MODE):
               differs from s0 (a chunk boundary inside the tile) get their scores from a second
               pair of QK dots with the query rotated by (m - s_j), so every score uses the
               reference's exact fp32 angle (rotating those keys by s_j - s0 instead would cost
-              fp32 angle error proportional to |s_j - s0|). MULTI_SHIFT picks how, from the
-              tile shape: 0 with one page per tile (nothing to do); 3 with two pages per tile
-              in decode (page 64, 128 keys: the GPU decode case), a uniform scalar
-              `if s1 != s0`; 2 otherwise, a `while` loop over the tile's distinct shifts. The
+              fp32 angle error proportional to |s_j - s0|). In decode where registers are
+              short (RELOAD_Q, reload_query) each re-rotation loads q again (_query_halves)
+              instead of keeping an fp32 copy live across the KV loop: fp8 decode under its
+              register cap then spills almost nothing (BENCHMARKS.md, "fp8 decode: two K/V
+              buffers"). MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
+              (nothing to do); 3 with two pages per tile in decode (page 64, 128 keys: the GPU
+              decode case), a uniform scalar `if s1 != s0`; 2 otherwise, a `while` loop over the
+              tile's distinct shifts. The
               while loop is exact but stops Triton from software-pipelining the KV loop (no
               cp.async in the PTX): on an H200 it cost +34% in decode (B32 x 8k: 342 us vs
               257 us with variant 3 vs 255 us for rope_mode="none").
@@ -187,6 +191,26 @@ def _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G: tl.constexpr, GP: tl.
 
 
 @triton.jit
+def _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FREQ, tile, kvh, zero,
+                  q_mul, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  ROWS: tl.constexpr, HALF: tl.constexpr, QK_F16: tl.constexpr):
+    """The tile's query halves (fp32, times q_mul with QK_F16) and the RoPE frequencies, loaded
+    again where rotate_q re-rotates the query (a new chunk), so that no fp32 copy of q stays
+    live across the KV loop (RELOAD_Q). `zero` is 0, opaque to the compiler: every index is
+    built on it, so that nothing here is hoisted out of the loop to hold registers there."""
+    _, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile + zero, kvh, G, GP,
+                                           BLOCK_M, ROWS)
+    dh = tl.arange(0, HALF) + zero
+    q_off = qi.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
+    q1 = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(Q + q_off + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if QK_F16:
+        q1 = q1 * q_mul
+        q2 = q2 * q_mul
+    return q1, q2, tl.load(INV_FREQ + dh)
+
+
+@triton.jit
 def _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh,
                 PO, stride_pot, stride_poh, stride_pos, LSE, stride_lt, stride_lh,
                 D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr):
@@ -230,7 +254,7 @@ def _paged_attn_kernel(
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
-    FOLD_V: tl.constexpr = False,
+    FOLD_V: tl.constexpr = False, RELOAD_Q: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -249,6 +273,7 @@ def _paged_attn_kernel(
     q2 = tl.load(Q + q_off + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
     qp = tl.load(QPOS + qi, mask=row_ok, other=-1)           # padded rows see no key
     freq = tl.load(INV_FREQ + dh)
+    q_mul = 1.0
     if QK_F16:
         q_mul, q_div = qk_f16_scale(q1, q2, rope_scale)
         q1 = q1 * q_mul
@@ -262,6 +287,7 @@ def _paged_attn_kernel(
         qb = q2.to(qk_dtype)
     p_start = tl.load(INDPTR + b)
     cur_shift = p_start * 0 - 2147483647       # no shift seen yet
+    zero = tl.minimum(p_start, 0)               # 0 (p_start >= 0), opaque: _query_halves
     p_end = tl.load(INDPTR + b + 1)
     n_tiles = tl.cdiv(p_end - p_start, PPT)
     t_lo = split * tiles_per_split
@@ -308,8 +334,14 @@ def _paged_attn_kernel(
         elif ROPE_MODE == 2:
             s0 = tl.load(ROT_SHIFT + e0)
             if s0 != cur_shift:      # a new chunk: rotate the query once for all its tiles
-                qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, qk_dtype,
-                                       FAST_TRIG)
+                if RELOAD_Q:
+                    r1, r2, rf = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
+                                               QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul, G,
+                                               GP, BLOCK_M, ROWS, HALF, QK_F16)
+                    qa, qb = _rotate_query(r1, r2, qp - s0, rf, rope_scale, qk_dtype, FAST_TRIG)
+                else:
+                    qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, qk_dtype,
+                                           FAST_TRIG)
                 cur_shift = s0
             if MULTI_SHIFT == 3:
                 s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
@@ -343,8 +375,15 @@ def _paged_attn_kernel(
                 # PPT == 2: redo the dots for the second page only when it starts a new
                 # chunk (a uniform scalar branch: keeps the loop software-pipelined).
                 if s1 != s0:
-                    qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, qk_dtype,
-                                             FAST_TRIG)
+                    if RELOAD_Q:
+                        r1, r2, rf = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
+                                                   QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul,
+                                                   G, GP, BLOCK_M, ROWS, HALF, QK_F16)
+                        qa1, qb1 = _rotate_query(r1, r2, qp - s1, rf, rope_scale, qk_dtype,
+                                                 FAST_TRIG)
+                    else:
+                        qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, qk_dtype,
+                                                 FAST_TRIG)
                     sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
                     sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
                     sc = tl.where((slot == 1)[None, :], sc1, sc)
@@ -500,6 +539,34 @@ def wave_splits(n_programs: int, n_kv_tiles: int, slots: int) -> int:
 # per SM").
 FP8_DECODE_MAXNREG = 168
 FP8_DECODE_PER_SM = 3
+# ... and a deeper software pipeline for them: Triton gives the K/V tiles one shared-memory buffer
+# at num_stages 2-4 (the page-id load they depend on takes a stage of its own) and two from 5, so
+# that the next tile's bytes are in flight while this one is read (BENCHMARKS.md, "fp8 decode:
+# two K/V buffers"). Two buffers take ~72 KB a program: three programs fit the 227 KB of a
+# Hopper (or Blackwell data-centre) SM; on a GPU with less shared memory per SM the launch keeps
+# the default stages, which leave room for the three.
+FP8_DECODE_STAGES = 5
+FP8_DECODE_STAGES_SMEM = 3 * 72 * 1024
+
+
+def _smem_per_sm(device) -> int:
+    """Shared memory per SM in bytes (the GPU's; 0 off the GPU)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", None)
+    if smem is None:     # older torch: Hopper and later data-centre parts have 228 KB
+        smem = 228 * 1024 if props.major in (9, 10) else 100 * 1024
+    return smem
+
+
+def fp8_decode_stages(num_stages: int | None, smem_per_sm: int) -> int | None:
+    """num_stages for a launch that fp8_decode_occupancy takes: the caller's, else
+    FP8_DECODE_STAGES where three programs' two K/V buffers fit the SM (else None: the
+    default)."""
+    if num_stages is None and smem_per_sm >= FP8_DECODE_STAGES_SMEM:
+        return FP8_DECODE_STAGES
+    return num_stages
 
 
 def fp8_decode_occupancy(fp8: bool, rows: int, interp: bool, num_warps: int | None,
@@ -565,7 +632,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     num_splits (split-KV programs per sequence; None: about split_target programs per SM),
     maxnreg (a cap on registers per thread, for more programs per SM; None: the compiler's,
     or FP8_DECODE_MAXNREG where fp8_decode_occupancy says, whose split count is then
-    wave_splits').
+    wave_splits' and whose num_stages, unless given, fp8_decode_stages').
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
@@ -596,6 +663,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
                                                 v_layout["V_KEYS_MAJOR"],
                                                 n_programs * num_splits, _num_sms(q.device)):
         maxnreg = FP8_DECODE_MAXNREG
+        num_stages = fp8_decode_stages(num_stages, _smem_per_sm(q.device))
         num_splits, tiles_per_split = split_count(q.device, n_programs, n_kv_tiles, splits_asked,
                                                   split_target, FP8_DECODE_PER_SM)
     direct = num_splits == 1
@@ -628,12 +696,21 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
         MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
-        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
+        WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"],
+        RELOAD_Q=reload_query(mode, rows, bool(scaled), maxnreg), **scaled,
         **fold_args(scaled, rows, q.dtype), **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)
     return (out, row_lse) if return_lse else out
+
+
+def reload_query(mode: int, rows: int, fp8: bool, maxnreg: int | None) -> bool:
+    """RELOAD_Q: rotate_q decode (<= 64 rows) loads the query again at each re-rotation instead
+    of keeping it live across the KV loop. Taken where registers are short: bf16 decode (at the
+    compiler's ~255) and fp8 decode under a register cap; an uncapped fp8 launch (one wave of a
+    few sequences) has registers to spare and would only pay the reloads' latency."""
+    return mode == ROPE_MODES["rotate_q"] and rows <= 64 and (not fp8 or bool(maxnreg))
 
 
 def fold_args(scaled: dict, rows: int, compute_dtype) -> dict:

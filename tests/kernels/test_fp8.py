@@ -504,17 +504,46 @@ def test_fp8_decode_occupancy_rule():
     assert not occ(True, 16, False, None, False, 384, 132)     # dims-major V
 
 
+def test_fp8_decode_stages_rule():
+    """Two K/V buffers (FP8_DECODE_STAGES) where three programs' fit an SM's shared memory, a
+    caller's num_stages kept, the default elsewhere (off the GPU, smaller SMs)."""
+    from lazy_rag.kernels import paged_attention as pa
+    hopper = 228 * 1024
+    assert pa.fp8_decode_stages(None, hopper) == pa.FP8_DECODE_STAGES
+    assert pa.fp8_decode_stages(3, hopper) == 3
+    assert pa.fp8_decode_stages(None, 100 * 1024) is None
+    assert pa.fp8_decode_stages(None, pa._smem_per_sm(torch.device("cpu"))) is None
+
+
+def test_query_reloaded_where_registers_are_short():
+    """RELOAD_Q (paged_attention.reload_query): rotate_q decode, bf16 pages or fp8 under a
+    register cap; not an uncapped fp8 launch, prefill tiles or the other RoPE modes."""
+    from lazy_rag.kernels.page_table import ROPE_MODES
+    from lazy_rag.kernels.paged_attention import reload_query
+    rq = ROPE_MODES["rotate_q"]
+    assert reload_query(rq, 16, False, None) and reload_query(rq, 16, True, 168)
+    assert not reload_query(rq, 16, True, None)                 # B1: one wave, uncapped
+    assert not reload_query(rq, 128, False, None)               # prefill tiles
+    assert not reload_query(ROPE_MODES["none"], 16, False, None)
+    assert not reload_query(ROPE_MODES["rotate_k"], 16, True, 168)
+
+
 def test_fp8_decode_under_capped_registers():
-    """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take) and at a
-    caller's own cap equals the reference; on the GPU the cap holds."""
+    """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take: with
+    FP8_DECODE_STAGES on Hopper) and at a caller's own cap equals the reference; on the GPU the
+    cap holds."""
     from lazy_rag.kernels import paged_attention as pa
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
     v8 = to_keys_major(finite_tails(v8))     # the layout that takes the cap
     ref = _ref(c, deq, "rotate_q")
-    for cap in (pa.FP8_DECODE_MAXNREG, 128):
+    for cap, stages in ((pa.FP8_DECODE_MAXNREG, None), (pa.FP8_DECODE_MAXNREG,
+                                                         pa.FP8_DECODE_STAGES), (128, None)):
         out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
-                          k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2)
+                          k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2,
+                          num_stages=stages)
         assert rel_err(out, ref) < TOL[DTYPES[0]]
         if DEV == "cuda":
             assert pa.LAST_KERNEL.n_regs <= cap
+            if stages:
+                assert pa.LAST_KERNEL.metadata.num_stages == stages
