@@ -50,15 +50,16 @@ def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
     else:
         rows = runs_rows(longest * gp, (total or longest) * gp, num_kv_heads,
                          paged_attention._num_sms(device))
-    return max(1, max_rows(rows, dtype) // gp)
+    return max(1, max_rows(rows, dtype, kernel) // gp)
 
 
-def max_rows(rows: int, dtype: torch.dtype | None) -> int:
-    """rows, at most 128 for a 32-bit compute dtype: its 256-row tiles need more shared memory
-    than an SM has (the runs kernel's at head_dim 128: 263 KB against Hopper's 227 KB; the
-    launch fails)."""
+def max_rows(rows: int, dtype: torch.dtype | None, kernel: str = "runs") -> int:
+    """rows, capped for a 32-bit compute dtype, whose larger tiles need more shared memory than
+    an SM has and fail to launch (sm_90 compiles at head_dim 128, against Hopper's 227 KB): the
+    runs kernel at most 128 rows (256: 263 KB; 128: 164 KB), the tiles kernel 64 (128 rows:
+    263 KB; 64: 230 KB)."""
     if dtype is not None and dtype.itemsize > 2:
-        return min(rows, 128)
+        return min(rows, 128 if kernel == "runs" else 64)
     return rows
 
 

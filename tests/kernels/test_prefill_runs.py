@@ -228,3 +228,5 @@ def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch
     assert encode_block_m(256, 32, 8, "cuda", torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.bfloat16) == full
+    assert default_block_m(512, 32, 8, "cuda", "tiles", dtype=torch.float32) * 4 == 64
+    assert default_block_m(512, 32, 8, "cuda", "tiles", dtype=torch.float16) * 4 == 256
