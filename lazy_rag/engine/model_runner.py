@@ -40,7 +40,6 @@ from torch.nn.attention.bias import causal_lower_right
 from ..architecture import ModelParts
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
-from ..kernels.prefill import encode_block_m
 from ..kernels.rope import apply_cos_sin
 from ..store import ChunkKV
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
@@ -294,7 +293,7 @@ class StepAttention:
     def __init__(self, runner: ModelRunner, seqs, batch: PackedBatch, probe=None, pack_fresh: bool = False,
                  encode_batch: bool = False):
         # encode_batch: an index build's encode (ModelRunner.encode): the kernel's tiles and split
-        # count of a full build batch whatever this one's size (kernels.prefill.encode_block_m)
+        # count of a full build batch whatever this one's size (plan_prefill's ``encode``)
         # pack_fresh: sequences without history (and tails) on the Triton kernel as well, all in one
         # launch per layer, when there are several: an index build's encode of many short chunks,
         # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
@@ -338,13 +337,10 @@ class StepAttention:
             if len(paged) < len(seqs):
                 rows = torch.tensor([r for j in paged for r in range(*batch.spans[j])], device=dev)
             q_pos = (batch.pos if rows is None else batch.pos[rows]).to(torch.int32)
-            H, Hkv = self.shape.num_heads, self.shape.num_kv_heads
-            block_m = encode_block_m(max(b - a for a, b in zip(qo, qo[1:])), H, Hkv, dev, p.dtype) \
-                if encode_batch else None
             self.paged = (rows, torch.tensor(qo, dtype=torch.int32, device=dev), q_pos,
                           build_table([seqs[j] for j in paged], ps, dev),
-                          plan_prefill(qo, H, Hkv, dev, block_m=block_m, dtype=p.dtype),
-                          1 if encode_batch else None)
+                          plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev,
+                                       dtype=p.dtype, encode=encode_batch))
         self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
     def _shared_decode(self, seqs, batch: PackedBatch) -> DecodeAttention | None:
@@ -388,8 +384,8 @@ class StepAttention:
         return o
 
     def _paged(self, i, q):
-        _, qo, q_pos, table, plan, num_splits = self.paged
-        return self.runner.paged_prefill(i, q, qo, q_pos, table, plan, num_splits=num_splits)
+        _, qo, q_pos, table, plan = self.paged
+        return self.runner.paged_prefill(i, q, qo, q_pos, table, plan)
 
 
 class ApeKernelGroups:
