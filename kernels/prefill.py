@@ -31,7 +31,9 @@ class PrefillPlan:
     tile_q0: torch.Tensor    # [num_q_tiles] int32: first query row of each tile
     block_m: int             # query tokens per tile
     split_target: float = 2.0  # split-KV programs per SM (plan_split_target)
-    num_splits: int | None = None  # split-KV count when the plan fixes it (an encode: 1)
+    # an index build's encode batch (plan_prefill's ``encode``): launched as a full one whatever
+    # its size, with one split and the runs kernel's tuning for a GPU full of programs
+    full_batch: bool = False
 
 
 def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
@@ -107,7 +109,8 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default_block_m: on the GPU
     64-256 (token, head) rows for the runs kernel (runs_rows), 128 or 256 for the tiles kernel;
     32 rows under the interpreter). ``encode``: an index build's encode batch, planned as a full
-    one whatever its size (encode_block_m's tiles, one split)."""
+    one whatever its size (encode_block_m's tiles; one split and a full batch's launch tuning,
+    PrefillPlan.full_batch)."""
     ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
     longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
     if block_m is None and encode:
@@ -118,8 +121,7 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     seq, q0 = query_tiles(ptr, block_m)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return PrefillPlan(mk(seq), mk(q0), block_m,
-                       plan_split_target(longest, num_qo_heads, num_kv_heads),
-                       1 if encode else None)
+                       plan_split_target(longest, num_qo_heads, num_kv_heads), encode)
 
 
 def query_tiles(ptr: list[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -168,8 +170,10 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
                             kernel=kernel, dtype=q.dtype)
-    if num_splits is None:
-        num_splits = plan.num_splits
+    if plan.full_batch:      # an encode batch runs the kernel a full build batch compiled
+        num_splits = 1 if num_splits is None else num_splits
+        if kernel == "runs":
+            tuning.setdefault("full_batch", True)
     if kernel == "runs":
         tuning.setdefault("split_target", plan.split_target)
     launch = prefill_runs.launch_runs if kernel == "runs" else paged_attention.launch

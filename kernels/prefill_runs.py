@@ -371,7 +371,7 @@ def _prefill_runs_kernel(
 RUNS_ROPE_MODES = ("rotate_q", "none")
 
 
-def default_tuning(rows: int, interp: bool, n_programs: int, num_sms: int) -> dict:
+def default_tuning(rows: int, interp: bool, n_programs: int | None, num_sms: int) -> dict:
     """block_n, num_warps, num_stages when the caller gives none, from the H100 sweep
     (benchmarks/results/kernels_h100_sweep.json, rotate_q, 10k cached tokens; the sm_90
     compiles pointed the same way on block_n): 64 keys per KV tile (one page at the engine's
@@ -379,12 +379,13 @@ def default_tuning(rows: int, interp: bool, n_programs: int, num_sms: int) -> di
     warps and 2 stages (B16 +512: 3.79 ms, 51% of roofline); fewer (tile, KV head) programs than
     half the SMs, split over the KV, 8 warps and 2 stages (B1 +32, 8 programs: 40.6 us vs 50.2 us
     with 4 warps); otherwise 4 warps and 3 stages (B16 +32, 128 programs: 306 us vs 372 us with 8). (Split-KV's
-    split_target comes with the plan: prefill.plan_split_target.)"""
+    split_target comes with the plan: prefill.plan_split_target.) n_programs None: as many as
+    a full batch has (an index build's encode of any size compiles the full batch's kernel)."""
     if interp:
         return dict(block_n=32, num_warps=None, num_stages=None)
     if rows >= 256:
         return dict(block_n=64, num_warps=16, num_stages=2)
-    if 2 * n_programs < num_sms:
+    if n_programs is not None and 2 * n_programs < num_sms:
         return dict(block_n=64, num_warps=8, num_stages=2)
     return dict(block_n=64, num_warps=4, num_stages=3)
 
@@ -396,13 +397,15 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
                 num_warps: int | None = None, num_stages: int | None = None,
                 split_target: float = 2.0, return_lse: bool = False,
                 q_rotation: str = "token", k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None, qk_f16: bool | str = True):
+                v_scale: torch.Tensor | None = None, qk_f16: bool | str = True,
+                full_batch: bool = False):
     """The runs kernel's launcher; arguments and result as paged_attention.launch (rope_mode
     "rotate_q" or "none" only). Split-KV splits each sequence's entries into ranges of
     tiles_per_split * PPT entries, sized from max_tiles_hint on the host as the tiles kernel.
     q_rotation: how the query is rotated at each run, "token" (cos/sin per token, then
     join / permute / reshape into the rows) or "row" (cos/sin per row and dimension,
-    elementwise only): _rotated_query."""
+    elementwise only): _rotated_query. full_batch: tuned as a batch that fills the GPU whatever
+    this one's program count (an encode batch: PrefillPlan.full_batch)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -419,7 +422,8 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)
     interp = interpreting() and not q.is_cuda
-    tun = default_tuning(rows, interp, tile_seq.numel() * Hkv, paged_attention._num_sms(q.device))
+    tun = default_tuning(rows, interp, None if full_batch else tile_seq.numel() * Hkv,
+                         paged_attention._num_sms(q.device))
     block_n = block_n or tun["block_n"]
     ppt = max(1, block_n // page)
     bn = triton.next_power_of_2(ppt * page)

@@ -33,6 +33,9 @@ re-encoding the same tokens through one flash call per layer (BENCHMARKS.md, "In
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -45,6 +48,8 @@ from ..kernels.shared_chunks import shared_chunk_decode
 from .page_table import attention_path, page_rows, step_tokens, write_targets
 from .sequence import Sequence
 from .shared_chunks import SharedDecode, packed_sizes, plan_shared_decode, unpack
+
+log = logging.getLogger(__name__)
 
 # token counts an append step is padded up to (at most 1.5x; 8B-shaped steps are weight-bound
 # below a few hundred tokens, so the padding costs little there)
@@ -103,6 +108,7 @@ class DecodeGraphs:
         # keyed (batch bucket, pages bucket, shared-chunk buckets or None); grouped steps vary in
         # more ways, so the least recently used graph is dropped past max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.failed: set[tuple] = set()   # keys whose capture failed: their steps stay eager
         self.max_graphs = max_graphs
         self.replays = 0
         self.shared_replays = 0          # replays whose attention read shared chunks once
@@ -120,6 +126,8 @@ class DecodeGraphs:
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(key)
+            if cap is None:
+                return None
         self.graphs.move_to_end(key)
         cap.buf.copy_(host)
         cap.graph.replay()
@@ -202,21 +210,28 @@ class DecodeGraphs:
             shared_key = (*SharedDecode.shape(lists, self.page_step), shared.pairs_per_tile)
         return self._pack(B, P, seqs, tables, lists, shared_key), (B, P, shared_key)
 
-    def _capture(self, key: tuple) -> _Captured:
+    def _capture(self, key: tuple) -> _Captured | None:
         B, P, shared_key = key
+        if key in self.failed:
+            return None
         # all padding: the warm-up touches the scratch page only
         cap = capture(self.runner, self._pack(B, P, [], [], None, shared_key),
                       lambda buf, num_layers=None: self.packed_forward(buf, key, num_layers))
+        if cap is None:
+            self.failed.add(key)
+            return None
         self.graphs[key] = cap
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return cap
 
 
-def capture(runner, padding: torch.Tensor, forward) -> _Captured:
+def capture(runner, padding: torch.Tensor, forward) -> _Captured | None:
     """Capture ``forward(buf, num_layers=None)`` over a static device copy of ``padding`` (inputs
     that touch only the scratch page). Every graph of the runner shares one memory pool (they
-    never run at once)."""
+    never run at once). None when the capture fails: the step then runs eagerly (logged), and
+    the next capture takes a fresh pool, since a failed capture leaves its pool marked as
+    recording (every later capture into it would fail: "already recording to mempool_id")."""
     dev = runner.pool.device
     buf = padding.to(dev)
     # warm up outside the capture: Triton compiles and caches its launchers, cuBLAS picks its
@@ -228,10 +243,37 @@ def capture(runner, padding: torch.Tensor, forward) -> _Captured:
         forward(buf, num_layers=1)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=runner.graph_mempool):
-        out = forward(buf)
+    stream = torch.cuda.current_stream(dev)
+    try:
+        # thread_local: another thread's CUDA calls (an index build's pinned-memory
+        # registration, a dropped engine's graphs) do not invalidate this capture
+        with _no_garbage_collection(), torch.cuda.graph(graph, pool=runner.graph_mempool,
+                                                        capture_error_mode="thread_local"):
+            out = forward(buf)
+    except Exception as e:   # noqa: BLE001  (any failure: the step runs eagerly instead)
+        log.warning("CUDA graph capture failed, the step runs eagerly: %s: %s",
+                    type(e).__name__, e)
+        torch.cuda.set_stream(stream)   # a failed capture_end skips the capture stream's exit
+        runner.graph_mempool = None
+        return None
     runner.graph_mempool = graph.pool()
     return _Captured(graph, buf, out)
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """No automatic garbage collection while a graph is captured: torch no longer collects
+    before a capture, and a collection inside one that frees a graph held in a reference cycle
+    (a dropped engine's) destroys it mid-capture, which CUDA refuses and which invalidates the
+    capture (seen in the fault soak: ~30 "operation not permitted when stream is capturing
+    (function reset)", then every later capture failed)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class AppendAttention:
@@ -285,6 +327,7 @@ class AppendGraphs:
         self.max_encode_tokens = min(max_tokens, max_encode_tokens)
         self.captured_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: OrderedDict[AppendKey, _Captured] = OrderedDict()
+        self.failed: set[AppendKey] = set()   # keys whose capture failed: their steps stay eager
         self.replays = 0
         self.encode_replays = 0
 
@@ -319,6 +362,8 @@ class AppendGraphs:
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(key)
+            if cap is None:
+                return None
         self.graphs.move_to_end(key)
         cap.buf.copy_(host)
         cap.graph.replay()
@@ -410,10 +455,15 @@ class AppendGraphs:
             self.captured_kv = tuple(torch.empty(shape, dtype=r.parts.dtype, device=r.pool.device) for _ in range(2))
         return self.captured_kv
 
-    def _capture(self, key: AppendKey) -> _Captured:
+    def _capture(self, key: AppendKey) -> _Captured | None:
+        if key in self.failed:
+            return None
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)   # its memory returns to the shared pool
         cap = capture(self.runner, self._pack(key, [], []),
                       lambda buf, num_layers=None: self.packed_forward(buf, key, num_layers))
-        self.graphs[key] = cap
+        if cap is None:
+            self.failed.add(key)
+        else:
+            self.graphs[key] = cap
         return cap

@@ -3,6 +3,7 @@ read, an exception in one request's forward, out of memory while preparing one r
 request too large for the pool. That request fails with a clear error; every other request's
 greedy tokens equal its uninterrupted ones; no page leaks; the engine goes on serving. And a
 soak: hundreds of random requests over a tight pool with aborts and injected faults (soak.py)."""
+import gc
 import random
 
 import pytest
@@ -112,3 +113,75 @@ def test_soak_random_requests_aborts_and_faults_over_a_tight_pool(llm):
     assert counts.finished > 100 and counts.aborted > 20 and set(counts.modes) == {"lazy", "block", "prefix", "full"}
     assert eng.tiers.host.evictions > 0  # the bound was exercised
     assert page_leaks(eng) == {"pages_private": 0, "pages_unaccounted": 0, "pages_in_use_after_clear": 0}
+
+
+def _tokens(eng, reqs):
+    return [h.result.token_ids for h in run_all(eng, [dict(segments=s, mode="lazy", max_new_tokens=m)
+                                                       for s, m in reqs])]
+
+
+def _graph_in_a_holder() -> list:
+    """[a captured CUDA graph], held by nothing else."""
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    return [graph]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (tests/gpu_parity.sh)")
+def test_a_graph_collected_during_a_capture_leaves_the_capture_whole(llm):
+    """torch no longer collects garbage before a capture, and a collection inside one that frees
+    a graph (a dropped engine's, held in a reference cycle: the fault soak met it) destroys that
+    graph mid-capture, which CUDA refuses and which invalidates the capture. Here the first
+    decode capture drops a graph into a fresh cycle and asks for a collection at the next
+    allocation: the capture must still succeed (the collector waits until it ends)."""
+    reqs = workload(4, seed=5)
+    want = _tokens(engine(llm, cuda_graphs=False), reqs)
+    eng = engine(llm)
+    graphs = eng.runner.graphs
+    forward, holder, dropped = graphs.packed_forward, _graph_in_a_holder(), []
+
+    def drop_a_graph_in_the_first_capture(buf, key, num_layers=None):
+        if torch.cuda.is_current_stream_capturing() and not dropped:
+            dropped.append(key)
+            cycle = [holder.pop()]
+            cycle.append(cycle)      # only the collector can free it now
+            del cycle
+            threshold = gc.get_threshold()
+            gc.set_threshold(1)      # a young-generation collection at the next allocation
+            try:
+                out = forward(buf, key, num_layers)
+            finally:
+                gc.set_threshold(*threshold)
+            return out
+        return forward(buf, key, num_layers)
+
+    graphs.packed_forward = drop_a_graph_in_the_first_capture
+    assert _tokens(eng, reqs) == want
+    assert len(dropped) == 1 and not holder
+    assert not graphs.failed and dropped[0] in graphs.graphs and graphs.replays > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (tests/gpu_parity.sh)")
+def test_a_failed_capture_runs_its_step_eagerly_and_later_captures_take_a_fresh_pool(llm):
+    """A capture invalidated by a call CUDA forbids while capturing (here a synchronize inside
+    the first decode capture) fails its capture_end, which leaves the graphs' memory pool marked
+    as recording: every later capture into it would fail. The step runs eagerly instead (same
+    tokens), that shape is not captured again, and the next shape's capture takes a fresh pool."""
+    reqs = workload(4, seed=5)
+    want = _tokens(engine(llm, cuda_graphs=False), reqs)
+    eng = engine(llm)
+    graphs = eng.runner.graphs
+    forward, injected = graphs.packed_forward, []
+
+    def synchronize_in_the_first_capture(buf, key, num_layers=None):
+        if torch.cuda.is_current_stream_capturing() and not injected:
+            injected.append(key)
+            torch.cuda.synchronize()
+        return forward(buf, key, num_layers)
+
+    graphs.packed_forward = synchronize_in_the_first_capture
+    assert _tokens(eng, reqs) == want
+    assert graphs.failed == set(injected) and len(injected) == 1
+    assert graphs.replays > 0 and graphs.graphs and injected[0] not in graphs.graphs

@@ -216,6 +216,7 @@ def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch
     most in fp32 (prefill.max_rows)."""
     from lazy_rag.kernels import paged_attention
     from lazy_rag.kernels.prefill import default_block_m, encode_block_m, plan_prefill
+    from lazy_rag.kernels.prefill_runs import default_tuning
 
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
     full = default_block_m(256, 32, 8, "cuda", total=16384)
@@ -224,9 +225,13 @@ def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch
     assert encode_block_m(256, 32, 8, "cuda") == full
     assert encode_block_m(30, 32, 8, "cuda") == default_block_m(30, 32, 8, "cuda", total=16384)
     assert encode_block_m(256, 32, 8, "cpu") == default_block_m(256, 32, 8, "cpu")
-    # the plan carries the encode's one split (a request's plan leaves the count to the launch)
-    assert plan_prefill([0, 5, 9], 32, 8, "cpu", encode=True).num_splits == 1
-    assert plan_prefill([0, 5, 9], 32, 8, "cpu").num_splits is None
+    # the plan marks the encode (one split, a full batch's launch tuning: below); a request's
+    # plan leaves both to the launch
+    assert plan_prefill([0, 5, 9], 32, 8, "cpu", encode=True).full_batch
+    assert not plan_prefill([0, 5, 9], 32, 8, "cpu").full_batch
+    # 128-row tiles (fp32, or short chunks): a few programs would take 8 warps, a full batch 4
+    assert default_tuning(128, False, 12, 132)["num_warps"] == 8
+    assert default_tuning(128, False, None, 132) == default_tuning(128, False, 4096, 132)
     # fp32 compute: never 256-row tiles (more shared memory than an SM has: the launch fails)
     assert encode_block_m(256, 32, 8, "cuda", torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.float32) * 4 == 128
