@@ -265,7 +265,7 @@ def _no_garbage_collection():
     """No automatic garbage collection while a graph is captured: torch no longer collects
     before a capture, and a collection inside one that frees a graph held in a reference cycle
     (a dropped engine's) destroys it mid-capture, which CUDA refuses and which invalidates the
-    capture (seen in the fault soak: ~30 "operation not permitted when stream is capturing
+    capture (the GPU fault soak met it: "operation not permitted when stream is capturing
     (function reset)", then every later capture failed)."""
     enabled = gc.isenabled()
     gc.disable()
