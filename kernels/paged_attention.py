@@ -211,6 +211,21 @@ def _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FRE
 
 
 @triton.jit
+def _query_at_shift(q1, q2, freq, rel_pos, rope_scale, Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
+                    QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul, dtype: tl.constexpr,
+                    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                    HALF: tl.constexpr, QK_F16: tl.constexpr, FAST_TRIG: tl.constexpr,
+                    RELOAD_Q: tl.constexpr):
+    """rotate_q's query rotated by rel_pos (_rotate_query): from the halves q1, q2 and freq the
+    kernel keeps, or, with RELOAD_Q, from the query loaded again (_query_halves)."""
+    if RELOAD_Q:
+        q1, q2, freq = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR,
+                                     INV_FREQ, tile, kvh, zero, q_mul, G, GP, BLOCK_M, ROWS, HALF,
+                                     QK_F16)
+    return _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype, FAST_TRIG)
+
+
+@triton.jit
 def _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh,
                 PO, stride_pot, stride_poh, stride_pos, LSE, stride_lt, stride_lh,
                 D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr):
@@ -334,14 +349,10 @@ def _paged_attn_kernel(
         elif ROPE_MODE == 2:
             s0 = tl.load(ROT_SHIFT + e0)
             if s0 != cur_shift:      # a new chunk: rotate the query once for all its tiles
-                if RELOAD_Q:
-                    r1, r2, rf = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
-                                               QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul, G,
-                                               GP, BLOCK_M, ROWS, HALF, QK_F16)
-                    qa, qb = _rotate_query(r1, r2, qp - s0, rf, rope_scale, qk_dtype, FAST_TRIG)
-                else:
-                    qa, qb = _rotate_query(q1, q2, qp - s0, freq, rope_scale, qk_dtype,
-                                           FAST_TRIG)
+                qa, qb = _query_at_shift(q1, q2, freq, qp - s0, rope_scale, Q, stride_qt,
+                                         stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FREQ,
+                                         tile, kvh, zero, q_mul, qk_dtype, G, GP, BLOCK_M, ROWS,
+                                         HALF, QK_F16, FAST_TRIG, RELOAD_Q)
                 cur_shift = s0
             if MULTI_SHIFT == 3:
                 s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
@@ -375,15 +386,11 @@ def _paged_attn_kernel(
                 # PPT == 2: redo the dots for the second page only when it starts a new
                 # chunk (a uniform scalar branch: keeps the loop software-pipelined).
                 if s1 != s0:
-                    if RELOAD_Q:
-                        r1, r2, rf = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
-                                                   QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul,
-                                                   G, GP, BLOCK_M, ROWS, HALF, QK_F16)
-                        qa1, qb1 = _rotate_query(r1, r2, qp - s1, rf, rope_scale, qk_dtype,
-                                                 FAST_TRIG)
-                    else:
-                        qa1, qb1 = _rotate_query(q1, q2, qp - s1, freq, rope_scale, qk_dtype,
-                                                 FAST_TRIG)
+                    qa1, qb1 = _query_at_shift(q1, q2, freq, qp - s1, rope_scale, Q, stride_qt,
+                                               stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR,
+                                               INV_FREQ, tile, kvh, zero, q_mul, qk_dtype, G,
+                                               GP, BLOCK_M, ROWS, HALF, QK_F16, FAST_TRIG,
+                                               RELOAD_Q)
                     sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
                     sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
                     sc = tl.where((slot == 1)[None, :], sc1, sc)

@@ -237,13 +237,13 @@ def capture(runner, padding: torch.Tensor, forward) -> _Captured | None:
     # warm up outside the capture: Triton compiles and caches its launchers, cuBLAS picks its
     # kernels. Every layer launches the same kernels, so one layer (and the head) is enough: a
     # new shape then costs about one eager step, not two.
+    stream = torch.cuda.current_stream(dev)
     side = torch.cuda.Stream(device=dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
+    side.wait_stream(stream)
     with torch.cuda.stream(side):
         forward(buf, num_layers=1)
-    torch.cuda.current_stream(dev).wait_stream(side)
+    stream.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.current_stream(dev)
     try:
         # thread_local: another thread's CUDA calls (an index build's pinned-memory
         # registration, a dropped engine's graphs) do not invalidate this capture
