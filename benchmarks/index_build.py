@@ -13,14 +13,18 @@ For each size (tokens of the corpus, whole articles or chunks in corpus order up
 dtype, in a fresh process each (so the host's peak memory is that build's):
   build    ``LazyIndex.build`` over the files (``--corpus``) or ``LazyIndex.from_texts(split=False)``
            over pre-split chunks (``--chunks``; the documents are then the chunks), with vectors
-           when faiss and the embedder are installed. Tokens/s over the whole build; the KV
-           pipeline's stage times; bytes on disk per token; GPU and host peak memory.
+           when faiss and the embedder are installed (embedded on ``--embed-device``: auto, the
+           build's default, is the LLM's GPU; cpu, where builds embedded until 2026-11-27).
+           Tokens/s over the whole build; its stage times
+           (``stage_prepare_s``: chunking and tokenizing, ``stage_embed_s``, ``stage_warmup_s``:
+           the encode's warm-up beside them on CUDA, then the KV pipeline's); bytes on disk per token; GPU and host peak memory.
            ``pct_of_prefill_roofline``: tokens/s over (bf16 matmul rate measured in this run /
            the model's FLOPs per token, 2 x non-embedding parameters + causal attention over a
            chunk). ``pct_of_write_bw``: KV bytes per second over this run's measured sequential
            write bandwidth (fsync'ed, 2 GiB before the build) of the index's disk;
-           ``pct_of_write_bw_same_bytes_writeback``: the same over a probe after the build that
-           writes as many bytes as it did and starts each block's writeback as the store does.
+           ``pct_of_write_bw_same_bytes_writeback``: the same over a probe that writes as many
+           bytes as the build did and starts each block's writeback as the store does (run at
+           the end, the index deleted, so that a build of half the free disk can be measured).
            The build includes its final fsync. ``encode_pct_of_prefill_roofline``: the encode stage
            alone past its first batch (``stage_encode_tokens_per_s``), against the same roofline.
            ``bound``: the stage the other waited on past the first batch (``stage_writer_fill_s``,
@@ -164,9 +168,9 @@ def one_size(a) -> dict:
     vectors = True
     try:
         require("faiss")
-        from lazy_rag.embedder import Embedder
+        from lazy_rag.embedder import Embedder, build_device
 
-        embedder = Embedder()
+        embedder = Embedder(device=build_device(dev) if a.embed_device == "auto" else a.embed_device)
     except Exception as e:  # noqa: BLE001 - a machine without faiss / the embedder: KV only
         print(f"no vectors ({type(e).__name__}: {e})", flush=True)
         embedder, vectors = None, False
@@ -200,27 +204,23 @@ def one_size(a) -> dict:
     tokens = sum(len(r.token_ids) for r in records)
     kv_bytes = (report.kv_bytes_written if report else None) or folder_bytes(out)
     disk = folder_bytes(out)
-    # the disk again, writing as many bytes as the build did and starting each block's writeback
-    # as the store does: the 2 GiB probe above can be a short burst (benchmarks/store_write.py)
-    write_gbps_same = write_bandwidth(work, nbytes=kv_bytes, start_writeback=True)
     fpt = flops_per_token(llm, tokens / max(1, len(records)))
     roof_tps = tflops * 1e12 / fpt if tflops == tflops else float("nan")
     rec = dict(benchmark="index_build", mode=a.kv_dtype, device=torch.cuda.get_device_name(dev) if dev.type == "cuda"
                else "cpu", model=a.model, documents=kind, size_tokens=size, chunks=len(records), tokens=tokens,
-               vectors=vectors, build_s=round(build_s, 2), tokens_per_s=round(tokens / build_s, 1),
+               vectors=vectors, embed_device=embedder.device if embedder is not None else None,
+               build_s=round(build_s, 2), tokens_per_s=round(tokens / build_s, 1),
                matmul_tflops=round(tflops, 1), roofline_tokens_per_s=round(roof_tps, 1),
                pct_of_prefill_roofline=round(100 * tokens / build_s / roof_tps, 1) if roof_tps == roof_tps else None,
                write_gbps_measured=round(write_gbps, 2), kv_bytes=kv_bytes,
                pct_of_write_bw=round(100 * kv_bytes / build_s / (write_gbps * 1e9), 1),
-               write_gbps_same_bytes_writeback=round(write_gbps_same, 2),
-               pct_of_write_bw_same_bytes_writeback=round(100 * kv_bytes / build_s / (write_gbps_same * 1e9), 1),
                disk_bytes=disk, disk_bytes_per_token=round(disk / tokens, 1),
                gpu_peak_gb=round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None,
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
     stages = dict(report.stages) if report is not None else {}
-    for k in ("encode_s", "first_encode_s", "second_encode_s", "first_write_s", "first_written_s", "write_s",
-              "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s", "writer_idle_s", "staging_wait_s",
+    for k in ("prepare_s", "embed_s", "warmup_s", "encode_s", "first_encode_s", "second_encode_s", "first_write_s",
+              "first_written_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s", "writer_idle_s", "staging_wait_s",
               "own_pins", "bound", "batches", "encode_tokens_per_s"):
         if k in stages:
             rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
@@ -237,6 +237,9 @@ def one_size(a) -> dict:
     else:
         for key in list(texts)[:n_change]:
             texts[key] = texts[key] + " (updated)"
+    # closed before the update replaces it: the files deleted at the end free their space only
+    # once nothing holds them open
+    index.close()
     t0 = time.perf_counter()
     index, _ = build()
     rec["update_s"] = round(time.perf_counter() - t0, 2)
@@ -300,6 +303,14 @@ def one_size(a) -> dict:
         for q, _ in asks:
             index.retrieve(q, a.top_k)
         rec["retrieve_ms"] = round((time.perf_counter() - t0) * 1e3 / len(asks), 2)
+    # the disk again, writing as many bytes as the build did and starting each block's writeback
+    # as the store does (the 2 GiB probe above can be a short burst: benchmarks/store_write.py),
+    # once the index is gone, so that a build of half the free disk can be measured
+    index.close()
+    shutil.rmtree(out)
+    write_gbps_same = write_bandwidth(work, nbytes=kv_bytes, start_writeback=True)
+    rec["write_gbps_same_bytes_writeback"] = round(write_gbps_same, 2)
+    rec["pct_of_write_bw_same_bytes_writeback"] = round(100 * kv_bytes / build_s / (write_gbps_same * 1e9), 1)
     shutil.rmtree(work, ignore_errors=True)
     return rec
 
@@ -353,6 +364,8 @@ def main(argv=None):
         r.add_argument("--kv-dtype", default="auto")
         r.add_argument("--chunk-size", type=int, default=256)
         r.add_argument("--kv-gb", type=float, default=0.0, help="engine KV pool size (0: the default)")
+        r.add_argument("--embed-device", default="auto",
+                       help="where the chunks are embedded (auto: the build's rule, the LLM's GPU; cpu: as before)")
         r.add_argument("--work", default="/tmp/lazy-rag-index-build")
         r.add_argument("--queries", type=int, default=8)
         r.add_argument("--top-k", type=int, default=4)

