@@ -2,6 +2,7 @@
 instruction counts of the KV loop (PTX and SASS), registers and spills. No GPU needed.
 
     python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill] [--v-dims-major]
+        [--rope-mode rotate_q|rotate_k|none]
 
 The launchers (paged_attention.launch, prefill_runs.launch_runs) are called on small CPU tensors
 of the benchmark's shape (Llama-3.1-8B attention: H 32, Hkv 8, d 128, page 64; the strides, and so
@@ -46,7 +47,9 @@ from lazy_rag.kernels.v_layout import to_keys_major  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 64
 V_KEYS_MAJOR = True     # fp8 V pages as the pool lays them out; --v-dims-major: the layout before
+ROPE_MODE = "rotate_q"  # the decode cases' (--rope-mode: "none" compiles the bound without RoPE)
 NUM_SMS = 132
+SMEM_PER_SM = 228 * 1024     # H100 SXM: the fp8 decode's num_stages depend on it
 
 
 def offline_compiler(arch: int, results: dict, name: str):
@@ -66,15 +69,19 @@ def offline_compiler(arch: int, results: dict, name: str):
     return run
 
 
-def table(batch: int, pages_per_seq: int, tokens_last: int, chunk_pages: int = 32):
-    """batch sequences of pages_per_seq pages (rot_shift per chunk of chunk_pages pages)."""
+def table(batch: int, pages_per_seq: int, tokens_last: int, chunk_pages: int = 32,
+          slot_rows: bool = False):
+    """batch sequences of pages_per_seq pages (rot_shift per chunk of chunk_pages pages);
+    slot_rows: with explicit slot positions, every entry's row -1 (the kernel's HAS_SLOT_POS
+    path, as the attention benchmark's decode_slot_pos "rows_-1" case)."""
     ids, pos, ln, rs = [], [], [], []
     for b in range(batch):
         ids.append([b * pages_per_seq + i for i in range(pages_per_seq)])
         pos.append([i * PAGE for i in range(pages_per_seq)])
         ln.append([PAGE] * (pages_per_seq - 1) + [tokens_last])
         rs.append([(i // chunk_pages) * chunk_pages * PAGE for i in range(pages_per_seq)])
-    return PageTable.from_lists(ids, pos, ln, rs)
+    sp = [[None] * pages_per_seq for _ in range(batch)] if slot_rows else None
+    return PageTable.from_lists(ids, pos, ln, rs, slot_pos=sp)
 
 
 def pool(num_pages: int, fp8: bool):
@@ -88,15 +95,15 @@ def pool(num_pages: int, fp8: bool):
     return k8, v8, dict(k_scale=ks, v_scale=vs)
 
 
-def decode(batch: int, ctx: int, fp8: bool):
+def decode(batch: int, ctx: int, fp8: bool, slot_rows: bool = False):
     pps = ctx // PAGE
-    t = table(batch, pps, PAGE)
+    t = table(batch, pps, PAGE, slot_rows=slot_rows)
     k, v, sc = pool(batch * pps, fp8)
     q = torch.zeros(batch, H, D, dtype=torch.bfloat16)
     ar = torch.arange(batch + 1, dtype=torch.int32)
     inv = torch.ones(D // 2)
     paged_attention.launch(q, ar, torch.full((batch,), ctx - 1, dtype=torch.int32), k, v, t, inv,
-                           rope_mode="rotate_q", attention_scaling=1.0, sm_scale=None,
+                           rope_mode=ROPE_MODE, attention_scaling=1.0, sm_scale=None,
                            tile_seq=ar[:batch], tile_q0=ar[:batch], block_m=1,
                            max_tiles_hint=t.max_pages, num_splits=None, out=None, **sc)
 
@@ -124,6 +131,7 @@ def prefill(batch: int, new: int, cached: int, fp8: bool):
 CASES = {
     "decode B32x8k": ("decode", lambda fp8: decode(32, 8192, fp8)),
     "decode B1x8k": ("decode", lambda fp8: decode(1, 8192, fp8)),
+    "decode B32x8k rows_-1": ("decode", lambda fp8: decode(32, 8192, fp8, slot_rows=True)),
     "runs B1+32": ("prefill", lambda fp8: prefill(1, 32, 10240, fp8)),
     "runs B1+512": ("prefill", lambda fp8: prefill(1, 512, 10240, fp8)),
     "runs B16+32": ("prefill", lambda fp8: prefill(16, 32, 10240, fp8)),
@@ -193,11 +201,11 @@ def sass_loops(sass: str) -> list[list[str]]:
 
 
 def code_hash(ptx: str) -> str:
-    """Hash of the PTX's code: without the debug sections, .loc / .file lines and comments, which
-    change with source line numbers only."""
+    """Hash of the PTX's code: without the debug sections, .loc / .file lines, comments and the
+    debug scopes' $L__tmp labels, which change with source line numbers and inlined helpers only."""
     code = ptx.split("\t.section\t.debug")[0]
     keep = [x.split("//")[0].rstrip() for x in code.splitlines()
-            if not re.match(r"^\s*\.(loc|file)\b", x)]
+            if not re.match(r"^\s*\.(loc|file)\b", x) and not re.match(r"^\$L__tmp\d+:$", x)]
     return hashlib.sha1("\n".join(k for k in keep if k).encode()).hexdigest()[:10]
 
 
@@ -241,10 +249,14 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--v-dims-major", action="store_true",
                     help="fp8 V pages dims-major (the layout before the pool's keys-major one)")
+    ap.add_argument("--rope-mode", default="rotate_q", choices=("rotate_q", "rotate_k", "none"),
+                    help="the decode cases' rope mode")
     args = ap.parse_args()
-    global V_KEYS_MAJOR
+    global V_KEYS_MAJOR, ROPE_MODE
     V_KEYS_MAJOR = not args.v_dims_major
+    ROPE_MODE = args.rope_mode
     paged_attention._num_sms = lambda device: NUM_SMS
+    paged_attention._smem_per_sm = lambda device: SMEM_PER_SM
     # the split merge is not compiled (not the subject; a launch would need a driver)
     paged_attention.merge_splits = prefill_runs.merge_splits = lambda *a, **k: None
     results = {}

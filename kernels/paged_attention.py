@@ -7,7 +7,7 @@ rotated once per run, loop-invariant; no causal mask where every key is visible;
 dot), because this kernel's per-tile shift handling (below) keeps the query loop-carried and,
 in prefill, made rotate_q 3.6x slower than rope_mode "none" on an H200 (+512 tokens over 10k,
 B16: 20.9 ms vs 5.75 ms). Decode stays here: with one query row its rotate_q costs <= 2% over
-"none" (the uniform scalar branch, MULTI_SHIFT 3).
+"none" (two row groups or the uniform scalar branch, MULTI_SHIFT 4 / 3).
 
 A program owns (a tile of BLOCK_M query tokens of one sequence) x (one KV head) x (one split of
 that sequence's page list). The G query heads that share the KV head are packed into the rows
@@ -37,12 +37,20 @@ RoPE (ROPE_MODE):
               instead of keeping an fp32 copy live across the KV loop: fp8 decode under its
               register cap then spills almost nothing (BENCHMARKS.md, "fp8 decode: two K/V
               buffers"). MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
-              (nothing to do); 3 with two pages per tile in decode (page 64, 128 keys: the GPU
-              decode case), a uniform scalar `if s1 != s0`; 2 otherwise, a `while` loop over the
-              tile's distinct shifts. The
-              while loop is exact but stops Triton from software-pipelining the KV loop (no
-              cp.async in the PTX): on an H200 it cost +34% in decode (B32 x 8k: 342 us vs
-              257 us with variant 3 vs 255 us for rope_mode="none").
+              (nothing to do); with two pages per tile in decode (page 64, 128 keys: the GPU
+              decode case) 4 where the Q tile's padded rows have room for the heads twice
+              (2 * GP <= 16: GQA up to 8), two row groups: rows h and GP + h both hold head h,
+              group 0 sees only the tile's first page and group 1 its second, each group's query
+              rotated by its own page's shift (re-rotated when either changes), and the groups
+              of a head merged by their maxima in the epilogue (_merge_row_groups), so a tile
+              across a chunk boundary costs no extra dot and no branch, and the K tile is not
+              held live for one; else 3, a uniform scalar `if s1 != s0` redoing the dots; 2
+              otherwise, a `while` loop over the tile's distinct shifts. The while loop is exact
+              but stops Triton from software-pipelining the KV loop (no cp.async in the PTX): on
+              an H200 it cost +34% in decode (B32 x 8k: 342 us vs 257 us with variant 3 vs
+              255 us for rope_mode="none"). Variant 4 took the fp8 decode loop (B32 x 8k) from
+              1,474 to 1,119 sm_90 SASS instructions and its spills to none (BENCHMARKS.md,
+              "fp8 decode: two row groups").
 
 History: on the H200 (B32 x 8k, BENCHMARKS.md) rotating the query in every tile, both second-page
 dots unconditionally, cos/sin tables and programs covering several KV heads were all measured
@@ -158,15 +166,34 @@ def value_fold(ptrs, mask, FAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE_IDS,
-                 PAGE_LEN, p_start, p_end, tt, t_hi, kvh, slot, off, PPT: tl.constexpr,
-                 FAST: tl.constexpr):
-    """FOLD_V: tile tt's per-key scales (ks fp32, and value_fold's log2 / reciprocal of the
-    value scales), masked to its pages' slots in use; nothing is read for tt >= t_hi."""
+def _tile_shifts(ROT_SHIFT, p_start, p_end, tt, t_hi, PPT: tl.constexpr):
+    """MULTI_SHIFT 4: the rot_shifts (s0, s1) of tile tt's two pages (s1 = s0 where the tile has
+    one page), loaded a tile ahead as plain loads: software-pipelined, they were shared-memory
+    copies whose wait and barrier opened every tile."""
+    e0 = p_start + tt * PPT
+    ok = tt < t_hi
+    s0 = tl.load(ROT_SHIFT + e0, mask=ok, other=0)
+    has1 = ok & (e0 + 1 < p_end)
+    return s0, tl.where(has1, tl.load(ROT_SHIFT + e0 + 1, mask=has1, other=0), s0)
+
+
+@triton.jit
+def _scale_pages(PAGE_IDS, PAGE_LEN, p_start, p_end, tt, t_hi, slot, off, PPT: tl.constexpr):
+    """FOLD_V: (page id, in use) of each key of tile tt, for _tile_scales a tile later: loaded
+    two tiles ahead, so that no scale load waits on the page-id load it is addressed by (plain
+    loads, their latency was exposed every tile); nothing is read for tt >= t_hi."""
     e = p_start + tt * PPT + slot
     ok = (slot < PPT) & (e < tl.minimum(p_end, p_start + t_hi * PPT))
-    pid = tl.load(PAGE_IDS + e, mask=ok, other=0).to(tl.int64)
-    ok = ok & (off < tl.load(PAGE_LEN + e, mask=ok, other=0))
+    pid = tl.load(PAGE_IDS + e, mask=ok, other=0)
+    return pid, ok & (off < tl.load(PAGE_LEN + e, mask=ok, other=0))
+
+
+@triton.jit
+def _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp, stride_vsh, pid, ok, kvh,
+                 off, FAST: tl.constexpr):
+    """FOLD_V: the per-key scales (ks fp32, and value_fold's log2 / reciprocal of the value
+    scales) of a tile's keys on pages pid, masked to the slots in use (ok: _scale_pages)."""
+    pid = pid.to(tl.int64)
     ks = tl.load(K_SCALE + pid * stride_ksp + kvh * stride_ksh + off, mask=ok,
                  other=0.0).to(tl.float32)
     lvs, rvs = value_fold(V_SCALE + pid * stride_vsp + kvh * stride_vsh + off, ok, FAST)
@@ -175,31 +202,65 @@ def _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp, stride_vs
 
 @triton.jit
 def _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G: tl.constexpr, GP: tl.constexpr,
-               BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+               BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TWO_GROUPS: tl.constexpr = False):
     """A query tile's rows (both attention kernels): row r is token r // GP of the tile and
     query head kvh * G + r % GP. Returns (sequence b, its first query row q0 and query end q_end,
     each row's token index qi, row_ok, head)."""
     b = tl.load(TILE_SEQ + tile)
     q0 = tl.load(TILE_Q0 + tile)
     q_end = tl.load(QO_INDPTR + b + 1)
-    r = tl.arange(0, ROWS)
-    t = r // GP
-    h = r % GP
-    qi = q0 + t
-    row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
-    return b, q0, q_end, qi, row_ok, kvh * G + h
+    qi, row_ok, head = _rows_of(q0, q_end, kvh, G, GP, BLOCK_M, ROWS, TWO_GROUPS)
+    return b, q0, q_end, qi, row_ok, head
 
 
 @triton.jit
-def _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FREQ, tile, kvh, zero,
-                  q_mul, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  ROWS: tl.constexpr, HALF: tl.constexpr, QK_F16: tl.constexpr):
+def _rows_of(q0, q_end, kvh, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+             ROWS: tl.constexpr, TWO_GROUPS: tl.constexpr = False):
+    """_tile_rows' (qi, row_ok, head) from the tile's first query row q0 and query end q_end.
+    TWO_GROUPS (decode, MULTI_SHIFT 4): rows r and r + GP are both head r % GP of the one query
+    token, in row groups 0 and 1."""
+    r = tl.arange(0, ROWS)
+    if TWO_GROUPS:
+        h = r % GP
+        qi = q0 + r * 0
+        row_ok = (r < 2 * GP) & (h < G) & (qi < q_end)
+    else:
+        t = r // GP
+        h = r % GP
+        qi = q0 + t
+        row_ok = (t < BLOCK_M) & (h < G) & (qi < q_end)
+    return qi, row_ok, kvh * G + h
+
+
+@triton.jit
+def _merge_row_groups(acc, l_i, m_i, q0, q_end, kvh, G: tl.constexpr, GP: tl.constexpr,
+                      ROWS: tl.constexpr, D: tl.constexpr):
+    """MULTI_SHIFT 4's epilogue: each head's row groups (rows h, h + GP, ...; groups past the
+    second saw no key) merged by their running maxima, as the split merge does, into GP rows:
+    (acc, l_i, m_i, qi, head, row_ok) for _write_tile."""
+    NG: tl.constexpr = ROWS // GP
+    m2 = tl.reshape(m_i, [NG, GP])
+    mx = tl.max(m2, axis=0)
+    w = tl.exp2(m2 - mx[None, :])
+    l_out = tl.sum(w * tl.reshape(l_i, [NG, GP]), axis=0)
+    acc_out = tl.sum(w[:, :, None] * tl.reshape(acc, [NG, GP, D]), axis=0)
+    h = tl.arange(0, GP)
+    qi = q0 + h * 0
+    return acc_out, l_out, mx, qi, kvh * G + h, (h < G) & (qi < q_end)
+
+
+@triton.jit
+def _query_halves(Q, stride_qt, stride_qh, INV_FREQ, q0, q_end, kvh, zero, q_mul,
+                  G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                  HALF: tl.constexpr, QK_F16: tl.constexpr, TWO_GROUPS: tl.constexpr):
     """The tile's query halves (fp32, times q_mul with QK_F16) and the RoPE frequencies, loaded
     again where rotate_q re-rotates the query (a new chunk), so that no fp32 copy of q stays
     live across the KV loop (RELOAD_Q). `zero` is 0, opaque to the compiler: every index is
-    built on it, so that nothing here is hoisted out of the loop to hold registers there."""
-    _, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile + zero, kvh, G, GP,
-                                           BLOCK_M, ROWS)
+    built on it, so that nothing here is hoisted out of the loop to hold registers there. The
+    tile's rows come from the scalars q0, q_end the kernel loaded at its start: loading them
+    again here (TILE_SEQ, then QO_INDPTR at the sequence) put two dependent loads before the
+    query's own on every re-rotation."""
+    qi, row_ok, head = _rows_of(q0 + zero, q_end, kvh, G, GP, BLOCK_M, ROWS, TWO_GROUPS)
     dh = tl.arange(0, HALF) + zero
     q_off = qi.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
     q1 = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -211,17 +272,16 @@ def _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FRE
 
 
 @triton.jit
-def _query_at_shift(q1, q2, freq, rel_pos, rope_scale, Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0,
-                    QO_INDPTR, INV_FREQ, tile, kvh, zero, q_mul, dtype: tl.constexpr,
-                    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+def _query_at_shift(q1, q2, freq, rel_pos, rope_scale, Q, stride_qt, stride_qh, INV_FREQ, q0,
+                    q_end, kvh, zero, q_mul, dtype: tl.constexpr, G: tl.constexpr,
+                    GP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                     HALF: tl.constexpr, QK_F16: tl.constexpr, FAST_TRIG: tl.constexpr,
-                    RELOAD_Q: tl.constexpr):
+                    RELOAD_Q: tl.constexpr, TWO_GROUPS: tl.constexpr = False):
     """rotate_q's query rotated by rel_pos (_rotate_query): from the halves q1, q2 and freq the
     kernel keeps, or, with RELOAD_Q, from the query loaded again (_query_halves)."""
     if RELOAD_Q:
-        q1, q2, freq = _query_halves(Q, stride_qt, stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR,
-                                     INV_FREQ, tile, kvh, zero, q_mul, G, GP, BLOCK_M, ROWS, HALF,
-                                     QK_F16)
+        q1, q2, freq = _query_halves(Q, stride_qt, stride_qh, INV_FREQ, q0, q_end, kvh, zero,
+                                     q_mul, G, GP, BLOCK_M, ROWS, HALF, QK_F16, TWO_GROUPS)
     return _rotate_query(q1, q2, rel_pos, freq, rope_scale, dtype, FAST_TRIG)
 
 
@@ -280,7 +340,9 @@ def _paged_attn_kernel(
     else:
         qk_dtype = dtype
 
-    b, _, _, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP, BLOCK_M, ROWS)
+    TWO_GROUPS: tl.constexpr = MULTI_SHIFT == 4
+    b, q0, q_end, qi, row_ok, head = _tile_rows(TILE_SEQ, TILE_Q0, QO_INDPTR, tile, kvh, G, GP,
+                                                BLOCK_M, ROWS, TWO_GROUPS)
     dh = tl.arange(0, HALF)
 
     q_off = qi.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
@@ -302,6 +364,7 @@ def _paged_attn_kernel(
         qb = q2.to(qk_dtype)
     p_start = tl.load(INDPTR + b)
     cur_shift = p_start * 0 - 2147483647       # no shift seen yet
+    cur_shift1 = cur_shift                      # MULTI_SHIFT 4: row group 1's
     zero = tl.minimum(p_start, 0)               # 0 (p_start >= 0), opaque: _query_halves
     p_end = tl.load(INDPTR + b + 1)
     n_tiles = tl.cdiv(p_end - p_start, PPT)
@@ -311,14 +374,20 @@ def _paged_attn_kernel(
     n = tl.arange(0, BLOCK_N)
     slot = n // PAGE
     off = n % PAGE
+    grp = tl.arange(0, ROWS) // GP               # MULTI_SHIFT 4: each row's group
+    if TWO_GROUPS:
+        s0_n, s1_n = _tile_shifts(ROT_SHIFT, p_start, p_end, t_lo, t_hi, PPT)
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, 2 * HALF], dtype=tl.float32)
     if FOLD_V:
+        pid_n, ok_n = _scale_pages(PAGE_IDS, PAGE_LEN, p_start, p_end, t_lo, t_hi, slot, off,
+                                   PPT)
         ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh, stride_vsp,
-                                          stride_vsh, PAGE_IDS, PAGE_LEN, p_start, p_end, t_lo,
-                                          t_hi, kvh, slot, off, PPT, FAST_TRIG)
+                                          stride_vsh, pid_n, ok_n, kvh, off, FAST_TRIG)
+        pid_n, ok_n = _scale_pages(PAGE_IDS, PAGE_LEN, p_start, p_end, t_lo + 1, t_hi, slot, off,
+                                   PPT)
 
     for tt in range(t_lo, t_hi):
         e0 = p_start + tt * PPT
@@ -347,30 +416,54 @@ def _paged_attn_kernel(
             ck = ck * rope_scale
             sk = sk * rope_scale
         elif ROPE_MODE == 2:
-            s0 = tl.load(ROT_SHIFT + e0)
-            if s0 != cur_shift:      # a new chunk: rotate the query once for all its tiles
-                qa, qb = _query_at_shift(q1, q2, freq, qp - s0, rope_scale, Q, stride_qt,
-                                         stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR, INV_FREQ,
-                                         tile, kvh, zero, q_mul, qk_dtype, G, GP, BLOCK_M, ROWS,
-                                         HALF, QK_F16, FAST_TRIG, RELOAD_Q)
-                cur_shift = s0
-            if MULTI_SHIFT == 3:
-                s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
+            if MULTI_SHIFT == 4:
+                # row group 0 scores the tile's first page, group 1 its second (vis below):
+                # each group's query rotated by its own page's shift, and again only when that
+                # changes, so a tile across a chunk boundary costs no second pair of dots
+                s0, s1 = s0_n, s1_n
+                s0_n, s1_n = _tile_shifts(ROT_SHIFT, p_start, p_end, tt + 1, t_hi, PPT)
+                if (s0 != cur_shift) | (s1 != cur_shift1):
+                    qa, qb = _query_at_shift(q1, q2, freq, qp - tl.where(grp == 0, s0, s1),
+                                             rope_scale, Q, stride_qt, stride_qh, INV_FREQ, q0,
+                                             q_end, kvh, zero, q_mul, qk_dtype, G, GP, BLOCK_M,
+                                             ROWS, HALF, QK_F16, FAST_TRIG, RELOAD_Q, TWO_GROUPS)
+                    cur_shift = s0
+                    cur_shift1 = s1
+            else:
+                s0 = tl.load(ROT_SHIFT + e0)
+                if s0 != cur_shift:  # a new chunk: rotate the query once for all its tiles
+                    qa, qb = _query_at_shift(q1, q2, freq, qp - s0, rope_scale, Q, stride_qt,
+                                             stride_qh, INV_FREQ, q0, q_end, kvh, zero, q_mul,
+                                             qk_dtype, G, GP, BLOCK_M, ROWS, HALF, QK_F16,
+                                             FAST_TRIG, RELOAD_Q)
+                    cur_shift = s0
+                if MULTI_SHIFT == 3:
+                    s1 = tl.load(ROT_SHIFT + e0 + 1, mask=e0 + 1 < p_end, other=0)
 
-        k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_ok[:, None], other=0.0)
-        k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_ok[:, None], other=0.0)
+        if V_KEYS_MAJOR:
+            # the K tile masked per page, like the V tile: no page-length load then stands
+            # between a tile's page ids and its copies (plain and synchronous in the software
+            # pipeline, it stalled every tile); a page's unused slots get their scores masked
+            # (vis) whatever they hold
+            k_mask = e_ok
+        else:
+            k_mask = k_ok
+        k1 = tl.load(K + k_base + kvh * stride_kh, mask=k_mask[:, None], other=0.0)
+        k2 = tl.load(K + k_base + kvh * stride_kh + HALF, mask=k_mask[:, None], other=0.0)
         if KV_FP8:
             # e4m3 -> compute dtype is exact; the per-token scales multiply the scores below
             k1 = k1.to(qk_dtype)
             k2 = k2.to(qk_dtype)
             if FOLD_V:
-                # this tile's scales, loaded one iteration ahead: plain loads, which the
-                # software pipeline leaves synchronous, had their latency exposed every tile
+                # this tile's scales, loaded one iteration ahead (their pages two): plain
+                # loads, which the software pipeline leaves synchronous, had their latency
+                # exposed every tile
                 ks, lvs, rvs = ks_n, lvs_n, rvs_n
                 ks_n, lvs_n, rvs_n = _tile_scales(K_SCALE, V_SCALE, stride_ksp, stride_ksh,
-                                                  stride_vsp, stride_vsh, PAGE_IDS, PAGE_LEN,
-                                                  p_start, p_end, tt + 1, t_hi, kvh, slot, off,
-                                                  PPT, FAST_TRIG)
+                                                  stride_vsp, stride_vsh, pid_n, ok_n, kvh, off,
+                                                  FAST_TRIG)
+                pid_n, ok_n = _scale_pages(PAGE_IDS, PAGE_LEN, p_start, p_end, tt + 2, t_hi,
+                                           slot, off, PPT)
             else:
                 s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
                 ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
@@ -387,10 +480,9 @@ def _paged_attn_kernel(
                 # chunk (a uniform scalar branch: keeps the loop software-pipelined).
                 if s1 != s0:
                     qa1, qb1 = _query_at_shift(q1, q2, freq, qp - s1, rope_scale, Q, stride_qt,
-                                               stride_qh, TILE_SEQ, TILE_Q0, QO_INDPTR,
-                                               INV_FREQ, tile, kvh, zero, q_mul, qk_dtype, G,
-                                               GP, BLOCK_M, ROWS, HALF, QK_F16, FAST_TRIG,
-                                               RELOAD_Q)
+                                               stride_qh, INV_FREQ, q0, q_end, kvh, zero, q_mul,
+                                               qk_dtype, G, GP, BLOCK_M, ROWS, HALF, QK_F16,
+                                               FAST_TRIG, RELOAD_Q)
                     sc1 = tl.dot(qa1, tl.trans(k1), input_precision=DOT_PREC)
                     sc1 = tl.dot(qb1, tl.trans(k2), acc=sc1, input_precision=DOT_PREC)
                     sc = tl.where((slot == 1)[None, :], sc1, sc)
@@ -419,6 +511,8 @@ def _paged_attn_kernel(
         else:
             sc = sc * qk_scale_log2
         vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        if TWO_GROUPS:
+            vis = vis & (slot[None, :] == grp[:, None])
         sc = tl.where(vis, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -442,8 +536,12 @@ def _paged_attn_kernel(
         acc = tl.dot(pv, v, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
+    if TWO_GROUPS:
+        acc, l_i, m_i, qi, head, row_ok = _merge_row_groups(acc, l_i, m_i, q0, q_end, kvh, G, GP,
+                                                            ROWS, 2 * HALF)
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, 2 * HALF, DIRECT, WRITE_LSE)
+
 
 @triton.jit
 def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stride_ot, stride_oh,
@@ -482,12 +580,19 @@ def _num_sms(device) -> int:
     return 4
 
 
-def _multi_shift_variant(rope_mode_code: int, pages_per_tile: int, rows: int) -> int:
+def _multi_shift_variant(rope_mode_code: int, pages_per_tile: int, rows: int, block_m: int,
+                         gp: int, slot_pos: bool) -> int:
     """How rotate_q handles a tile whose pages have different rot_shifts (module docstring):
-    0 nothing to handle (not rotate_q, or one page per tile), 3 two pages per tile in decode
-    (uniform scalar branch), 2 otherwise (while loop over the tile's distinct shifts)."""
+    0 nothing to handle (not rotate_q, or one page per tile), 4 two pages per tile in decode
+    where the padded query rows hold a second copy of the heads (two row groups), 3 two pages
+    per tile in other decode (uniform scalar branch), 2 otherwise (while loop over the tile's
+    distinct shifts). A table with explicit slot positions keeps 3: with their per-tile loads
+    (synchronous in the software pipeline) 4 measured 10-15% slower on an H100
+    (BENCHMARKS.md, "fp8 decode: two row groups")."""
     if rope_mode_code != ROPE_MODES["rotate_q"] or pages_per_tile == 1:
         return 0
+    if pages_per_tile == 2 and block_m == 1 and 2 * gp <= rows and not slot_pos:
+        return 4
     # Prefill keeps the while loop, as last benchmarked: the H200 probe of 3 in prefill was
     # 16-42% faster at B1 / +32 tokens but 4% slower at B16 +512 (prefill_sweep records in
     # benchmarks/results/kernels_h200.json).
@@ -702,7 +807,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         tiles_per_split,
         G=G, GP=GP, BLOCK_M=block_m, ROWS=rows, HALF=D // 2, PAGE=page, PPT=ppt, BLOCK_N=bn,
         ROPE_MODE=mode, FAST_TRIG=not interp, DIRECT=direct, DOT_PREC=dot_prec,
-        MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows), HAS_SLOT_POS=table.has_slot_pos,
+        MULTI_SHIFT=_multi_shift_variant(mode, ppt, rows, block_m, GP, table.has_slot_pos),
+        HAS_SLOT_POS=table.has_slot_pos,
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"],
         RELOAD_Q=reload_query(mode, rows, bool(scaled), maxnreg), **scaled,
         **fold_args(scaled, rows, q.dtype), **meta,

@@ -222,6 +222,14 @@ class KVWriter:
             self.stats.write_s += seconds
 
 
+def engine_quantizes(kv_dtype, device: torch.device) -> bool:
+    """Whether the build's encode hands an fp8 store its KV already quantised: off the CPU the
+    engine quantises on its device (the store's own rule, kernels.quantize_rows), which on the
+    host took the writer's prepare threads longer than the disk took to write it (the 8B fp8
+    build waited 9.8 s of its 22.6 s on them); on the CPU the store quantises as it writes."""
+    return kv_dtype == FP8 and device.type != "cpu"
+
+
 class EncodeWarmup:
     """A machine's first build compiles the encode's attention kernel in its first batch (seconds
     of Triton compile, and CUDA's first use of the forward's other kernels) while the disk waits.
@@ -242,8 +250,8 @@ class EncodeWarmup:
     def __init__(self, llm, shared_prefix, wrapper, kv_dtype):
         self.seconds = 0.0
         self.error: BaseException | None = None
-        # an fp8 store's batches come back quantised by the engine (encode_and_write's rule)
-        args = (llm.engine, tuple(shared_prefix), wrapper, kv_dtype == FP8)
+        # quantised as the build's batches will be, so that it compiles their kernels
+        args = (llm.engine, tuple(shared_prefix), wrapper, engine_quantizes(kv_dtype, llm.device))
         self.thread = threading.Thread(target=self._run, args=args, name="lazy-rag-encode-warmup", daemon=True)
         self.thread.start()
 
@@ -315,10 +323,7 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
         per_token = llm.shape.kv_bytes_per_token * ((store.kv_dtype or llm.dtype).itemsize)
         max_pending_bytes = 2 * batch_tokens * per_token
-    # an fp8 store's KV is quantised by the engine on its device (the same rule as the store's
-    # own, kernels.quantize_rows): on the host it took the writer's prepare threads longer than
-    # the disk took to write it (the 8B fp8 build waited 9.8 s of its 22.6 s on them)
-    quantize = store.kv_dtype == FP8 and not on_cpu
+    quantize = engine_quantizes(store.kv_dtype, llm.device)
     stats = PipelineStats()
     # the host copies' pinned buffers, reused batch after batch: one batch encoding, up to two
     # waiting for the disk (max_pending_bytes)

@@ -200,8 +200,9 @@ def test_an_accelerator_build_reuses_its_staging_buffers(monkeypatch):
 
 def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_a_failure(caplog):
     """EncodeWarmup: CHUNKS chunks of TOKENS with the build's shared prefix and wrapper, quantised
-    for an fp8 store (the build's batches then find their kernels compiled); a failure is
-    logged, not raised (the build's own encode raises it); only a CUDA build warms up."""
+    for an fp8 store as encode_and_write's batches are (engine_quantizes: off the CPU), so that
+    they find their kernels compiled; a failure is logged, not raised (the build's own encode
+    raises it); only a CUDA build warms up."""
     from lazy_rag.build_pipeline import EncodeWarmup
     from lazy_rag.kernels import FP8
 
@@ -213,7 +214,10 @@ def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_
             if len(calls) == 2:
                 raise RuntimeError("out of memory")
 
-    llm = SimpleNamespace(engine=Engine(), device=torch.device("cpu"))
+    from lazy_rag.build_pipeline import engine_quantizes
+    assert engine_quantizes(FP8, torch.device("cuda")) and not engine_quantizes(FP8, torch.device("cpu"))
+    assert not engine_quantizes(torch.bfloat16, torch.device("cuda"))
+    llm = SimpleNamespace(engine=Engine(), device=torch.device("cuda"))    # never touched: a fake
     w = EncodeWarmup(llm, [7, 8], "wrapper", FP8)
     assert w.wait() >= 0 and w.error is None and not w.thread.is_alive()
     assert calls == [([[1] * EncodeWarmup.TOKENS] * EncodeWarmup.CHUNKS, (7, 8), "wrapper", False, True)]
@@ -223,5 +227,5 @@ def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_
         w.wait()
     assert isinstance(w.error, RuntimeError) and calls[1][4] is False
     assert "warm-up failed (RuntimeError: out of memory)" in caplog.text
-    assert not EncodeWarmup.wanted(llm)
-    assert EncodeWarmup.wanted(SimpleNamespace(device=torch.device("cuda"))) == torch.cuda.is_available()
+    assert not EncodeWarmup.wanted(SimpleNamespace(device=torch.device("cpu")))
+    assert EncodeWarmup.wanted(llm) == torch.cuda.is_available()

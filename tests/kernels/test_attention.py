@@ -48,6 +48,34 @@ def test_decode_splits_shuffled(splits, rope_mode):
     assert rel_err(out, _ref(c, inv, scale, rope_mode)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("G", [1, 4, 7, 8, 16])
+def test_decode_two_pages_per_tile(G, splits):
+    """rotate_q decode over tiles of two pages (the GPU's default: 128-key tiles over 64-slot
+    pages; here 32 keys over pages of 16, on the GPU too): the chunks (37, 1, 50, 9, 64, 23
+    tokens) start pages, so many tiles hold two chunks' keys at different shifts. G <= 8 takes
+    the two row groups (MULTI_SHIFT 4: the padded query rows score the second page, each group
+    merged at the end), G = 16 leaves no padded rows and takes the branch (3). Output and
+    log-sum-exp against the reference, with one split (the direct epilogue) and three."""
+    from lazy_rag.kernels.page_table import ROPE_MODES
+    from lazy_rag.kernels.paged_attention import _multi_shift_variant
+    dtype = DTYPES[0]
+    gp = 1 << (G - 1).bit_length()
+    assert _multi_shift_variant(ROPE_MODES["rotate_q"], 2, max(16, gp), 1, gp, False) == \
+        (4 if G <= 8 else 3)
+    assert _multi_shift_variant(ROPE_MODES["rotate_q"], 2, max(16, gp), 1, gp, True) == 3
+    c = Case(MIXED, CHUNKS, Hkv=2, G=G, D=64, page=16, dtype=dtype, seed=G + splits)
+    inv, scale = inv_freq_for("default", 64)
+    out, lse = lazy_decode(c.q, c.k_pages, c.v_pages, c.table, c.q_pos, inv.to(c.q.device),
+                           rope_mode="rotate_q", block_n=32, num_splits=splits,
+                           out=_poisoned(c), return_lse=True)
+    ref, ref_lse = paged_attention_ref(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table,
+                                       inv.to(c.q.device), "rotate_q", scale,
+                                       compute_dtype=torch.float64, return_lse=True)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert (lse.double().cpu() - ref_lse.cpu()).abs().max().item() < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rope_mode", ROPE_MODES)
 @pytest.mark.parametrize("G,D,page", [(1, 64, 16), (3, 128, 4), (8, 64, 1)])

@@ -528,6 +528,22 @@ def test_query_reloaded_where_registers_are_short():
     assert not reload_query(ROPE_MODES["rotate_k"], 16, True, 168)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("G", [4, 8])
+def test_fp8_decode_two_pages_per_tile(G, dtype):
+    """fp8 rotate_q decode over tiles of two pages (32 keys over pages of 16; the GPU's 128 over
+    64) with V keys-major, so K and V tiles are loaded per page: the two row groups (MULTI_SHIFT
+    4) score tiles that hold two chunks, and the K tails (NaN here) are read and masked; with
+    16-bit compute the value scales fold into the scores (FOLD_V), their pages loaded two tiles
+    ahead."""
+    c = Case(MIXED, CHUNKS, Hkv=2, G=G, D=128, page=16, dtype=dtype, seed=G)
+    (k8, v8, ks, vs), deq = fp8_pages(c, seed=G)
+    assert torch.isnan(k8.float()).any()
+    out = lazy_decode(c.q, k8, to_keys_major(finite_tails(v8)), c.table, c.q_pos, _inv(c),
+                      rope_mode="rotate_q", k_scale=ks, v_scale=vs, block_n=32, num_splits=2)
+    assert rel_err(out, _ref(c, deq, "rotate_q")) < TOL[dtype]
+
+
 def test_fp8_decode_under_capped_registers():
     """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take: with
     FP8_DECODE_STAGES on Hopper) and at a caller's own cap equals the reference; on the GPU the
