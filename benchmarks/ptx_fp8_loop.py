@@ -1,24 +1,29 @@
 """Offline sm_90 compile of the attention kernels' benchmark configurations, bf16 and fp8 pages:
 instruction counts of the KV loop (PTX and SASS), registers and spills. No GPU needed.
 
-    python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill] [--v-dims-major]
-        [--rope-mode rotate_q|rotate_k|none]
+    python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill|tiles]
+        [--v-dims-major] [--rope-mode rotate_q|rotate_k|none]
 
 The launchers (paged_attention.launch, prefill_runs.launch_runs) are called on small CPU tensors
 of the benchmark's shape (Llama-3.1-8B attention: H 32, Hkv 8, d 128, page 64; the strides, and so
 Triton's specialisation, are those of the GPU run) with the JIT's `run` replaced by an offline
 compile for GPUTarget("cuda", ARCH, 64): the launch's own arguments go through Triton's own
 binder (same signature, constexprs and divisibility attributes as a real launch), and the SM
-count is set to 132 (H100 SXM) so that the split-KV choice is the GPU's.
+count and shared memory per SM are the H100 SXM's, so that the split-KV choice and the fp8
+decode's stages are the GPU's. Cases: decode (tiles kernel) at B32 and B1 x 8k and at B32 over
+a table with explicit slot positions (rows -1); prefill through the runs kernel; `tiles`, a
+prefill through the tiles kernel (rope_mode "rotate_k"). Compile with the GPU machine's Triton
+(a wheel installed into a folder put first on PYTHONPATH) to see the code it runs.
 
 Counts: per kernel, over the whole PTX and over the software-pipelined KV loop body (the PTX
 basic blocks between the loop's label and its backward branch that hold an MMA; the largest such
 loop when several), and from the SASS (ptxas of the Triton wheel, cuobjdump): total and loop
 instructions by class (conversions, byte permutes, shifts / LOP3, wgmma, shared loads / stores).
 --dump DIR writes each kernel's .ptx / .sass / .ttgir there. A hash of each kernel's PTX code
-(debug info and line directives left out) is printed so that a change of the bf16 kernels shows
-(the fp8 work must leave them identical). Loops are found by their MMA (mma.sync in decode's
-16-row tiles, wgmma in prefill); a loop the parser misses reads 0.
+(debug info, line directives and debug labels left out) is printed so that a change of the bf16
+kernels shows (the fp8 work must leave them identical; a hash can change with register names
+alone: compare the dumped SASS). Loops are found by their MMA (mma.sync in decode's 16-row
+tiles, wgmma in prefill); a loop the parser misses reads 0.
 """
 from __future__ import annotations
 
@@ -108,7 +113,9 @@ def decode(batch: int, ctx: int, fp8: bool, slot_rows: bool = False):
                            max_tiles_hint=t.max_pages, num_splits=None, out=None, **sc)
 
 
-def prefill(batch: int, new: int, cached: int, fp8: bool):
+def prefill(batch: int, new: int, cached: int, fp8: bool, kernel: str = "runs"):
+    """A prefill of `new` tokens over `cached` per sequence through the runs kernel, or, with
+    kernel="tiles", through the tiles kernel (rope_mode "rotate_k", which always takes it)."""
     from lazy_rag.kernels.prefill import plan_prefill
     total = cached + new
     pps = -(-total // PAGE)
@@ -119,8 +126,15 @@ def prefill(batch: int, new: int, cached: int, fp8: bool):
     q_pos = torch.arange(cached, total, dtype=torch.int32).repeat(batch)
     # the GPU's plan (rows per tile from the SM count)
     from lazy_rag.kernels import prefill as pf
-    block_m = pf.default_block_m(new, H, HKV, "cuda", "runs", total=batch * new)
+    block_m = pf.default_block_m(new, H, HKV, "cuda", kernel, total=batch * new)
     plan = plan_prefill(qo, H, HKV, "cpu", block_m=block_m)
+    if kernel == "tiles":
+        paged_attention.launch(q, qo, q_pos, k, v, t, torch.ones(D // 2), rope_mode="rotate_k",
+                               attention_scaling=1.0, sm_scale=None, tile_seq=plan.tile_seq,
+                               tile_q0=plan.tile_q0, block_m=plan.block_m,
+                               max_tiles_hint=t.max_pages, num_splits=None, out=None,
+                               split_target=plan.split_target, **sc)
+        return
     prefill_runs.launch_runs(q, qo, q_pos, k, v, t, torch.ones(D // 2), rope_mode="rotate_q",
                              attention_scaling=1.0, sm_scale=None, tile_seq=plan.tile_seq,
                              tile_q0=plan.tile_q0, block_m=plan.block_m,
@@ -136,6 +150,7 @@ CASES = {
     "runs B1+512": ("prefill", lambda fp8: prefill(1, 512, 10240, fp8)),
     "runs B16+32": ("prefill", lambda fp8: prefill(16, 32, 10240, fp8)),
     "runs B16+512": ("prefill", lambda fp8: prefill(16, 512, 10240, fp8)),
+    "tiles B16+512 rotate_k": ("tiles", lambda fp8: prefill(16, 512, 10240, fp8, "tiles")),
 }
 
 PTX_CLASSES = {
@@ -244,7 +259,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    ap.add_argument("--only", choices=("decode", "prefill", "tiles"), default=None)
     ap.add_argument("--cases", default=None, help="comma-separated case names (substring match)")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--v-dims-major", action="store_true",
@@ -268,7 +283,7 @@ def main():
             continue
         for dt in args.dtypes.split(","):
             name = f"{case} {dt}"
-            jit = (paged_attention._paged_attn_kernel if kind == "decode"
+            jit = (paged_attention._paged_attn_kernel if kind in ("decode", "tiles")
                    else prefill_runs._prefill_runs_kernel)
             jit.run = offline_compiler(args.arch, results, name).__get__(jit)
             try:

@@ -345,11 +345,9 @@ def _paged_attn_kernel(
                                                 BLOCK_M, ROWS, TWO_GROUPS)
     dh = tl.arange(0, HALF)
 
-    q_off = qi.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
-    q1 = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(Q + q_off + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q1, q2, freq = _query_halves(Q, stride_qt, stride_qh, INV_FREQ, q0, q_end, kvh, 0, 1.0, G, GP,
+                                 BLOCK_M, ROWS, HALF, False, TWO_GROUPS)
     qp = tl.load(QPOS + qi, mask=row_ok, other=-1)           # padded rows see no key
-    freq = tl.load(INV_FREQ + dh)
     q_mul = 1.0
     if QK_F16:
         q_mul, q_div = qk_f16_scale(q1, q2, rope_scale)
