@@ -372,8 +372,8 @@ def _paged_attn_kernel(
     n = tl.arange(0, BLOCK_N)
     slot = n // PAGE
     off = n % PAGE
-    grp = tl.arange(0, ROWS) // GP               # MULTI_SHIFT 4: each row's group
     if TWO_GROUPS:
+        grp = tl.arange(0, ROWS) // GP           # each row's group
         s0_n, s1_n = _tile_shifts(ROT_SHIFT, p_start, p_end, t_lo, t_hi, PPT)
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)

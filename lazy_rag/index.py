@@ -1040,8 +1040,8 @@ class LazyIndex:
                 bar.advance(_tokens(todo_records) - _tokens(todo))
                 report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
                                                            report.stages)
-            if warmup is not None:  # over: an encode above waited for it on the engine's lock
-                report.stages["warmup_s"] = round(warmup.wait(), 3)
+        if warmup is not None:  # joined before the commit (an encode above waited for it on the engine's lock)
+            report.stages["warmup_s"] = round(warmup.wait(), 3)
         if wrapper is not None:
             created = _save_wrapper(out, settings, wrapper)
             if created is not None:
