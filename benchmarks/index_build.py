@@ -24,9 +24,18 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            write bandwidth (fsync'ed, 2 GiB before the build) of the index's disk;
            ``pct_of_write_bw_same_bytes_writeback``: the same over a probe that writes as many
            bytes as the build did and starts each block's writeback as the store does (run at
-           the end, the index deleted, so that a build of half the free disk can be measured).
-           The build includes its final fsync. ``encode_pct_of_prefill_roofline``: the encode stage
-           alone past its first batch (``stage_encode_tokens_per_s``), against the same roofline.
+           the end, the index deleted, so that a build of half the free disk can be measured);
+           ``pct_of_write_bw_same_bytes_writeback_first`` (``--probe-first``): over that probe
+           run just before the build instead, its file kept until the build is done, so that
+           both write blocks never written before on the machine, minutes apart at most (the
+           probe at the end rewrites the index's freed blocks later; a fresh machine's disk
+           has been seen to speed up in between). The build includes its final fsync.
+           ``stage_warmup_start_s`` / ``_end_s``, ``stage_encode_start_s``: the build's
+           timeline from its start; ``stage_commit_s``; ``stage_encode_calibration_s``: the
+           engine's encode calibration, run on the encoding thread beside the writes
+           (``stage_beside_at_batch``: after that many batches).
+           ``encode_pct_of_prefill_roofline``: the encode stage alone past its first batch
+           (``stage_encode_tokens_per_s``), against the same roofline.
            ``bound``: the stage the other waited on past the first batch (``stage_writer_fill_s``,
            the writer's wait for that batch, is the pipeline filling, not the encoder's pace).
   update   1% of the documents (at least one) changed, the build run again: seconds, and as a
@@ -191,6 +200,21 @@ def one_size(a) -> dict:
             idx = LazyIndex.from_texts(list(texts.values()), out, ids=list(texts), split=False, vectors=vectors,
                                        **{k: v for k, v in common.items() if k != "chunk_size"})
             return idx, getattr(idx, "build_report", None)
+    probe_first = None
+    if a.probe_first:
+        # as many bytes as the build will write, just before it, on blocks the build cannot
+        # reuse (the file stays until the build is done): the probe at the end writes the
+        # index's freed blocks minutes later, on a disk whose rate can change in between
+        from lazy_rag.build_estimate import kv_bytes_per_token
+
+        est = int(sum(c["tokens"] for c in docs) * kv_bytes_per_token(llm, a.kv_dtype)) if kind == "chunks" else 0
+        free = shutil.disk_usage(work).free
+        if est and free > 2.1 * est:
+            probe_first = work / ".write_probe_first"
+            probe_first.mkdir()
+            rec_probe_first = write_bandwidth(probe_first, nbytes=est, start_writeback=True, keep=True)
+        else:
+            print(f"--probe-first skipped: {est / 1e9:.1f} GB to probe and build, {free / 1e9:.1f} GB free", flush=True)
     write_gbps = write_bandwidth(work)
     tflops = matmul_tflops(dev)
     if dev.type == "cuda":
@@ -200,6 +224,8 @@ def one_size(a) -> dict:
     t0 = time.perf_counter()
     index, report = build()
     build_s = time.perf_counter() - t0
+    if probe_first is not None:
+        shutil.rmtree(probe_first)
     records = index.records
     tokens = sum(len(r.token_ids) for r in records)
     kv_bytes = (report.kv_bytes_written if report else None) or folder_bytes(out)
@@ -218,10 +244,16 @@ def one_size(a) -> dict:
                gpu_peak_gb=round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None,
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
+    if probe_first is not None:
+        rec["write_gbps_same_bytes_writeback_first"] = round(rec_probe_first, 2)
+        rec["pct_of_write_bw_same_bytes_writeback_first"] = round(100 * kv_bytes / build_s / (rec_probe_first * 1e9), 1)
     stages = dict(report.stages) if report is not None else {}
     for k in ("prepare_s", "embed_s", "warmup_s", "encode_s", "first_encode_s", "second_encode_s", "first_write_s",
-              "first_written_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s", "writer_idle_s", "staging_wait_s",
-              "own_pins", "bound", "batches", "encode_tokens_per_s"):
+              "first_written_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s",
+              "writer_idle_s", "staging_wait_s", "own_pins", "bound", "batches", "encode_tokens_per_s",
+              # the timeline from the build's start, and the calibration run beside the writes
+              "warmup_start_s", "warmup_end_s", "encode_start_s", "commit_s", "encode_calibration_s", "beside_s",
+              "beside_at_batch"):
         if k in stages:
             rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
                 else stages[k]
@@ -370,6 +402,9 @@ def main(argv=None):
         r.add_argument("--queries", type=int, default=8)
         r.add_argument("--top-k", type=int, default=4)
         r.add_argument("--out")
+        r.add_argument("--probe-first", action="store_true",
+                       help="also probe the disk before the build with as many bytes as it writes, the probe's "
+                            "file kept through the build (pre-split chunks; needs twice the build's bytes free)")
         r.add_argument("--one-size", type=int)
     a = ap.parse_args(argv)
     if a.cmd == "corpus":

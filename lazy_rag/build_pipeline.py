@@ -67,6 +67,8 @@ class PipelineStats:
     writer_fill_s: float = 0.0   # the writer waiting for the first batch (the pipeline filling)
     writer_idle_s: float = 0.0   # the writer waiting for KV to write after that: the encoder is the bound
     own_pins: int = 0            # host tensors that did not fit a staging buffer and were pinned anew
+    beside_s: float = 0.0        # ``beside_writes``' work on the encoding thread (see encode_and_write)
+    beside_at_batch: int = -1    # ... run with this many batches encoded (all: after the last was queued)
     seconds: float = 0.0
     batches: int = 0
     bound: str = field(default="")
@@ -142,6 +144,13 @@ class KVWriter:
         if self.pool is not None:
             kvs = [self.pool.submit(self.store.prepare, r.id, r.token_ids, kv) for r, kv in zip(records, kvs)]
         self.items.put((records, kvs, nbytes, on_written, lease))
+
+    def would_wait(self, nbytes: int) -> bool:
+        """Whether ``put`` of ``nbytes`` would wait for the writer now (the disk is the bound)."""
+        if not self.background:
+            return False
+        with self.cond:
+            return self.error is None and bool(self.pending) and self.pending + nbytes > self.max_pending
 
     def close(self) -> None:
         """Wait until everything queued is written; raises the writer's error, if any."""
@@ -249,6 +258,8 @@ class EncodeWarmup:
 
     def __init__(self, llm, shared_prefix, wrapper, kv_dtype):
         self.seconds = 0.0
+        self.started = time.perf_counter()
+        self.ended: float | None = None
         self.error: BaseException | None = None
         # quantised as the build's batches will be, so that it compiles their kernels
         args = (llm.engine, tuple(shared_prefix), wrapper, engine_quantizes(kv_dtype, llm.device))
@@ -264,7 +275,8 @@ class EncodeWarmup:
             log.warning("The encode warm-up failed (%s: %s); the build's first batch compiles instead.",
                         type(e).__name__, e)
         finally:
-            self.seconds = time.perf_counter() - t0
+            self.ended = time.perf_counter()
+            self.seconds = self.ended - t0
 
     def wait(self) -> float:
         """Waits for the warm-up; its seconds."""
@@ -310,11 +322,19 @@ def batches_by_tokens(records, batch_tokens: int):
 
 
 def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_tokens: int | None = None,
-                     max_pending_bytes: int | None = None, background: bool | None = None) -> PipelineStats:
+                     max_pending_bytes: int | None = None, background: bool | None = None,
+                     beside_writes=None) -> PipelineStats:
     """Encode the KV of ``records`` inside ``wrapper`` and write it to ``store``, the writes
     overlapped with the next batches' encoding (``background``; by default everywhere but on a
     CPU device, where each batch is written after its encode on this thread); ``bar`` advances by
-    tokens written, with the rate in its note. Returns the stage times and totals."""
+    tokens written, with the rate in its note. Returns the stage times and totals.
+
+    ``beside_writes``: other accelerator work the build has to do (the engine's encode
+    calibration), run once on this thread where it costs the build nothing: when a batch finds
+    the writer's queue full (the disk is the bound and the accelerator would only wait), else
+    once the last batch is queued, beside the writer's last writes; never without records.
+    After the build's commit it held a machine's first 8B build for its own kernels' compiles
+    while the disk was idle."""
     engine = llm.engine
     on_cpu = llm.device.type == "cpu"
     if background is None:
@@ -355,6 +375,14 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         stats.chunks += len(done_records)
         bar.advance(n, note=f"{rate:,.0f} tokens/s, {stats.kv_bytes / 2**30:.2f} GiB written")
 
+    def run_beside() -> None:
+        nonlocal beside_writes
+        task, beside_writes = beside_writes, None
+        t1 = time.perf_counter()
+        stats.beside_at_batch = stats.batches
+        task()
+        stats.beside_s = time.perf_counter() - t1
+
     try:
         for batch in batches:
             t0 = time.perf_counter()
@@ -379,8 +407,12 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
             if lease is not None:
                 stats.own_pins += lease.own_pins
                 stats.staging_wait_s += lease.waited_s
+            if beside_writes is not None and writer.would_wait(sum(kv.nbytes for kv in kvs)):
+                run_beside()
             writer.put(batch, kvs, progress, lease)
             del kvs
+        if beside_writes is not None and batches:  # (with nothing to write, nothing to hide it behind)
+            run_beside()
         writer.close()
     except BaseException:
         writer.abort()

@@ -77,11 +77,14 @@ EMBED_BATCH = 64
 
 
 def _keep_encode_calibration(llm, report: "BuildReport") -> None:
-    """Fit the engine's encode costs (its read-or-encode choice for cold chunks) at the end of a
-    build that encoded KV, where a machine-wide calibration file keeps the fit for a day: the
-    first `lazy-rag query` then loads it instead of timing probe encodes inside its TTFT. With no
-    file to keep it in (``LAZY_RAG_CALIBRATION=off``) the query process would probe anyway, so
-    nothing runs. A failure here costs only that query its probes, never the build."""
+    """Fit the engine's encode costs (its read-or-encode choice for cold chunks) in a build that
+    encodes KV, where a machine-wide calibration file keeps the fit for a day: the first
+    `lazy-rag query` then loads it instead of timing probe encodes inside its TTFT. It runs while
+    the build's writer writes (build_pipeline.encode_and_write's ``beside_writes``: on a fresh
+    machine its probes compile kernels of their own, seconds that after the commit were the
+    build's), or after the commit where every chunk's KV was stored already. With no file to keep
+    it in (``LAZY_RAG_CALIBRATION=off``) the query process would probe anyway, so nothing runs. A
+    failure here costs only that query its probes, never the build."""
     from .engine.read_or_encode import calibration_path
 
     if calibration_path() is None:
@@ -90,7 +93,7 @@ def _keep_encode_calibration(llm, report: "BuildReport") -> None:
     try:
         how = llm.engine.calibrate_read_or_encode()
     except Exception as e:  # noqa: BLE001 - an optional warm-up
-        log.warning("Could not measure the engine's encode costs after the build (%s: %s); the first query "
+        log.warning("Could not measure the engine's encode costs in the build (%s: %s); the first query "
                     "measures them.", type(e).__name__, e)
         return
     seconds = time.perf_counter() - t0
@@ -168,14 +171,15 @@ def _embed_records(embedder: Embedder, records, style: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
 
-def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list, stats: dict | None = None) -> int:
+def _encode_records(llm, store: ChunkStore, records, wrapper, bar, written: list, stats: dict | None = None,
+                    beside_writes=None) -> int:
     """Encode the KV of ``records`` inside ``wrapper`` into ``store`` (build_pipeline: many chunks
     per forward, appended by a background thread, on a CPU by this one: ``store.write`` is
     thread-safe and stages the records until the build commits), advancing ``bar`` by tokens;
     returns the bytes written.
     ``stats`` receives the stage times. (A segment store keeps its own account of what it
-    appended: nothing is listed in ``written``.)"""
-    result = encode_and_write(llm, store, records, wrapper, bar, written)
+    appended: nothing is listed in ``written``.) ``beside_writes``: encode_and_write's."""
+    result = encode_and_write(llm, store, records, wrapper, bar, written, beside_writes=beside_writes)
     if stats is not None:
         stats.update(result.as_dict())
     return result.kv_bytes
@@ -1032,16 +1036,27 @@ class LazyIndex:
         report.stages["prepare_s"] = round(t_embed - t0, 3)
         vecs_new = _embed_records(embedder, new_records, style) if new_records and vectors else None
         report.stages["embed_s"] = round(time.perf_counter() - t_embed, 3)
+        calibrated = False
+
+        def calibrate():  # the engine's encode costs, fitted while the writer writes (encode_and_write)
+            nonlocal calibrated
+            calibrated = True
+            _keep_encode_calibration(llm, report)
+
         if todo_records and precompute_kv:
             with Progress(_tokens(todo_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV is there already (the same chunk before, or written by an
                 # interrupted build) are kept as they are
                 todo = [r for r in todo_records if store.read(r.id, r.token_ids)[0] is None]
                 bar.advance(_tokens(todo_records) - _tokens(todo))
+                report.stages["encode_start_s"] = round(time.perf_counter() - t0, 3)
                 report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
-                                                           report.stages)
+                                                           report.stages, beside_writes=calibrate)
         if warmup is not None:  # joined before the commit (an encode above waited for it on the engine's lock)
             report.stages["warmup_s"] = round(warmup.wait(), 3)
+            # the build's timeline: the warm-up's compiles against the chunking, embedding and encode
+            report.stages["warmup_start_s"] = round(warmup.started - t0, 3)
+            report.stages["warmup_end_s"] = round(warmup.ended - t0, 3)
         if wrapper is not None:
             created = _save_wrapper(out, settings, wrapper)
             if created is not None:
@@ -1051,9 +1066,11 @@ class LazyIndex:
         if vectors and records:
             vecs = np.concatenate([v for v in (carried_vecs, vecs_new) if v is not None]) \
                 if carried_vecs is not None or vecs_new is not None else None
+        t_commit = time.perf_counter()
         index = cls._commit(out, llm, embedder, run, prev, settings, records, vecs, new_files, drop_sources, repair,
                             old_vectors, wrapper, report)
-        if todo_records and precompute_kv:
+        report.stages["commit_s"] = round(time.perf_counter() - t_commit, 3)
+        if todo_records and precompute_kv and not calibrated:  # every chunk's KV was there already
             _keep_encode_calibration(llm, report)
         report.chunks_added = len(new_records)
         report.chunks_total = index.manifest["num_chunks"]

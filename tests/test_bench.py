@@ -288,3 +288,15 @@ def test_run_command_rejects_a_bad_out_name(tmp_path):
     with pytest.raises(LazyRagError, match="plain name"):
         run_command(random_weights="tiny-llama", device="cpu", docs=4, doc_tokens=8, k=2, requests=2,
                     rates="offline", budgets="1.0", out="a/b", results_dir=tmp_path, plots=False)
+
+
+def test_a_kept_write_probe_holds_its_blocks_until_the_caller_deletes_it(tmp_path):
+    """``write_bandwidth(keep=True)`` (index_build.py --probe-first: the probe's blocks held
+    while the build writes others) leaves its file of the bytes it wrote; by default none."""
+    from lazy_rag.bench.disk import write_bandwidth
+
+    assert write_bandwidth(tmp_path, nbytes=3 << 20, block=1 << 20, start_writeback=True) > 0
+    assert not list(tmp_path.iterdir())
+    assert write_bandwidth(tmp_path, nbytes=3 << 20, block=1 << 20, keep=True) > 0
+    (probe,) = tmp_path.iterdir()
+    assert probe.stat().st_size == 3 << 20

@@ -229,3 +229,35 @@ def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_
     assert "warm-up failed (RuntimeError: out of memory)" in caplog.text
     assert not EncodeWarmup.wanted(SimpleNamespace(device=torch.device("cpu")))
     assert EncodeWarmup.wanted(llm) == torch.cuda.is_available()
+
+
+def test_work_beside_the_writes_runs_once_while_the_writer_is_busy():
+    """``beside_writes`` (the build's encode calibration) runs once on the encoding thread: on
+    the threaded path as soon as a batch finds the writer's queue full (the disk is the bound),
+    with batches still waiting to be written; a build that never waits on the disk runs it after
+    its last batch is queued, and a CPU build (written inline) after its last batch, before it
+    returns; a build with no batches never runs it."""
+    llm, store = fake_llm("cuda"), ListStore(delay=0.02)
+    seen = []
+
+    def task():
+        seen.append((threading.current_thread(), len(llm.engine.batches), len(store.writes)))
+
+    stats = encode_and_write(llm, store, records(12), None, Bar(), [], batch_tokens=300, max_pending_bytes=1,
+                             beside_writes=task)
+    (thread, encoded, written), = seen
+    assert thread is threading.current_thread()
+    assert 1 < encoded < 12 and written < encoded - 1    # a batch queued and one written past it at least
+    assert stats.beside_at_batch == encoded and stats.beside_s >= 0
+    assert [cid for cid, _ in store.writes] == [r.id for r in records(12)]
+    seen.clear()
+    llm = fake_llm("cuda")
+    stats = encode_and_write(llm, ListStore(), records(3), None, Bar(), [], batch_tokens=300, beside_writes=task)
+    assert [e for _, e, _ in seen] == [3] and stats.beside_at_batch == 3
+    seen.clear()
+    llm, store = fake_llm("cpu"), ListStore()
+    stats = encode_and_write(llm, store, records(5), None, Bar(), [], batch_tokens=300, beside_writes=task)
+    assert seen == [(threading.current_thread(), 5, 5)] and stats.beside_at_batch == 5
+    seen.clear()
+    encode_and_write(fake_llm("cuda"), ListStore(), [], None, Bar(), [], beside_writes=task)
+    assert seen == []

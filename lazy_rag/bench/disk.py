@@ -7,12 +7,14 @@ import time
 from pathlib import Path
 
 
-def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, start_writeback: bool = False) -> float:
+def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, start_writeback: bool = False,
+                    keep: bool = False) -> float:
     """Sequential write bandwidth of ``folder``'s disk in GB/s: ``nbytes`` written through the page
     cache in ``block``-sized writes, the final fsync included. ``start_writeback``: each block's
     writeback is started as it is written, as the KV store's appends do (``store.start_writeback``);
     without it the kernel holds the blocks dirty until its own flusher or the fsync writes them
-    (on the 2-core CPU machine that measured 1.1-1.5x lower, and far noisier)."""
+    (on the 2-core CPU machine that measured 1.1-1.5x lower, and far noisier). ``keep``: the
+    probe's file (``folder``/.write_probe) is left for the caller to delete, its blocks held."""
     from ..store import _pwrite_all
     from ..store import start_writeback as start
 
@@ -30,7 +32,8 @@ def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, 
         dt = time.perf_counter() - t0
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        if not keep:
+            path.unlink(missing_ok=True)
     return n * block / dt / 1e9
 
 
