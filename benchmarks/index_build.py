@@ -47,7 +47,10 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            cleared and the index's files dropped from the page cache with
            posix_fadvise(DONTNEED) after an fsync; two rounds, the first reported as
            ``query_cold_first_ttft_ms``), and the same prompt in ``full`` mode (re-encoding
-           everything).
+           everything). ``retrieve_ms``: the build's index retrieving each question (embedding
+           and vector search); ``retrieve_loaded_ms``: the index loaded again as a query
+           process loads it (``LazyIndex.load``: its embedder on the host's cores), and
+           ``retrieve_loaded_llm_device_ms`` with an embedder on the LLM's device instead.
 Writes a JSON list of flat records (benchmark ``index_build``, one record per size and KV dtype)
 to ``--out`` (default benchmarks/results/index_build_<device>.json) and prints a table.
 """
@@ -67,6 +70,7 @@ from lazy_rag.bench.disk import drop_page_cache, read_folder, write_bandwidth
 from lazy_rag.bench.roofline import matmul_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RETRIEVE_ROUNDS = 10  # the questions retrieved this many times for a loaded index's retrieval time
 COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
            "pct_of_write_bw", "bound", "disk_bytes_per_token", "gpu_peak_gb", "host_peak_gb", "update_s",
            "update_pct_of_build", "query_warm_ttft_ms", "query_page_cache_ttft_ms", "query_cold_first_ttft_ms",
@@ -335,6 +339,22 @@ def one_size(a) -> dict:
         for q, _ in asks:
             index.retrieve(q, a.top_k)
         rec["retrieve_ms"] = round((time.perf_counter() - t0) * 1e3 / len(asks), 2)
+        # the index as a query process loads it (its own embedder, on the host's cores), and with
+        # an embedder on the LLM's device instead; each after one unmeasured question
+        for key, dev_key, emb in (("retrieve_loaded_ms", "retrieve_loaded_embed_device", None),
+                                  ("retrieve_loaded_llm_device_ms", "retrieve_loaded_llm_device_embed_device",
+                                   Embedder(index.embedder.name, device=build_device(dev)))):
+            loaded = LazyIndex.load(out, llm=llm, embedder=emb)
+            try:
+                loaded.retrieve(asks[0][0], a.top_k)
+                t0 = time.perf_counter()
+                for _ in range(RETRIEVE_ROUNDS):
+                    for q, _ in asks:
+                        loaded.retrieve(q, a.top_k)
+                rec[key] = round((time.perf_counter() - t0) * 1e3 / (RETRIEVE_ROUNDS * len(asks)), 2)
+                rec[dev_key] = loaded.embedder.device
+            finally:
+                loaded.close()
     # the disk again, writing as many bytes as the build did and starting each block's writeback
     # as the store does (the 2 GiB probe above can be a short burst: benchmarks/store_write.py),
     # once the index is gone, so that a build of half the free disk can be measured
