@@ -408,7 +408,12 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
                 stats.own_pins += lease.own_pins
                 stats.staging_wait_s += lease.waited_s
             if beside_writes is not None and writer.would_wait(sum(kv.nbytes for kv in kvs)):
-                run_beside()
+                try:
+                    run_beside()
+                except BaseException:  # (the calibration logs its own errors: an interrupt)
+                    if lease is not None:
+                        lease.release()
+                    raise
             writer.put(batch, kvs, progress, lease)
             del kvs
         if beside_writes is not None and batches:  # (with nothing to write, nothing to hide it behind)

@@ -261,3 +261,30 @@ def test_work_beside_the_writes_runs_once_while_the_writer_is_busy():
     seen.clear()
     encode_and_write(fake_llm("cuda"), ListStore(), [], None, Bar(), [], beside_writes=task)
     assert seen == []
+
+
+def test_an_interrupt_in_the_work_beside_the_writes_gives_every_staging_buffer_back(monkeypatch):
+    """The calibration logs its own errors; an interrupt in it (Ctrl-C) stops the build like an
+    encode error: raised in the caller, the writer stopped, and every batch's staging buffer,
+    the one not yet queued included, given back (none stays pinned)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    leases = []
+
+    class Staging(PinnedStaging):
+        def lease(self):
+            leases.append(super().lease())
+            return leases[-1]
+
+    monkeypatch.setattr(build_pipeline, "PinnedStaging", lambda slots, nbytes: Staging(slots, nbytes, pin=False))
+
+    class Interrupt(BaseException):
+        pass
+
+    def task():
+        raise Interrupt
+
+    with pytest.raises(Interrupt):
+        encode_and_write(fake_llm("cuda"), ListStore(delay=0.02), records(12), None, Bar(), [], batch_tokens=300,
+                         max_pending_bytes=1, beside_writes=task)
+    assert 1 < len(leases) < 12 and all(lease.buf is None for lease in leases)
+    assert not writer_threads()
