@@ -1036,13 +1036,6 @@ class LazyIndex:
         report.stages["prepare_s"] = round(t_embed - t0, 3)
         vecs_new = _embed_records(embedder, new_records, style) if new_records and vectors else None
         report.stages["embed_s"] = round(time.perf_counter() - t_embed, 3)
-        calibrated = False
-
-        def calibrate():  # the engine's encode costs, fitted while the writer writes (encode_and_write)
-            nonlocal calibrated
-            calibrated = True
-            _keep_encode_calibration(llm, report)
-
         if todo_records and precompute_kv:
             with Progress(_tokens(todo_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV is there already (the same chunk before, or written by an
@@ -1050,8 +1043,10 @@ class LazyIndex:
                 todo = [r for r in todo_records if store.read(r.id, r.token_ids)[0] is None]
                 bar.advance(_tokens(todo_records) - _tokens(todo))
                 report.stages["encode_start_s"] = round(time.perf_counter() - t0, 3)
-                report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
-                                                           report.stages, beside_writes=calibrate)
+                # the engine's encode costs fitted while the writer writes (encode_and_write)
+                report.kv_bytes_written += _encode_records(
+                    llm, store, todo, wrapper, bar, run.written, report.stages,
+                    beside_writes=lambda: _keep_encode_calibration(llm, report))
         if warmup is not None:  # joined before the commit (an encode above waited for it on the engine's lock)
             report.stages["warmup_s"] = round(warmup.wait(), 3)
             # the build's timeline: the warm-up's compiles against the chunking, embedding and encode
@@ -1070,7 +1065,8 @@ class LazyIndex:
         index = cls._commit(out, llm, embedder, run, prev, settings, records, vecs, new_files, drop_sources, repair,
                             old_vectors, wrapper, report)
         report.stages["commit_s"] = round(time.perf_counter() - t_commit, 3)
-        if todo_records and precompute_kv and not calibrated:  # every chunk's KV was there already
+        if todo_records and precompute_kv and report.stages.get("beside_at_batch", -1) < 0:
+            # not fitted beside the writes: every chunk's KV was there already
             _keep_encode_calibration(llm, report)
         report.chunks_added = len(new_records)
         report.chunks_total = index.manifest["num_chunks"]

@@ -492,6 +492,38 @@ def test_a_killed_build_resumes_from_the_kv_it_checkpointed(index_copy, smollm2,
     assert verify_index(out)["ok"] and index_settings(out)["num_chunks"] == len(index.records)
 
 
+def test_a_build_whose_kv_was_all_checkpointed_fits_the_encode_costs_after_its_commit(index_copy, smollm2,
+                                                                                        embedder, monkeypatch):
+    """The encode calibration runs beside the KV writes; a build with nothing left to encode (a
+    killed build checkpointed every chunk's KV) has no writes to hide it behind and fits it once,
+    after its commit; a build that encodes fits it once, inside its pipeline."""
+    import lazy_rag.index as index_mod
+    import lazy_rag.store as store_mod
+
+    src, out = index_copy
+    monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 1)  # a checkpoint after every record
+    monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", 0.0)
+    fits = []
+    monkeypatch.setattr(index_mod, "_keep_encode_calibration",
+                        lambda llm, report: fits.append("commit_s" in report.stages))
+    (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899. " * 4)
+    real_commit = LazyIndex._commit.__func__
+
+    def killed_at_commit(cls, *a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LazyIndex, "_commit", classmethod(killed_at_commit))
+    with pytest.raises(KeyboardInterrupt):
+        LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
+    assert fits == [False]  # beside the writes, before the commit
+    monkeypatch.setattr(LazyIndex, "_commit", classmethod(real_commit))
+    fits.clear()
+    index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
+                                 progress=False)
+    assert rep.stages.get("beside_at_batch", -1) < 0 and rep.stages.get("batches", 0) == 0  # nothing encoded
+    assert fits == [True] and verify_index(out)["ok"]
+
+
 def test_a_build_not_on_a_terminal_prints_progress_lines(tmp_path, smollm2, embedder, capsys):
     src = tmp_path / "docs"
     src.mkdir()
