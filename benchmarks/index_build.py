@@ -27,9 +27,18 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            the end, the index deleted, so that a build of half the free disk can be measured);
            ``pct_of_write_bw_same_bytes_writeback_first`` (``--probe-first``): over that probe
            run just before the build instead, its file kept until the build is done, so that
-           both write blocks never written before on the machine, minutes apart at most (the
-           probe at the end rewrites the index's freed blocks later; a fresh machine's disk
-           has been seen to speed up in between). The build includes its final fsync.
+           both write blocks never written before on the machine. That is the fair disk for a
+           first build: on the GPU machines a fresh disk writes blocks it never wrote slower
+           than freed ones (on three machines 1.2-1.8 against 1.7-2.4 GB/s, BENCHMARKS.md), and
+           the probe at the end rewrites the index's freed blocks. When twice the build's bytes do not fit, the
+           probe first writes what fits beside the build (at least 4 GiB; ``probe_first_gb``)
+           and its fields are ``write_gbps_writeback_first`` / ``pct_of_write_bw_writeback_first``.
+           ``--bracket`` adds a probe of as many bytes right after the build, on new blocks again
+           (the index and the first probe kept): a fresh disk's rate on new blocks drifts as they
+           fill (on one machine 1.73 GB/s over the first 17 GB, 1.16 over the next; on another
+           it rose), so a probe on one side of the build alone takes other blocks than its own;
+           ``write_gbps_new_blocks_after``, ``pct_of_write_bw_new_blocks_bracket`` (over the
+           two probes' mean). The build includes its final fsync.
            ``stage_warmup_start_s`` / ``_end_s``, ``stage_encode_start_s``: the build's
            timeline from its start; ``stage_commit_s``; ``stage_encode_calibration_s``: the
            engine's encode calibration, run on the encoding thread beside the writes
@@ -207,18 +216,21 @@ def one_size(a) -> dict:
     probe_first = None
     if a.probe_first:
         # as many bytes as the build will write, just before it, on blocks the build cannot
-        # reuse (the file stays until the build is done): the probe at the end writes the
-        # index's freed blocks minutes later, on a disk whose rate can change in between
+        # reuse (the file stays until the build is done): the probe at the end rewrites the
+        # index's freed blocks, which these machines' disks write faster than new ones
+        from lazy_rag.bench.disk import probe_first_bytes
         from lazy_rag.build_estimate import kv_bytes_per_token
 
         est = int(sum(c["tokens"] for c in docs) * kv_bytes_per_token(llm, a.kv_dtype)) if kind == "chunks" else 0
         free = shutil.disk_usage(work).free
-        if est and free > 2.1 * est:
+        # the same bytes when they fit beside the build, else what does
+        probe_bytes = probe_first_bytes(est, free, probes=2 if a.bracket else 1)
+        if probe_bytes:
             probe_first = work / ".write_probe_first"
             probe_first.mkdir()
-            rec_probe_first = write_bandwidth(probe_first, nbytes=est, start_writeback=True, keep=True)
+            rec_probe_first = write_bandwidth(probe_first, nbytes=probe_bytes, start_writeback=True, keep=True)
         else:
-            print(f"--probe-first skipped: {est / 1e9:.1f} GB to probe and build, {free / 1e9:.1f} GB free", flush=True)
+            print(f"--probe-first skipped: {est / 1e9:.1f} GB to build, {free / 1e9:.1f} GB free", flush=True)
     write_gbps = write_bandwidth(work)
     tflops = matmul_tflops(dev)
     if dev.type == "cuda":
@@ -228,6 +240,12 @@ def one_size(a) -> dict:
     t0 = time.perf_counter()
     index, report = build()
     build_s = time.perf_counter() - t0
+    rec_probe_after = None
+    if probe_first is not None and a.bracket:   # new blocks again: the index and the first probe kept
+        probe_after = work / ".write_probe_after"
+        probe_after.mkdir()
+        rec_probe_after = write_bandwidth(probe_after, nbytes=probe_bytes, start_writeback=True)
+        shutil.rmtree(probe_after)
     if probe_first is not None:
         shutil.rmtree(probe_first)
     records = index.records
@@ -249,8 +267,15 @@ def one_size(a) -> dict:
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
     if probe_first is not None:
-        rec["write_gbps_same_bytes_writeback_first"] = round(rec_probe_first, 2)
-        rec["pct_of_write_bw_same_bytes_writeback_first"] = round(100 * kv_bytes / build_s / (rec_probe_first * 1e9), 1)
+        what = "same_bytes_writeback_first" if probe_bytes == est else "writeback_first"
+        rec["probe_first_gb"] = round(probe_bytes / 1e9, 2)
+        rec[f"write_gbps_{what}"] = round(rec_probe_first, 2)
+        rec[f"pct_of_write_bw_{what}"] = round(100 * kv_bytes / build_s / (rec_probe_first * 1e9), 1)
+    if rec_probe_after is not None:
+        mean = (rec_probe_first + rec_probe_after) / 2
+        rec["write_gbps_new_blocks_after"] = round(rec_probe_after, 2)
+        rec["write_gbps_new_blocks_bracket"] = round(mean, 2)
+        rec["pct_of_write_bw_new_blocks_bracket"] = round(100 * kv_bytes / build_s / (mean * 1e9), 1)
     stages = dict(report.stages) if report is not None else {}
     for k in ("prepare_s", "embed_s", "warmup_s", "encode_s", "first_encode_s", "second_encode_s", "first_write_s",
               "first_written_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s",
@@ -423,8 +448,11 @@ def main(argv=None):
         r.add_argument("--top-k", type=int, default=4)
         r.add_argument("--out")
         r.add_argument("--probe-first", action="store_true",
-                       help="also probe the disk before the build with as many bytes as it writes, the probe's "
-                            "file kept through the build (pre-split chunks; needs twice the build's bytes free)")
+                       help="also probe the disk before the build with as many bytes as it writes (or as fit "
+                            "beside it, at least 4 GiB), the probe's file kept through the build (pre-split chunks)")
+        r.add_argument("--bracket", action="store_true",
+                       help="with --probe-first: a second probe of new blocks right after the build, the index "
+                            "and the first probe kept (a fresh disk's first writes slow down as it fills)")
         r.add_argument("--one-size", type=int)
     a = ap.parse_args(argv)
     if a.cmd == "corpus":

@@ -300,3 +300,22 @@ def test_a_kept_write_probe_holds_its_blocks_until_the_caller_deletes_it(tmp_pat
     assert write_bandwidth(tmp_path, nbytes=3 << 20, block=1 << 20, keep=True) > 0
     (probe,) = tmp_path.iterdir()
     assert probe.stat().st_size == 3 << 20
+
+
+def test_a_probe_before_a_build_writes_the_builds_bytes_when_both_fit_else_what_fits():
+    """index_build.py --probe-first (and --bracket's two probes): the same bytes as the build when
+    the probes and the build fit in the free space with the margin; fewer when they do not; none
+    below the minimum."""
+    from lazy_rag.bench.disk import probe_first_bytes
+
+    G = 10 ** 9
+    assert probe_first_bytes(20 * G, 68 * G) == 20 * G
+    fits = probe_first_bytes(39 * G, 68 * G)
+    assert 4 << 30 <= fits < 39 * G
+    assert fits + 39 * G + (3 << 30) <= 68 * G / 1.05
+    assert probe_first_bytes(40 * G, 45 * G) == 0
+    assert probe_first_bytes(0, 68 * G) == 0
+    # --bracket: two probes kept beside the build
+    assert probe_first_bytes(19 * G, 68 * G, probes=2) == 19 * G
+    two = probe_first_bytes(25 * G, 68 * G, probes=2)
+    assert 4 << 30 <= two < 25 * G and 2 * two + 25 * G + (3 << 30) <= 68 * G / 1.05

@@ -37,6 +37,19 @@ def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, 
     return n * block / dt / 1e9
 
 
+def probe_first_bytes(build_bytes: int, free: int, probes: int = 1, minimum: int = 4 << 30,
+                      margin: int = 3 << 30) -> int:
+    """Bytes for each of ``probes`` write probes kept on disk beside a build of ``build_bytes``
+    (benchmarks/index_build.py --probe-first: one just before the build, its file kept through it;
+    --bracket: a second just after it, the index and the first kept), so that every one of them
+    writes blocks never written before: as many as the build when all fit in ``free`` with
+    ``margin`` to spare (and 5% for the file system's own blocks), else what does fit; 0 when that
+    is under ``minimum``, a probe too short to measure the disk's sustained rate."""
+    fits = (int(free / 1.05) - build_bytes - margin) // probes
+    n = min(build_bytes, fits)
+    return n if n >= minimum else 0
+
+
 def read_folder(folder: Path) -> None:
     """Read every file of ``folder`` once, so that it is in the page cache."""
     for p in Path(folder).rglob("*"):
