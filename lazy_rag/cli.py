@@ -115,7 +115,8 @@ def index(
                   "again to index the new version.", markup=False, highlight=False)
     w = idx.wrapper
     moved = f", {_human(rep.kv_bytes_moved)} compacted" if rep.kv_records_moved else ""
-    out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new), {rep.tokens_total} tokens, "
+    encoded = f", {rep.chunks_encoded} encoded" if rep.chunks_encoded != rep.chunks_added else ""
+    out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new{encoded}), {rep.tokens_total} tokens, "
               f"{_human(rep.kv_bytes_written)} of KV written{moved} in {rep.seconds:.1f} s -> {out_dir}"
               + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots)" if w is not None else ""),
               markup=False, highlight=False)

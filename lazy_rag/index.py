@@ -282,6 +282,9 @@ class BuildReport:
     # files that changed after they were read: the index holds the text read, the next run re-indexes them
     changed_files: list = field(default_factory=list)
     chunks_added: int = 0
+    # of those (and of chunks whose KV an earlier build left unwritten), the ones whose KV this
+    # build encoded: a chunk whose text an index already holds keeps its stored KV
+    chunks_encoded: int = 0
     chunks_total: int = 0
     tokens_total: int = 0
     kv_bytes_written: int = 0     # KV encoded by this build (appended to the segments)
@@ -1042,6 +1045,7 @@ class LazyIndex:
                 # interrupted build) are kept as they are
                 todo = [r for r in todo_records if store.read(r.id, r.token_ids)[0] is None]
                 bar.advance(_tokens(todo_records) - _tokens(todo))
+                report.chunks_encoded = len(todo)
                 report.stages["encode_start_s"] = round(time.perf_counter() - t0, 3)
                 # the engine's encode costs fitted while the writer writes (encode_and_write)
                 report.kv_bytes_written += _encode_records(

@@ -109,6 +109,26 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
     assert block.answer == res.answer
 
 
+def test_an_edited_file_reencodes_only_the_chunks_whose_text_changed(tmp_path, smollm2, embedder):
+    """A file edited at its end is re-indexed whole (all its chunks are new rows), but a chunk
+    whose source, place and text are unchanged keeps its stored KV: the report counts the chunks
+    encoded apart from the chunks added (``lazy-rag index`` prints both)."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    paragraphs = [f"Paragraph {i} tells of the harbour town of Vell, whose {i} boats fish for herring "
+                  f"in the cold months and carry salt to the inland markets in spring." for i in range(12)]
+    (src / "vell.md").write_text("\n\n".join(paragraphs) + "\n")
+    kw = dict(llm=smollm2, embedder=embedder, chunk_size=64, chunk_overlap=0, progress=False)
+    _, first = LazyIndex.build([src], tmp_path / "idx", **kw)
+    assert first.chunks_added >= 3 and first.chunks_encoded == first.chunks_added
+    with open(src / "vell.md", "a") as f:
+        f.write("A last line about the lighthouse keeper.\n")
+    index, rep = LazyIndex.build([src], tmp_path / "idx", **kw)
+    assert rep.files_indexed == 1 and rep.chunks_added == len(index.records) >= 3
+    assert 1 <= rep.chunks_encoded < rep.chunks_added and rep.kv_bytes_written > 0
+    assert verify_index(tmp_path / "idx")["ok"]
+
+
 def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpus, smollm2, embedder):
     index, _, out = built
     kv_dir = index.store.kv_dir
