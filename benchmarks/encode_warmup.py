@@ -101,10 +101,11 @@ def main(argv=None) -> int:
         print("RECORD " + json.dumps(child(*args.child, args.model, args.tokenizer)), flush=True)
         return 0
 
+    import triton
+
     from lazy_rag.bench.records import environment, format_table, write_records
 
     env = environment()
-    import triton
     records = []
     out = Path(args.results_dir) / f"{args.out}.json"
     with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:

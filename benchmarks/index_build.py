@@ -30,9 +30,10 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            both write blocks never written before on the machine. That is the fair disk for a
            first build: on the GPU machines a fresh disk writes blocks it never wrote slower
            than freed ones (on three machines 1.2-1.8 against 1.7-2.4 GB/s, BENCHMARKS.md), and
-           the probe at the end rewrites the index's freed blocks. When twice the build's bytes do not fit, the
-           probe first writes what fits beside the build (at least 4 GiB; ``probe_first_gb``)
-           and its fields are ``write_gbps_writeback_first`` / ``pct_of_write_bw_writeback_first``.
+           the probe at the end rewrites the index's freed blocks. When twice the build's bytes
+           do not fit, the probe first writes what fits beside the build (at least 4 GiB;
+           ``probe_first_gb``) and its fields are ``write_gbps_writeback_first`` /
+           ``pct_of_write_bw_writeback_first``.
            ``--bracket`` adds a probe of as many bytes right after the build, on new blocks again
            (the index and the first probe kept): a fresh disk's rate on new blocks drifts as they
            fill (on one machine 1.73 GB/s over the first 17 GB, 1.16 over the next; on another
