@@ -9,12 +9,21 @@ bytes on this GPU; fp8's bytes/s over bf16's for the read alone bounds what an a
 with the same fixed costs for both dtypes can show.
 
     python3 benchmarks/decode_floor.py [--contexts 512,8192,32768] [--out kernels_h100_decode_b1_floor]
+    python3 benchmarks/decode_floor.py --sweep --contexts 8192,32768 --out kernels_h100_decode_b1_sweep
 
-Records: benchmarks/results/<out>.json (modes empty_kernel, decode, read_only).
+--sweep times the decode over tuning variants instead (split count past the default cap of
+MAX_SPLITS, keys per tile, warps, stages; for fp8 also the register cap of its B16/B32 path) and
+prints each dtype's best: whether any tuning brings fp8's bytes/s within 10% of bf16's at B1.
+Each variant's output is checked against the default's (max_abs_diff).
+
+Records: benchmarks/results/<out>.json (modes empty_kernel, decode, read_only; with --sweep,
+decode_tuned, one per variant, the variant in ``tuning``).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -31,6 +40,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--contexts", default="512,8192,32768")
     ap.add_argument("--out", default="decode_floor")
+    ap.add_argument("--sweep", action="store_true", help="tuning variants of the decode instead of the floor")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
 
@@ -63,6 +73,8 @@ def main(argv=None) -> int:
            "shape": f"llama-3.1-8b attention ({shape.H} q heads, {shape.HKV} kv heads, d {shape.D}), one layer"}
     out_path = Path(args.results_dir) / f"{args.out}.json"
     records = []
+    if args.sweep:
+        return sweep(args, env, out_path)
     x = torch.zeros(1, device="cuda")
     for grid in (1, 264, 1056):
         t, timer = A.bench(lambda grid=grid: empty_kernel[(grid,)](x))
@@ -98,6 +110,65 @@ def main(argv=None) -> int:
                             "block": block, "gbps": round(read / t / 1e3, 1), "timer": timer})
             write_records(out_path, records)
     print(format_table(records, ["mode", "kv_dtype", "context", "programs", "bytes", "time_us", "gbps"]))
+    print(f"-> {out_path}")
+    return 0
+
+
+def sweep_variants(kv_dtype: str) -> list[dict]:
+    """The default ({}) and the variants swept: split count, keys per tile, warps, stages; for
+    fp8 also FP8_DECODE_MAXNREG with up to five stages (the B16/B32 path's settings)."""
+    from lazy_rag.kernels.paged_attention import FP8_DECODE_MAXNREG
+
+    out = [{}] + [dict(num_splits=sp, block_n=bn, num_warps=w, num_stages=st)
+                  for sp, bn, w, st in itertools.product((16, 32, 64, 128, 256), (64, 128), (4, 8), (2, 3, 4))]
+    if kv_dtype == "fp8":
+        out += [dict(num_splits=sp, block_n=bn, num_warps=4, num_stages=st, maxnreg=FP8_DECODE_MAXNREG)
+                for sp, bn, st in itertools.product((32, 64, 128, 256), (64, 128), (3, 4, 5))]
+    return out
+
+
+def sweep(args, env: dict, out_path: Path) -> int:
+    import torch
+
+    import attention_kernels as A
+    from lazy_rag.bench.records import format_table, write_records
+    from lazy_rag.kernels import lazy_decode, paged_attention, to_keys_major
+
+    paged_attention.MAX_SPLITS = 256   # the cap lifted: does a B1 decode want more programs?
+    shape = A.Shape()
+    records = []
+    for T in (int(c) for c in args.contexts.split(",")):
+        kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = A.decode_inputs(shape, 1, T)
+        (k8, ks), (v8, vs) = A.quantize_pool(k_pages), A.quantize_pool(v_pages)
+        outs = [torch.empty(1, shape.H, shape.D, device="cuda", dtype=shape.dtype) for _ in range(n_sets)]
+        for kv_dtype, pages, scales, nbytes in (
+                ("bf16", (k_pages, v_pages), {}, kv_bytes),
+                ("fp8", (k8, to_keys_major(v8)), dict(k_scale=ks, v_scale=vs), T * A.fp8_token_bytes(shape))):
+            call = partial(lazy_decode, rope_mode="rotate_q", **scales)
+            default = call(qs[0], *pages, tables[0], q_pos, shape.inv_freq).float()
+            for tun in sweep_variants(kv_dtype):
+                diff = (call(qs[0], *pages, tables[0], q_pos, shape.inv_freq, **tun).float() - default).abs().max()
+                t, timer = A.bench(A.each(partial(call, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
+                                                  out=outs[i], **tun) for i in range(n_sets)), n_sets)
+                records.append({"benchmark": "decode_b1_sweep", "mode": "decode_tuned", **env, "kv_dtype": kv_dtype,
+                                "context": T, "n_sets": n_sets, "tuning": json.dumps(tun), "bytes": nbytes,
+                                "time_us": round(t, 2), "gbps": round(nbytes / t / 1e3, 1), "timer": timer,
+                                "max_abs_diff": float(diff)})
+            write_records(out_path, records)
+        del k_pages, v_pages, k8, v8
+        torch.cuda.empty_cache()
+    best = []
+    for T in sorted({r["context"] for r in records}):
+        pick = {}
+        for d in ("bf16", "fp8"):
+            rs = [r for r in records if r["context"] == T and r["kv_dtype"] == d]
+            pick[d] = (min(rs, key=lambda r: r["time_us"]), next(r for r in rs if r["tuning"] == "{}"))
+        for d, (b, dflt) in pick.items():
+            best.append({"kv_dtype": d, "context": T, "default_us": dflt["time_us"], "best_us": b["time_us"],
+                         "best_gbps": b["gbps"], "best_tuning": b["tuning"],
+                         "fp8_over_bf16_best": round(pick["fp8"][0]["gbps"] / pick["bf16"][0]["gbps"], 3)})
+    print(format_table(best, ["kv_dtype", "context", "default_us", "best_us", "best_gbps", "fp8_over_bf16_best",
+                              "best_tuning"]))
     print(f"-> {out_path}")
     return 0
 

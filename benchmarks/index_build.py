@@ -16,8 +16,12 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            when faiss and the embedder are installed (embedded on ``--embed-device``: auto, the
            build's default, is the LLM's GPU; cpu, where builds embedded until 2026-11-27).
            Tokens/s over the whole build; its stage times
-           (``stage_prepare_s``: chunking and tokenizing, ``stage_embed_s``, ``stage_warmup_s``:
-           the encode's warm-up beside them on CUDA, then the KV pipeline's); bytes on disk per token; GPU and host peak memory.
+           (``stage_prepare_s``: chunking and tokenizing, ``stage_warmup_s``: the encode's
+           warm-up beside them on CUDA, then the KV pipeline's, ``stage_embed_s`` beside its
+           writes from ``stage_embed_start_s``); bytes on disk per token; GPU and host peak memory.
+           ``--prime-kernels``: a build of a few chunks first, in a process of its own, so that
+           the measured build finds its kernels compiled in Triton's cache as a machine's
+           second build does (``kernels``: primed or as_found; ``kernels_primed_s``).
            ``pct_of_prefill_roofline``: tokens/s over (bf16 matmul rate measured in this run /
            the model's FLOPs per token, 2 x non-embedding parameters + causal attention over a
            chunk). ``pct_of_write_bw``: KV bytes per second over this run's measured sequential
@@ -80,6 +84,7 @@ from lazy_rag.bench.disk import drop_page_cache, read_folder, write_bandwidth
 from lazy_rag.bench.roofline import matmul_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PRIME_TOKENS = 1024  # --prime-kernels' build: a few chunks (their KV deleted: ~128 MB of the 8B shape)
 RETRIEVE_ROUNDS = 10  # the questions retrieved this many times for a loaded index's retrieval time
 COLUMNS = ["model", "mode", "size_tokens", "chunks", "build_s", "tokens_per_s", "pct_of_prefill_roofline",
            "pct_of_write_bw", "bound", "disk_bytes_per_token", "gpu_peak_gb", "host_peak_gb", "update_s",
@@ -174,6 +179,25 @@ def select_docs(a, size: int) -> tuple[list, str]:
     return out, "files"
 
 
+def prime_kernels(a, work: Path) -> float:
+    """A build of PRIME_TOKENS tokens with the same model and KV dtype in a process of its own, its
+    index deleted: the kernels it compiles are then in Triton's cache on disk, as after a
+    machine's first build. Its seconds (the model's load included)."""
+    argv = [sys.executable, __file__, "one", "--model", a.model, "--kv-dtype", a.kv_dtype, "--chunk-size",
+            str(a.chunk_size), "--kv-gb", str(a.kv_gb), "--embed-device", a.embed_device, "--work", str(work),
+            "--one-size", str(PRIME_TOKENS), "--prime-only"]
+    for flag, value in (("--tokenizer", a.tokenizer), ("--corpus", a.corpus), ("--chunks", a.chunks)):
+        if value:
+            argv += [flag, value]
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.stderr.write(res.stderr[-3000:])
+        raise SystemExit(f"--prime-kernels: the priming build failed ({res.returncode})")
+    shutil.rmtree(work, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
 def one_size(a) -> dict:
     import torch
 
@@ -184,6 +208,8 @@ def one_size(a) -> dict:
     work = Path(a.work) / f"{a.model.replace(':', '_').replace('/', '_')}-{a.kv_dtype}-{size}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    # before this process loads its model: the priming process's GPU memory is given back
+    primed_s = prime_kernels(a, Path(a.work) / "prime") if a.prime_kernels else None
     llm = load_llm(a)
     dev = llm.device if hasattr(llm, "device") else torch.device("cpu")
     dev = torch.device(dev)
@@ -232,8 +258,11 @@ def one_size(a) -> dict:
             rec_probe_first = write_bandwidth(probe_first, nbytes=probe_bytes, start_writeback=True, keep=True)
         else:
             print(f"--probe-first skipped: {est / 1e9:.1f} GB to build, {free / 1e9:.1f} GB free", flush=True)
-    write_gbps = write_bandwidth(work)
-    tflops = matmul_tflops(dev)
+    if a.prime_only:   # no probe: its deleted file would leave freed blocks for the measured build
+        write_gbps = tflops = float("nan")
+    else:
+        write_gbps = write_bandwidth(work)
+        tflops = matmul_tflops(dev)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -241,6 +270,10 @@ def one_size(a) -> dict:
     t0 = time.perf_counter()
     index, report = build()
     build_s = time.perf_counter() - t0
+    if a.prime_only:
+        index.close()
+        shutil.rmtree(work, ignore_errors=True)
+        return {"benchmark": "index_build_prime", "size_tokens": size, "build_s": round(build_s, 2)}
     rec_probe_after = None
     if probe_first is not None and a.bracket:   # new blocks again: the index and the first probe kept
         probe_after = work / ".write_probe_after"
@@ -266,7 +299,12 @@ def one_size(a) -> dict:
                disk_bytes=disk, disk_bytes_per_token=round(disk / tokens, 1),
                gpu_peak_gb=round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None,
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-               host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads())
+               host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads(),
+               # the Triton cache the build found: as the machine had it, or filled by a build
+               # in an earlier process (--prime-kernels, its seconds)
+               kernels="primed" if primed_s is not None else "as_found")
+    if primed_s is not None:
+        rec["kernels_primed_s"] = round(primed_s, 2)
     if probe_first is not None:
         what = "same_bytes_writeback_first" if probe_bytes == est else "writeback_first"
         rec["probe_first_gb"] = round(probe_bytes / 1e9, 2)
@@ -282,8 +320,8 @@ def one_size(a) -> dict:
               "first_written_s", "write_s", "prepare_wait_s", "checkpoint_s", "encoder_wait_s", "writer_fill_s",
               "writer_idle_s", "staging_wait_s", "own_pins", "bound", "batches", "encode_tokens_per_s",
               # the timeline from the build's start, and the calibration run beside the writes
-              "warmup_start_s", "warmup_end_s", "encode_start_s", "commit_s", "encode_calibration_s", "beside_s",
-              "beside_at_batch"):
+              "warmup_start_s", "warmup_end_s", "encode_start_s", "embed_start_s", "commit_s", "encode_calibration_s",
+              "beside_s", "beside_at_batch"):
         if k in stages:
             rec[f"stage_{k}" if k != "bound" else "bound"] = round(stages[k], 3) if isinstance(stages[k], float) \
                 else stages[k]
@@ -454,7 +492,11 @@ def main(argv=None):
         r.add_argument("--bracket", action="store_true",
                        help="with --probe-first: a second probe of new blocks right after the build, the index "
                             "and the first probe kept (a fresh disk's first writes slow down as it fills)")
+        r.add_argument("--prime-kernels", action="store_true",
+                       help=f"first a build of {PRIME_TOKENS} tokens in a process of its own (deleted), so that the "
+                            "measured build finds its kernels in Triton's cache, as a machine's second build does")
         r.add_argument("--one-size", type=int)
+        r.add_argument("--prime-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.cmd == "corpus":
         cmd_corpus(a)

@@ -608,19 +608,24 @@ def _slot_pos_args(table: PageTable, page: int, dummy: torch.Tensor):
     return table.slot_pos_row, sp, sp.stride(0)
 
 
+# split-KV programs per sequence at most (a B1 sweep on an H100 found 64-256 splits slower than
+# 32 for bf16 and fp8 pages at 8k and 32k: benchmarks/decode_floor.py --sweep lifts the cap)
+MAX_SPLITS = 64
+
+
 def split_count(device, n_programs: int, n_kv_tiles: int, num_splits: int | None,
                 split_target: float, per_sm: int | None = None) -> tuple[int, int]:
     """(num_splits, tiles_per_split) of split-KV over n_kv_tiles tiles per sequence, for
     n_programs (query tile, KV head) programs: num_splits None picks about split_target programs
     per SM, or, with per_sm (how many programs the kernel's registers and shared memory let one
-    SM hold), wave_splits' count; at most 64 splits, no more than tiles, and no split left empty
+    SM hold), wave_splits' count; at most MAX_SPLITS, no more than tiles, and no split left empty
     by the rounding."""
     if num_splits is None and per_sm:
         num_splits = wave_splits(n_programs, n_kv_tiles, per_sm * _num_sms(device))
     if num_splits is None:
         target = int(split_target * _num_sms(device))
-        num_splits = max(1, min(n_kv_tiles, 64, triton.cdiv(target, n_programs)))
-    num_splits = max(1, min(num_splits, n_kv_tiles, 64))
+        num_splits = max(1, min(n_kv_tiles, MAX_SPLITS, triton.cdiv(target, n_programs)))
+    num_splits = max(1, min(num_splits, n_kv_tiles, MAX_SPLITS))
     tiles_per_split = triton.cdiv(n_kv_tiles, num_splits)
     return triton.cdiv(n_kv_tiles, tiles_per_split), tiles_per_split
 

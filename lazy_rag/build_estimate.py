@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .chunking import TokenChunker, discover_files, read_text
-from .store import _DTYPES
+from .store import _DTYPES, KV_DTYPE_NAMES
 
 SAMPLE_BYTES = 4 << 20
 PROBE_WRITE_BYTES = 256 << 20
@@ -32,7 +32,8 @@ def kv_bytes_per_token(llm, kv_dtype: str) -> float:
     """Stored KV bytes per token (K and V over every layer and KV head)."""
     s = llm.shape
     elems = s.kv_bytes_per_token  # 2 * layers * kv heads * head_dim
-    if kv_dtype == "fp8":
+    kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
+    if kv_dtype == "float8_e4m3fn":
         return elems + 2 * s.num_layers * s.num_kv_heads * 2  # fp8 values + one fp16 scale per row
     dtype = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
     return elems * dtype.itemsize

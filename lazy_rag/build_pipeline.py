@@ -68,7 +68,7 @@ class PipelineStats:
     writer_idle_s: float = 0.0   # the writer waiting for KV to write after that: the encoder is the bound
     own_pins: int = 0            # host tensors that did not fit a staging buffer and were pinned anew
     beside_s: float = 0.0        # ``beside_writes``' work on the encoding thread (see encode_and_write)
-    beside_at_batch: int = -1    # ... run with this many batches encoded (all: after the last was queued)
+    beside_at_batch: int = -1    # ... its first task run after this many batches (all: once the last was queued)
     seconds: float = 0.0
     batches: int = 0
     bound: str = field(default="")
@@ -329,12 +329,14 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     CPU device, where each batch is written after its encode on this thread); ``bar`` advances by
     tokens written, with the rate in its note. Returns the stage times and totals.
 
-    ``beside_writes``: other accelerator work the build has to do (the engine's encode
-    calibration), run once on this thread where it costs the build nothing: when a batch finds
-    the writer's queue full (the disk is the bound and the accelerator would only wait), else
-    once the last batch is queued, beside the writer's last writes; never without records.
-    After the build's commit it held a machine's first 8B build for its own kernels' compiles
-    while the disk was idle."""
+    ``beside_writes``: other accelerator work the build has to do (the chunks' embeddings, the
+    engine's encode calibration), a callable or a sequence of them, each run once on this thread
+    where it costs the build nothing: when a batch finds the writer's queue full (the disk is the
+    bound and the accelerator would only wait), one task per such batch, so that the queue's
+    bytes cover each task's seconds; what is left once the last batch is queued, beside the
+    writer's last writes; never without records. After the build's commit the calibration held a
+    machine's first 8B build for its own kernels' compiles while the disk was idle; before the
+    first encode the embedding held the first write back."""
     engine = llm.engine
     on_cpu = llm.device.type == "cpu"
     if background is None:
@@ -375,13 +377,16 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         stats.chunks += len(done_records)
         bar.advance(n, note=f"{rate:,.0f} tokens/s, {stats.kv_bytes / 2**30:.2f} GiB written")
 
+    beside = list(beside_writes) if isinstance(beside_writes, (list, tuple)) else \
+        [beside_writes] if beside_writes is not None else []
+
     def run_beside() -> None:
-        nonlocal beside_writes
-        task, beside_writes = beside_writes, None
+        task = beside.pop(0)
         t1 = time.perf_counter()
-        stats.beside_at_batch = stats.batches
+        if stats.beside_at_batch < 0:
+            stats.beside_at_batch = stats.batches
         task()
-        stats.beside_s = time.perf_counter() - t1
+        stats.beside_s += time.perf_counter() - t1
 
     try:
         for batch in batches:
@@ -407,16 +412,16 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
             if lease is not None:
                 stats.own_pins += lease.own_pins
                 stats.staging_wait_s += lease.waited_s
-            if beside_writes is not None and writer.would_wait(sum(kv.nbytes for kv in kvs)):
+            if beside and writer.would_wait(sum(kv.nbytes for kv in kvs)):
                 try:
                     run_beside()
-                except BaseException:  # (the calibration logs its own errors: an interrupt)
+                except BaseException:  # an interrupt, or the embedding's error (the calibration logs its own)
                     if lease is not None:
                         lease.release()
                     raise
             writer.put(batch, kvs, progress, lease)
             del kvs
-        if beside_writes is not None and batches:  # (with nothing to write, nothing to hide it behind)
+        while beside and batches:  # (with nothing to write, nothing to hide them behind)
             run_beside()
         writer.close()
     except BaseException:

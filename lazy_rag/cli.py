@@ -66,9 +66,9 @@ def index(
     chunk_size: int = typer.Option(256, help="Chunk size in model tokens."),
     chunk_overlap: int = typer.Option(32, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
-    kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32, bfloat16, float16, or "
-                                              "fp8 (e4m3 with a scale per token and KV head: half the disk and host "
-                                              "memory of bf16)."),
+    kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32 (fp32), bfloat16 (bf16), "
+                                              "float16 (fp16), or fp8 (e4m3 with a scale per token and KV head: half "
+                                              "the disk and host memory of bf16)."),
     recovery: Optional[str] = typer.Option(None, help=RECOVERY_HELP),
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),

@@ -59,7 +59,7 @@ from .embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from .index_lock import try_writer_lock, writer_lock
 from .llm import LazyLLM
-from .progress import Progress
+from .progress import Progress, resolved_style
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
@@ -913,8 +913,6 @@ class LazyIndex:
             model_name = model
         else:
             model_name = getattr(llm, "model_name", None)
-        if vectors:
-            embedder = embedder or Embedder(DEFAULT_EMBEDDER, device=build_device(llm.device))
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
         kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
         if kv_dtype != "auto" and kv_dtype not in _DTYPES:
@@ -942,6 +940,8 @@ class LazyIndex:
 
         if prev.format is None:  # a new index: all of it will be encoded
             warmup = warm_up()
+        if vectors:  # (after the warm-up starts: loading the embedder is seconds of its compile)
+            embedder = embedder or Embedder(DEFAULT_EMBEDDER, device=build_device(llm.device))
         settings = {
             "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
             "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
@@ -1033,12 +1033,26 @@ class LazyIndex:
             cls._check_free_space(out, llm, store, todo_records, wrapper.slots if wrapper else 0)
         # Embed and encode only what is new.
         style = progress_style(progress)
-        t_embed = time.perf_counter()
-        # from the build's start to the embedding: the model where it is loaded here, the previous
-        # index, chunking and tokenizing
-        report.stages["prepare_s"] = round(t_embed - t0, 3)
-        vecs_new = _embed_records(embedder, new_records, style) if new_records and vectors else None
-        report.stages["embed_s"] = round(time.perf_counter() - t_embed, 3)
+        # from the build's start to the embedding and encoding: the model where it is loaded here,
+        # the previous index, chunking and tokenizing
+        report.stages["prepare_s"] = round(time.perf_counter() - t0, 3)
+        vecs_new = None
+
+        def embed(style):
+            nonlocal vecs_new
+            t_embed = time.perf_counter()
+            if new_records and vectors:
+                vecs_new = _embed_records(embedder, new_records, style)
+            report.stages["embed_s"] = round(time.perf_counter() - t_embed, 3)
+            report.stages["embed_start_s"] = round(t_embed - t0, 3)
+
+        # while the writer writes: the embedding (before the first encode it held the first write
+        # back by its seconds, the disk idle; the vectors are needed at the commit), then the
+        # calibration, each beside a full queue of its own. Its progress in lines between the
+        # encode's, not as a second live bar beside the encode's
+        beside_style = "none" if resolved_style(style) == "bar" else style
+        beside_writes = (lambda: embed(beside_style), lambda: _keep_encode_calibration(llm, report))
+
         if todo_records and precompute_kv:
             with Progress(_tokens(todo_records), "encoding chunk KV", style) as bar:
                 # chunks whose KV is there already (the same chunk before, or written by an
@@ -1047,10 +1061,12 @@ class LazyIndex:
                 bar.advance(_tokens(todo_records) - _tokens(todo))
                 report.chunks_encoded = len(todo)
                 report.stages["encode_start_s"] = round(time.perf_counter() - t0, 3)
-                # the engine's encode costs fitted while the writer writes (encode_and_write)
-                report.kv_bytes_written += _encode_records(
-                    llm, store, todo, wrapper, bar, run.written, report.stages,
-                    beside_writes=lambda: _keep_encode_calibration(llm, report))
+                # the embedding and the engine's encode costs beside the writer's writes (encode_and_write)
+                if todo:
+                    report.kv_bytes_written += _encode_records(llm, store, todo, wrapper, bar, run.written,
+                                                               report.stages, beside_writes=beside_writes)
+        if "embed_s" not in report.stages:  # nothing encoded (vectors alone, or every chunk's KV was there)
+            embed(style)
         if warmup is not None:  # joined before the commit (an encode above waited for it on the engine's lock)
             report.stages["warmup_s"] = round(warmup.wait(), 3)
             # the build's timeline: the warm-up's compiles against the chunking, embedding and encode

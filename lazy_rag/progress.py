@@ -20,14 +20,20 @@ def _clock_text(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def resolved_style(style: str, stream=None) -> str:
+    """``style`` with auto resolved: a bar on a terminal, plain lines anywhere else."""
+    if style == "auto":
+        return "bar" if getattr(stream or sys.stderr, "isatty", lambda: False)() else "lines"
+    return style
+
+
 class Progress:
     def __init__(self, total: int, label: str, style: str = "auto", stream=None, every_s: float = 30.0,
                  every_fraction: float = 0.05, clock=time.monotonic):
         if style not in STYLES:
             raise ValueError(f"Unknown progress style {style!r}; choose one of {', '.join(STYLES)}.")
         self.stream = stream or sys.stderr
-        if style == "auto":
-            style = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        style = resolved_style(style, self.stream)
         self.style, self.total, self.label = style, max(int(total), 1), label
         self.every_s, self.every_fraction, self.clock = every_s, every_fraction, clock
         self.done, self.note = 0, ""

@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            # e4m3 with one fp16 scale per (layer, token, KV head): half the bytes (kernels.kv_quant)
            "float8_e4m3fn": torch.float8_e4m3fn}
-KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn"}  # what `--kv-dtype` also accepts
+# the short names `--kv-dtype` also accepts (a benchmark run with "bf16" was refused)
+KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 DB_NAME = "index.sqlite"
 SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)

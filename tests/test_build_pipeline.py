@@ -263,6 +263,24 @@ def test_work_beside_the_writes_runs_once_while_the_writer_is_busy():
     assert seen == []
 
 
+def test_tasks_beside_the_writes_each_take_a_full_queue_of_their_own():
+    """A sequence of tasks beside the writes (the build's embedding, then its calibration) runs in
+    order, each at a batch of its own that finds the writer's queue full, so that each is hidden
+    behind a queue's worth of writes; the ones a build never waited for run once its last batch
+    is queued."""
+    llm, store = fake_llm("cuda"), ListStore(delay=0.02)
+    seen = []
+    tasks = [lambda i=i: seen.append((i, len(llm.engine.batches))) for i in range(2)]
+    stats = encode_and_write(llm, store, records(12), None, Bar(), [], batch_tokens=300, max_pending_bytes=1,
+                             beside_writes=tasks)
+    assert [i for i, _ in seen] == [0, 1] and 1 < seen[0][1] < seen[1][1] < 12
+    assert stats.beside_at_batch == seen[0][1] and len(tasks) == 2   # the caller's sequence is not consumed
+    seen.clear()
+    llm = fake_llm("cuda")
+    stats = encode_and_write(llm, ListStore(), records(3), None, Bar(), [], batch_tokens=300, beside_writes=tasks)
+    assert seen == [(0, 3), (1, 3)] and stats.beside_at_batch == 3
+
+
 def test_an_interrupt_in_the_work_beside_the_writes_gives_every_staging_buffer_back(monkeypatch):
     """The calibration logs its own errors; an interrupt in it (Ctrl-C) stops the build like an
     encode error: raised in the caller, the writer stopped, and every batch's staging buffer,

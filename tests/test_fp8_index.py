@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lazy_rag import LazyIndex, LazyLLM
+from lazy_rag.build_estimate import kv_bytes_per_token
 from lazy_rag.errors import LazyIndexError
 from lazy_rag.kernels.kv_quant import quantize_rows
 from tests.tiny_models import tiny_model
@@ -28,6 +29,12 @@ def test_fp8_records_are_the_quantised_kv_at_half_the_bytes(tmp_path, llm):
     fp8 = LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, ids=ids, split=False, vectors=False,
                                kv_dtype="fp8", progress=False)
     assert fp8.manifest["kv_dtype"] == "float8_e4m3fn" and plain.manifest["kv_dtype"] == "bfloat16"
+    # the short names are the long ones: a build, and the estimate of its bytes (`--dry-run`)
+    short = LazyIndex.from_texts(TEXTS, tmp_path / "bf16-short", llm=llm, ids=ids, split=False, vectors=False,
+                                 kv_dtype="bf16", progress=False)
+    assert short.manifest["kv_dtype"] == "bfloat16"
+    assert kv_bytes_per_token(llm, "bf16") == kv_bytes_per_token(llm, "bfloat16") == 2 * llm.shape.kv_bytes_per_token
+    assert kv_bytes_per_token(llm, "float8_e4m3fn") == kv_bytes_per_token(llm, "fp8") > llm.shape.kv_bytes_per_token
     for r in fp8.records:
         kv, why = fp8.store.read(r.id, r.token_ids)
         ref, _ = plain.store.read(r.id, r.token_ids)

@@ -129,6 +129,23 @@ def test_an_edited_file_reencodes_only_the_chunks_whose_text_changed(tmp_path, s
     assert verify_index(tmp_path / "idx")["ok"]
 
 
+def test_a_build_embeds_its_chunks_beside_the_kv_writes(tmp_path, smollm2, embedder):
+    """A build encodes first and embeds beside the KV writes (before the first encode the
+    embedding held the first write back while the disk idled): every chunk still gets its own
+    text's vector. A build with nothing to encode embeds all the same."""
+    texts = ["The lighthouse was completed in 1871.", "Keepers lived there until 1954.",
+             "The lens came from Paris in a crate of straw.", "Herring boats leave the harbour at dawn."]
+    index = LazyIndex.from_texts(texts, tmp_path / "idx", llm=smollm2, embedder=embedder, split=False, progress=False)
+    stages = index.build_report.stages
+    assert stages["embed_start_s"] >= stages["encode_start_s"] and stages["beside_at_batch"] >= 1
+    for text in texts:
+        assert index.retrieve(text, top_k=1)[0].text == text
+    kv_less = LazyIndex.from_texts(texts, tmp_path / "kv-less", llm=smollm2, embedder=embedder, split=False,
+                                   precompute_kv=False, progress=False)
+    assert "encode_start_s" not in kv_less.build_report.stages and kv_less.build_report.stages["embed_s"] >= 0
+    assert [kv_less.retrieve(t, top_k=1)[0].text for t in texts] == texts
+
+
 def test_reindex_unchanged_does_no_work_and_changes_are_incremental(built, corpus, smollm2, embedder):
     index, _, out = built
     kv_dir = index.store.kv_dir
@@ -279,6 +296,7 @@ def test_interrupted_build_leaves_previous_index_loadable(built, corpus, smollm2
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "unlocated", "segment_deleted"])
 def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder, damage, caplog):
     index, _, out = built
+    index.close()  # its read snapshot would hold index_sql's checkpoint for the database's busy timeout (30 s)
     question = "What does Kestrel Street Bakery sell on Fridays?"
     fresh = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     want = fresh.query(question, top_k=2, max_new_tokens=8)
