@@ -1,5 +1,20 @@
 """Small assertions shared by the tests."""
+from contextlib import contextmanager
+
+import pytest
 import torch
+
+
+@contextmanager
+def torch_kernels():
+    """The engine's kernels as a CPU user runs them (their torch references), not in Triton's
+    interpreter, which the session sets (conftest) for the kernels' own tests and the engine's
+    oracle tests. For tests about something else (serving, the integrations, the evaluation,
+    the benchmark's records, the CLI), where the interpreter cost seconds a test: block mode's
+    page copies alone took 10-13 s of a server test and most of a minute of the evaluation's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        yield
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ from lazy_rag.bench.runner import BenchConfig, run_bench, summary_table
 from lazy_rag.bench.workload import WorkloadSpec, arrival_times, make_workload
 from lazy_rag.cli import app
 from lazy_rag.errors import LazyRagError
+from tests.helpers import torch_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(docs=6, doc_tokens=24, k=2, question_tokens=4, output_tokens=3, requests=5)
@@ -43,7 +44,8 @@ def records(llm, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "tiny.json"
     cfg = BenchConfig(spec=WorkloadSpec(**TINY), rates=(None, 200.0), budgets=(1.0, 0.5), hf_requests=2,
                       page_size=8, max_num_seqs=4)
-    recs = run_bench(llm, cfg, "random:tiny-llama", out, progress="off")
+    with torch_kernels():   # (in Triton's interpreter this sweep took 23 s)
+        recs = run_bench(llm, cfg, "random:tiny-llama", out, progress="off")
     return recs, out
 
 

@@ -11,6 +11,7 @@ from lazy_rag import LazyLLM
 from lazy_rag.cli import app
 from lazy_rag.errors import LazyRagError, MissingModelPackageError, UnsupportedModelError
 from lazy_rag.models import resolve_model_path
+from helpers import torch_kernels
 from tiny_models import tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
@@ -57,6 +58,11 @@ def test_wrapping_a_loaded_model_and_saved_folder_give_the_same_fingerprint(smol
 
 
 def test_cli_index_query_inspect(tmp_path):
+    with torch_kernels():
+        cli_index_query_inspect(tmp_path)
+
+
+def cli_index_query_inspect(tmp_path):
     runner = CliRunner()
     src = tmp_path / "docs"
     shutil.copytree(CORPUS, src)

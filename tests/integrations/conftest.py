@@ -1,7 +1,17 @@
 """Shared fixtures: a tiny corpus and helpers to rebuild an integration's request by hand."""
 import pytest
 
+from tests.helpers import torch_kernels
+
 from lazy_rag import Chunk
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_kernels():
+    """(module-scoped, so that the servers and engine processes a module starts inherit it)"""
+    with torch_kernels():
+        yield
+
 
 DOCS = {
     "bakery": ("Kestrel Street Bakery opens at six in the morning, Tuesday to Sunday, and closes on Mondays. "

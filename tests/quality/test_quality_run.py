@@ -13,7 +13,7 @@ from lazy_rag.quality.configs import Config
 from lazy_rag.quality.evaluate import _Evaluation
 from lazy_rag.quality.prompts import PROMPTS
 from lazy_rag.quality.runner import Runtime
-from tests.helpers import squad_file
+from tests.helpers import squad_file, torch_kernels
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "corpus"
 BRIDGE = [
@@ -38,6 +38,12 @@ def corpus_file(path: Path, edit=lambda text: text) -> Path:
     return squad_file(path, articles + [BRIDGE])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_kernels():
+    with torch_kernels():
+        yield
+
+
 @pytest.fixture(scope="module")
 def runtime(smollm2):
     from lazy_rag.embedder import Embedder
@@ -54,7 +60,7 @@ def _options(tmp_path, data, **kw) -> EvalOptions:
 def test_open_retrieval_run_pairs_every_config_with_full_and_writes_the_report(runtime, tmp_path):
     # two questions (the suite's time budget): every pairing and report path still runs
     run = run_eval(_options(tmp_path, corpus_file(tmp_path / "c.json"), configs="lazy,block,lazy+sink,lazy+epic8+prophet20",
-                            ks=(2,), gold_positions=("retrieved", "last"), ttft_n=1, n=2), runtime)
+                            ks=(2,), gold_positions=("retrieved", "last"), ttft_n=1, n=2, max_new_tokens=3), runtime)
     modes = ["full", "lazy", "block", "lazy+sink", "lazy+epic8+prophet20"]
     assert [r["mode"] for r in run.records] == modes * 2 and len(run.answers) == 2 * 5 * 2
     assert {r["mode"]: r["generate_options"] for r in run.records}["lazy+epic8+prophet20"] == {
@@ -173,7 +179,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_with_the_same_answers(ru
     # tree must not break the test); a changed digest is checked at the end
     monkeypatch.setattr("lazy_rag.quality.evaluate.code_digest", lambda: "code-a")
     data = corpus_file(tmp_path / "c.json")
-    opts = dict(configs="lazy", ks=(2,), gold_positions=("retrieved", "first"), n=4, batch_size=2)
+    # two questions a setting, one a batch (the suite's time budget): the same batches as four in twos
+    opts = dict(configs="lazy", ks=(2,), gold_positions=("retrieved", "first"), n=2, batch_size=1, max_new_tokens=3)
     whole = run_eval(_options(tmp_path, data, checkpoint=tmp_path / "whole.json", **opts), runtime)
     assert whole.checkpoint.path.exists()
     whole.discard_checkpoint()
@@ -186,9 +193,9 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_with_the_same_answers(ru
     saved = list((tmp_path / "work" / "checkpoints").glob("*.json"))
     assert len(saved) == 1 and stopping.batches == 3
     state = json.loads(saved[0].read_text())["settings"]
-    assert [len(s["rows"]["full"]) for s in state.values()] == [4, 2]
+    assert [len(s["rows"]["full"]) for s in state.values()] == [2, 1]
     # a partial run reports the questions answered so far
-    assert partials and partials[-1].records[-1]["n"] == 2
+    assert partials and partials[-1].records[-1]["n"] == 1
 
     resumed = _StopAfter(runtime, calls=99)
     run = run_eval(_options(tmp_path, data, **opts), resumed)

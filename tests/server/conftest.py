@@ -10,6 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import torch_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_kernels():
+    """(module-scoped, so that the servers and engine processes a module starts inherit it)"""
+    with torch_kernels():
+        yield
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
