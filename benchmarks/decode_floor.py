@@ -50,7 +50,6 @@ def main(argv=None) -> int:
 
     import attention_kernels as A
     from lazy_rag.bench.records import environment, format_table, write_records
-    from lazy_rag.kernels import lazy_decode, to_keys_major
 
     if not torch.cuda.is_available():
         raise SystemExit("decode_floor.py times GPU kernels: run it on a CUDA machine")
@@ -80,38 +79,56 @@ def main(argv=None) -> int:
         t, timer = A.bench(lambda grid=grid: empty_kernel[(grid,)](x))
         records.append({"benchmark": "decode_b1_floor", "mode": "empty_kernel", **env, "programs": grid,
                         "time_us": round(t, 2), "timer": timer})
-    for T in (int(c) for c in args.contexts.split(",")):
+    for T, kv_dtype, n_sets, nbytes, decode in b1_decodes(shape, args.contexts):
+        t, timer = A.bench(A.each(partial(decode, i) for i in range(n_sets)), n_sets)
+        case = {"benchmark": "decode_b1_floor", **env, "kv_dtype": kv_dtype, "context": T, "n_sets": n_sets}
+        records.append({**case, "mode": "decode", "bytes": nbytes, "time_us": round(t, 2),
+                        "gbps": round(nbytes / t / 1e3, 1), "timer": timer})
+        # a pure read of as many bytes
+        words = nbytes // 4
+        bufs = [torch.zeros(words + max(GRIDS) * max(BLOCKS), dtype=torch.int32, device="cuda")
+                for _ in range(n_sets)]
+        sink = torch.empty(max(GRIDS), dtype=torch.int32, device="cuda")
+        best = None
+        for programs in GRIDS:
+            for block in BLOCKS:
+                span = -(-words // programs // block) * block   # whole blocks: a few bytes past nbytes
+                t, timer = A.bench(A.each(partial(read_kernel[(programs,)], bufs[i], sink, span, BLOCK=block)
+                                          for i in range(n_sets)), n_sets)
+                if best is None or t < best[0]:
+                    best = (t, timer, programs, block, span * programs * 4)
+        t, timer, programs, block, read = best
+        records.append({**case, "mode": "read_only", "bytes": read, "time_us": round(t, 2), "programs": programs,
+                        "block": block, "gbps": round(read / t / 1e3, 1), "timer": timer})
+        write_records(out_path, records)
+    print(format_table(records, ["mode", "kv_dtype", "context", "programs", "bytes", "time_us", "gbps"]))
+    print(f"-> {out_path}")
+    return 0
+
+
+def b1_decodes(shape, contexts: str):
+    """Per context (comma-separated) and KV dtype (bf16, then fp8 pages with keys-major values), a
+    one-sequence decode over attention_kernels.py's inputs: (context, kv_dtype, n_sets, bytes
+    read, decode), decode(i, into=True, **tuning) running input set i (into its own output)."""
+    import torch
+
+    import attention_kernels as A
+    from lazy_rag.kernels import lazy_decode, to_keys_major
+
+    for T in (int(c) for c in contexts.split(",")):
         kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = A.decode_inputs(shape, 1, T)
         (k8, ks), (v8, vs) = A.quantize_pool(k_pages), A.quantize_pool(v_pages)
         outs = [torch.empty(1, shape.H, shape.D, device="cuda", dtype=shape.dtype) for _ in range(n_sets)]
         for kv_dtype, pages, scales, nbytes in (
                 ("bf16", (k_pages, v_pages), {}, kv_bytes),
                 ("fp8", (k8, to_keys_major(v8)), dict(k_scale=ks, v_scale=vs), T * A.fp8_token_bytes(shape))):
-            t, timer = A.bench(A.each(partial(lazy_decode, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
-                                              rope_mode="rotate_q", out=outs[i], **scales) for i in range(n_sets)),
-                               n_sets)
-            case = {"benchmark": "decode_b1_floor", **env, "kv_dtype": kv_dtype, "context": T, "n_sets": n_sets}
-            records.append({**case, "mode": "decode", "bytes": nbytes, "time_us": round(t, 2),
-                            "gbps": round(nbytes / t / 1e3, 1), "timer": timer})
-            words = nbytes // 4
-            bufs = [torch.zeros(words + max(GRIDS) * max(BLOCKS), dtype=torch.int32, device="cuda")
-                    for _ in range(n_sets)]
-            sink = torch.empty(max(GRIDS), dtype=torch.int32, device="cuda")
-            best = None
-            for programs in GRIDS:
-                for block in BLOCKS:
-                    span = -(-words // programs // block) * block   # whole blocks: a few bytes past nbytes
-                    t, timer = A.bench(A.each(partial(read_kernel[(programs,)], bufs[i], sink, span, BLOCK=block)
-                                              for i in range(n_sets)), n_sets)
-                    if best is None or t < best[0]:
-                        best = (t, timer, programs, block, span * programs * 4)
-            t, timer, programs, block, read = best
-            records.append({**case, "mode": "read_only", "bytes": read, "time_us": round(t, 2), "programs": programs,
-                            "block": block, "gbps": round(read / t / 1e3, 1), "timer": timer})
-            write_records(out_path, records)
-    print(format_table(records, ["mode", "kv_dtype", "context", "programs", "bytes", "time_us", "gbps"]))
-    print(f"-> {out_path}")
-    return 0
+            def decode(i, into=True, pages=pages, scales=scales, outs=outs, **tuning):
+                return lazy_decode(qs[i], *pages, tables[i], q_pos, shape.inv_freq, rope_mode="rotate_q",
+                                   out=outs[i] if into else None, **scales, **tuning)
+
+            yield T, kv_dtype, n_sets, nbytes, decode
+        del k_pages, v_pages, k8, v8, outs
+        torch.cuda.empty_cache()
 
 
 def sweep_variants(kv_dtype: str) -> list[dict]:
@@ -128,35 +145,22 @@ def sweep_variants(kv_dtype: str) -> list[dict]:
 
 
 def sweep(args, env: dict, out_path: Path) -> int:
-    import torch
-
     import attention_kernels as A
     from lazy_rag.bench.records import format_table, write_records
-    from lazy_rag.kernels import lazy_decode, paged_attention, to_keys_major
+    from lazy_rag.kernels import paged_attention
 
     paged_attention.MAX_SPLITS = 256   # the cap lifted: does a B1 decode want more programs?
-    shape = A.Shape()
     records = []
-    for T in (int(c) for c in args.contexts.split(",")):
-        kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos = A.decode_inputs(shape, 1, T)
-        (k8, ks), (v8, vs) = A.quantize_pool(k_pages), A.quantize_pool(v_pages)
-        outs = [torch.empty(1, shape.H, shape.D, device="cuda", dtype=shape.dtype) for _ in range(n_sets)]
-        for kv_dtype, pages, scales, nbytes in (
-                ("bf16", (k_pages, v_pages), {}, kv_bytes),
-                ("fp8", (k8, to_keys_major(v8)), dict(k_scale=ks, v_scale=vs), T * A.fp8_token_bytes(shape))):
-            call = partial(lazy_decode, rope_mode="rotate_q", **scales)
-            default = call(qs[0], *pages, tables[0], q_pos, shape.inv_freq).float()
-            for tun in sweep_variants(kv_dtype):
-                diff = (call(qs[0], *pages, tables[0], q_pos, shape.inv_freq, **tun).float() - default).abs().max()
-                t, timer = A.bench(A.each(partial(call, qs[i], *pages, tables[i], q_pos, shape.inv_freq,
-                                                  out=outs[i], **tun) for i in range(n_sets)), n_sets)
-                records.append({"benchmark": "decode_b1_sweep", "mode": "decode_tuned", **env, "kv_dtype": kv_dtype,
-                                "context": T, "n_sets": n_sets, "tuning": json.dumps(tun), "bytes": nbytes,
-                                "time_us": round(t, 2), "gbps": round(nbytes / t / 1e3, 1), "timer": timer,
-                                "max_abs_diff": float(diff)})
-            write_records(out_path, records)
-        del k_pages, v_pages, k8, v8
-        torch.cuda.empty_cache()
+    for T, kv_dtype, n_sets, nbytes, decode in b1_decodes(A.Shape(), args.contexts):
+        default = decode(0, into=False).float()
+        for tun in sweep_variants(kv_dtype):
+            diff = (decode(0, into=False, **tun).float() - default).abs().max()
+            t, timer = A.bench(A.each(partial(decode, i, **tun) for i in range(n_sets)), n_sets)
+            records.append({"benchmark": "decode_b1_sweep", "mode": "decode_tuned", **env, "kv_dtype": kv_dtype,
+                            "context": T, "n_sets": n_sets, "tuning": json.dumps(tun), "bytes": nbytes,
+                            "time_us": round(t, 2), "gbps": round(nbytes / t / 1e3, 1), "timer": timer,
+                            "max_abs_diff": float(diff)})
+        write_records(out_path, records)
     best = []
     for T in sorted({r["context"] for r in records}):
         pick = {}
