@@ -57,12 +57,8 @@ def test_wrapping_a_loaded_model_and_saved_folder_give_the_same_fingerprint(smol
     assert again.fingerprint["id"] == smollm2.fingerprint["id"]  # weights hashed after bf16 rounding
 
 
+@torch_kernels()
 def test_cli_index_query_inspect(tmp_path):
-    with torch_kernels():
-        cli_index_query_inspect(tmp_path)
-
-
-def cli_index_query_inspect(tmp_path):
     runner = CliRunner()
     src = tmp_path / "docs"
     shutil.copytree(CORPUS, src)

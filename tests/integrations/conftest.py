@@ -1,9 +1,8 @@
 """Shared fixtures: a tiny corpus and helpers to rebuild an integration's request by hand."""
 import pytest
 
-from tests.helpers import torch_kernels
-
 from lazy_rag import Chunk
+from tests.helpers import torch_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
