@@ -916,7 +916,8 @@ class LazyIndex:
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
         kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
         if kv_dtype != "auto" and kv_dtype not in _DTYPES:
-            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, fp8, {', '.join(_DTYPES)}.")
+            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
+                                 f"{', '.join(_DTYPES)}.")
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
