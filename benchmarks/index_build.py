@@ -22,14 +22,8 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            ``--prime-kernels``: a build of a few chunks first, in a process of its own, so that
            the measured build finds its kernels compiled in Triton's cache as a machine's
            second build does (``kernels``: primed or as_found; ``kernels_primed_s``).
-           ``--precompile-at-load``: as ``lazy-rag index`` does, a child process compiles the
-           build's kernels from the model's config while this process loads the model
-           (``lazy_rag.build_precompile``); right after the load the benchmark does what the
-           build's warm-up would: waits for a child that is compiling, or stops one still
-           starting (``kernels``: precompiled_at_load; ``precompile_wait_s``, ``precompile``:
-           how it ended, ``precompile_s``). ``load_s``: the model's load, in every mode;
-           ``triton_cache_entries_before``: 0 for a machine's first build (or a fresh
-           ``TRITON_CACHE_DIR``).
+           ``load_s``: the model's load; ``triton_cache_entries_before``: entries in Triton's
+           cache before the run (0: a machine's first build, or a fresh ``TRITON_CACHE_DIR``).
            ``pct_of_prefill_roofline``: tokens/s over (bf16 matmul rate measured in this run /
            the model's FLOPs per token, 2 x non-embedding parameters + causal attention over a
            chunk). ``pct_of_write_bw``: KV bytes per second over this run's measured sequential
@@ -193,27 +187,6 @@ def triton_cache_entries() -> int:
     return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
 
 
-def start_precompile(a):
-    """``build_precompile``'s child, started as ``lazy-rag index`` starts it: before the model's
-    load, from its config."""
-    from lazy_rag import build_precompile
-    from lazy_rag.store import KV_DTYPE_NAMES
-
-    kv = KV_DTYPE_NAMES.get(a.kv_dtype, a.kv_dtype)
-    if a.model.startswith("random:"):
-        import torch
-
-        from lazy_rag.bench.random_models import random_config
-        from lazy_rag.models import resolve_device, resolve_dtype
-
-        dev = resolve_device("auto")
-        dtype = resolve_dtype("auto", dev)
-        return build_precompile.BuildPrecompile.start(random_config(a.model.split(":", 1)[1]), dtype=dtype,
-                                                      kv_dtype=dtype if kv == "auto" else getattr(torch, kv),
-                                                      device=dev, engine_kwargs=engine_kwargs(a))
-    return build_precompile.start_for_pretrained(a.model, kv_dtype=kv, engine_kwargs=engine_kwargs(a))
-
-
 def prime_kernels(a, work: Path) -> float:
     """A build of PRIME_TOKENS tokens with the same model and KV dtype in a process of its own, its
     index deleted: the kernels it compiles are then in Triton's cache on disk, as after a
@@ -246,18 +219,9 @@ def one_size(a) -> dict:
     # before this process loads its model: the priming process's GPU memory is given back
     primed_s = prime_kernels(a, Path(a.work) / "prime") if a.prime_kernels else None
     cache_entries = triton_cache_entries()
-    t_load = time.perf_counter()  # (the child's start, its config read, counts as the load's)
-    precompile = start_precompile(a) if a.precompile_at_load else None
+    t_load = time.perf_counter()
     llm = load_llm(a)
     load_s = time.perf_counter() - t_load
-    precompile_wait_s = None
-    if precompile is not None:
-        # what the build's warm-up would do now: wait for the child if it is compiling, else
-        # stop it (the probes below would otherwise hide its compile, which lazy-rag index
-        # cannot hide anywhere but in the model's load)
-        from lazy_rag import build_precompile
-
-        precompile_wait_s = build_precompile.wait_in_flight("warmup")
     dev = llm.device if hasattr(llm, "device") else torch.device("cpu")
     dev = torch.device(dev)
     docs, kind = select_docs(a, size)
@@ -349,16 +313,9 @@ def one_size(a) -> dict:
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads(),
                # the Triton cache the build found: as the machine had it, or filled by a build
                # in an earlier process (--prime-kernels, its seconds)
-               kernels="primed" if primed_s is not None else "precompiled_at_load" if precompile is not None
-               else "as_found",
-               # entries in Triton's cache before this process ran (0: a machine's first build)
+               kernels="primed" if primed_s is not None else "as_found",
+               # entries in Triton's cache as the model loads (0: a machine's first build)
                triton_cache_entries_before=cache_entries, load_s=round(load_s, 2))
-    if precompile is not None:
-        rec["precompile_wait_s"] = round(precompile_wait_s, 3)
-        rec["precompile"] = (f"stopped ({precompile.stopped_in})" if precompile.stopped_in
-                             else "done" if precompile.ok else "failed" if precompile.ended else "running")
-        if precompile.ended is not None:  # from its start, which came just before the model's load
-            rec["precompile_s"] = round(precompile.seconds, 2)
     if primed_s is not None:
         rec["kernels_primed_s"] = round(primed_s, 2)
     if probe_first is not None:
@@ -551,9 +508,6 @@ def main(argv=None):
         r.add_argument("--prime-kernels", action="store_true",
                        help=f"first a build of {PRIME_TOKENS} tokens in a process of its own (deleted), so that the "
                             "measured build finds its kernels in Triton's cache, as a machine's second build does")
-        r.add_argument("--precompile-at-load", action="store_true",
-                       help="compile the build's kernels in a child process from the model's config while the "
-                            "model loads, as lazy-rag index does (lazy_rag.build_precompile)")
         r.add_argument("--one-size", type=int)
         r.add_argument("--prime-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

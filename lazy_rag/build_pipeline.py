@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import build_estimate, build_precompile
+from . import build_estimate
 from .kernels import FP8
 from .pinned_staging import ALIGN, PinnedStaging
 
@@ -258,7 +258,6 @@ class EncodeWarmup:
 
     def __init__(self, llm, shared_prefix, wrapper, kv_dtype):
         self.seconds = 0.0
-        self.precompile_wait_s = 0.0
         self.started = time.perf_counter()
         self.ended: float | None = None
         self.error: BaseException | None = None
@@ -270,8 +269,6 @@ class EncodeWarmup:
     def _run(self, engine, prefix, wrapper, quantize) -> None:
         t0 = time.perf_counter()
         try:
-            # a child compiling this kernel from the model's config, started before the model loaded
-            self.precompile_wait_s = build_precompile.wait_in_flight("warmup")
             engine.encode_chunks([[1] * self.TOKENS] * self.CHUNKS, prefix, wrapper, cache=False, quantize=quantize)
         except BaseException as e:  # noqa: BLE001 - the build's own encode raises it where it matters
             self.error = e

@@ -52,7 +52,6 @@ import numpy as np
 
 from .version import __version__
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
-from . import build_precompile
 from .build_pipeline import EncodeWarmup, encode_and_write
 from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
@@ -92,7 +91,6 @@ def _keep_encode_calibration(llm, report: "BuildReport") -> None:
         return
     t0 = time.perf_counter()
     try:
-        build_precompile.wait_in_flight("calibration")  # a child compiling the probes' kernels
         how = llm.engine.calibrate_read_or_encode()
     except Exception as e:  # noqa: BLE001 - an optional warm-up
         log.warning("Could not measure the engine's encode costs in the build (%s: %s); the first query "
@@ -635,7 +633,6 @@ class _BuildRun:
         self.committed = False
         self.new_files: list[Path] = []  # files this run created that only its commit refers to
         self.written: list = []          # chunk ids whose KV this run appended
-        self.precompile = None           # build_precompile's child, started before the model's load
 
     def fail(self) -> None:
         if self.committed:
@@ -646,8 +643,6 @@ class _BuildRun:
             p.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self.precompile is not None:
-            self.precompile.close()
         if self.store is not None:
             self.store.close()
         if self.db is not None:
@@ -913,23 +908,16 @@ class LazyIndex:
                       repair=False, drop_missing=False, unreadable=frozenset(), wrapper="auto"):
         t0 = time.perf_counter()
         report = report or BuildReport()
-        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
-        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
-            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
-                                 f"{', '.join(_DTYPES)}.")
         if llm is None:
-            # a new index's kernels compile in a child process while the weights load (an update's
-            # few batches run as they did: the child would only take the GPU and cores beside them)
-            if precompute_kv and not (out / DB_NAME).exists() and not (out / POINTER).exists():
-                prefix_ids = ((lambda tok: tokenize_text(tok, rag_prefix(tok, system_prompt, instruction), first=True))
-                              if shared_prefix else None)
-                run.precompile = build_precompile.start_for_pretrained(model, device=device, kv_dtype=kv_dtype,
-                                                                       prefix_ids=prefix_ids)
             llm = LazyLLM.from_pretrained(model, device=device)
             model_name = model
         else:
             model_name = getattr(llm, "model_name", None)
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
+        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
+        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
+            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
+                                 f"{', '.join(_DTYPES)}.")
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
@@ -1085,13 +1073,6 @@ class LazyIndex:
             # the build's timeline: the warm-up's compiles against the chunking, embedding and encode
             report.stages["warmup_start_s"] = round(warmup.started - t0, 3)
             report.stages["warmup_end_s"] = round(warmup.ended - t0, 3)
-            report.stages["precompile_wait_s"] = round(warmup.precompile_wait_s, 3)
-        if run.precompile is not None:  # the child compiling the kernels while the model loaded
-            pre = run.precompile
-            report.stages["precompile"] = pre.stopped_in and f"stopped ({pre.stopped_in})" or (
-                "done" if pre.ok else "running" if pre.ended is None else "failed")
-            if pre.ended is not None:
-                report.stages["precompile_end_s"] = round(pre.ended - t0, 3)
         if wrapper is not None:
             created = _save_wrapper(out, settings, wrapper)
             if created is not None:
