@@ -28,10 +28,14 @@ PROBE_WRITE_BYTES = 256 << 20
 PROBE_CHUNKS, PROBE_TOKENS = 8, 256
 
 
-def kv_bytes_per_token(llm, kv_dtype: str) -> float:
-    """Stored KV bytes per token (K and V over every layer and KV head)."""
+def kv_bytes_per_token(llm, kv_dtype) -> float:
+    """Stored KV bytes per token (K and V over every layer and KV head). ``kv_dtype``: a name
+    (``store.KV_DTYPE_NAMES``' or a dtype's, auto: the model's) or a torch dtype (None: the
+    model's, as ``ChunkStore.kv_dtype``)."""
     s = llm.shape
     elems = s.kv_bytes_per_token  # 2 * layers * kv heads * head_dim
+    if not isinstance(kv_dtype, str):
+        kv_dtype = "auto" if kv_dtype is None else str(kv_dtype).removeprefix("torch.")
     kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
     if kv_dtype == "float8_e4m3fn":
         return elems + 2 * s.num_layers * s.num_kv_heads * 2  # fp8 values + one fp16 scale per row

@@ -342,10 +342,12 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
     if background is None:
         background = not on_cpu
     batch_tokens = int(batch_tokens or (CPU_BATCH_TOKENS if on_cpu else None) or engine.config.max_batched_tokens)
-    if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
-        per_token = llm.shape.kv_bytes_per_token * ((store.kv_dtype or llm.dtype).itemsize)
-        max_pending_bytes = 2 * batch_tokens * per_token
     quantize = engine_quantizes(store.kv_dtype, llm.device)
+    # the KV the encode hands the writer, per token: fp8 with its scales where the engine
+    # quantises, else the model's dtype (the store converts as it writes)
+    per_token = build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
+    if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
+        max_pending_bytes = int(2 * batch_tokens * per_token)
     stats = PipelineStats()
     # the host copies' pinned buffers, reused batch after batch: one batch encoding, up to two
     # waiting for the disk (max_pending_bytes)
@@ -357,7 +359,7 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         # few MB, not three full batches' worth
         slots = getattr(wrapper, "slots", 0) or 0
         largest = max(sum(len(r.token_ids) + slots for r in b) for b in batches)
-        slot = largest * build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
+        slot = largest * per_token
         staging = PinnedStaging(min(STAGING_SLOTS, len(batches)), int(slot) + 8 * ALIGN)
     try:
         writer = KVWriter(store, written, stats, max_pending_bytes, background=background)

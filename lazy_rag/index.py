@@ -51,6 +51,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from .version import __version__
+from . import build_estimate
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .build_pipeline import EncodeWarmup, encode_and_write
 from .chunking import TokenChunker, discover_files, read_text
@@ -1197,16 +1198,19 @@ class LazyIndex:
     def _check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0) -> None:
         """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers
         (``slots``: a chunk wrapper's, stored with every chunk)."""
-        item = (store.kv_dtype or llm.dtype).itemsize
-        per_token = llm.shape.kv_bytes_per_token * item
+        per_token = build_estimate.kv_bytes_per_token(llm, store.kv_dtype)  # fp8's scales included
         need = sum(len(r.token_ids) + slots for r in records) * per_token
         free = shutil.disk_usage(out).free
         if need > free * 0.95:
+            smaller = {4: "Store KV in bf16 or fp8 (--kv-dtype bf16: half the bytes; fp8: about a quarter), ",
+                       2: "Store KV in fp8 (--kv-dtype fp8: about half the bytes), "}.get(
+                (store.kv_dtype or llm.dtype).itemsize, "")
+            fix = smaller + "index fewer files, defer KV to first use (--no-precompute), use a smaller model, or " \
+                "choose another --out."
             raise LazyIndexError(
                 f"The KV of {len(records)} new chunks ({sum(len(r.token_ids) for r in records):,} tokens x "
-                f"{per_token:,} bytes) needs {need / 2**30:.2f} GiB, but {out} has {free / 2**30:.2f} GiB free. "
-                "Store KV in bfloat16 (--kv-dtype bfloat16), index fewer files, defer KV to first use "
-                "(--no-precompute), use a smaller model, or choose another --out.")
+                f"{per_token:,.0f} bytes) needs {need / 2**30:.2f} GiB, but {out} has {free / 2**30:.2f} GiB free. "
+                + fix[0].upper() + fix[1:])
 
     @staticmethod
     def _collect_garbage(out: Path, settings: dict, store: ChunkStore, db: IndexDB) -> None:

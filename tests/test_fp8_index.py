@@ -57,3 +57,25 @@ def test_fp8_records_are_the_quantised_kv_at_half_the_bytes(tmp_path, llm):
                              kv_dtype="bfloat16")
     with pytest.raises(LazyIndexError, match="Unknown KV dtype"):
         LazyIndex.from_texts(TEXTS, tmp_path / "x", llm=llm, ids=ids, split=False, vectors=False, kv_dtype="int3")
+
+
+def test_an_fp8_build_that_fits_its_values_but_not_their_scales_is_refused(tmp_path, llm, monkeypatch):
+    """The free-space check counts fp8's scale bytes (one fp16 per row: 2 of every 34 bytes at
+    head_dim 32, ~1.5% at 128), as the store writes them."""
+    import shutil
+
+    import lazy_rag.index as index_mod
+
+    plain = LazyIndex.from_texts(TEXTS, tmp_path / "bf16", llm=llm, split=False, vectors=False, progress=False)
+    tokens = sum(len(r.token_ids) for r in plain.records)
+    values, with_scales = tokens * llm.shape.kv_bytes_per_token, tokens * kv_bytes_per_token(llm, "fp8")
+    assert values < with_scales
+    free = int((values + with_scales) / 2 / 0.95)   # the check keeps 5% free
+    monkeypatch.setattr(index_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
+    per_token = f"{kv_bytes_per_token(llm, 'fp8'):,.0f}"
+    with pytest.raises(LazyIndexError, match=rf"tokens x {per_token} bytes\) needs .* GiB free\. Index fewer files"):
+        LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, split=False, vectors=False, kv_dtype="fp8",
+                             progress=False)
+    monkeypatch.setattr(index_mod.shutil, "disk_usage",
+                        lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 2 * free, 2 * free))
+    LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, split=False, vectors=False, kv_dtype="fp8", progress=False)

@@ -317,7 +317,7 @@ def test_a_build_that_cannot_fit_is_refused_before_writing(tmp_path, smollm2, em
     import lazy_rag.index as index_mod
 
     monkeypatch.setattr(index_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
-    with pytest.raises(LazyIndexError, match=r"needs .* GiB, but .* has 0.00 GiB free.*--kv-dtype bfloat16"):
+    with pytest.raises(LazyIndexError, match=r"needs .* GiB, but .* has 0.00 GiB free.*--kv-dtype bf16"):
         LazyIndex.build([src], tmp_path / "idx", llm=smollm2, embedder=embedder, progress=False)
     assert not list((tmp_path / "idx").rglob("*.kvseg"))
 
