@@ -249,32 +249,25 @@ class EncodeWarmup:
     batches find it compiled. The engine's lock orders the two: a first batch that comes while
     the warm-up still runs waits for it, which costs no more than compiling in that batch would.
     A warm-up that fails is logged and ignored: the build's own encode meets the same error and
-    raises it. ``after``: a warm-up to wait for first (``build_precompile``'s, compiling the same
-    kernel from the model's config while it loaded): one kernel is never compiled twice at once."""
+    raises it."""
 
     # two chunks (one would take SDPA, not the packed kernel launch: model_runner's pack_fresh),
     # each long enough for the tiles of a real chunk (kernels.prefill.runs_rows: more than one
     # 128-row tile with up to 16 query heads per KV head)
     CHUNKS, TOKENS = 2, 131
 
-    def __init__(self, llm, shared_prefix, wrapper, kv_dtype, after: "EncodeWarmup | None" = None,
-                 thread_name: str = "lazy-rag-encode-warmup"):
+    def __init__(self, llm, shared_prefix, wrapper, kv_dtype):
         self.seconds = 0.0
-        self.after_wait_s = 0.0
         self.started = time.perf_counter()
         self.ended: float | None = None
         self.error: BaseException | None = None
         # quantised as the build's batches will be, so that it compiles their kernels
-        args = (llm.engine, tuple(shared_prefix), wrapper, engine_quantizes(kv_dtype, llm.device), after)
-        self.thread = threading.Thread(target=self._run, args=args, name=thread_name, daemon=True)
+        args = (llm.engine, tuple(shared_prefix), wrapper, engine_quantizes(kv_dtype, llm.device))
+        self.thread = threading.Thread(target=self._run, args=args, name="lazy-rag-encode-warmup", daemon=True)
         self.thread.start()
 
-    def _run(self, engine, prefix, wrapper, quantize, after) -> None:
+    def _run(self, engine, prefix, wrapper, quantize) -> None:
         t0 = time.perf_counter()
-        if after is not None:
-            after.wait()
-            self.after_wait_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
         try:
             engine.encode_chunks([[1] * self.TOKENS] * self.CHUNKS, prefix, wrapper, cache=False, quantize=quantize)
         except BaseException as e:  # noqa: BLE001 - the build's own encode raises it where it matters

@@ -51,7 +51,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from .version import __version__
-from . import build_estimate, build_precompile
+from . import build_estimate
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments, rag_prefix
 from .build_pipeline import EncodeWarmup, encode_and_write
 from .chunking import TokenChunker, discover_files, read_text
@@ -634,7 +634,6 @@ class _BuildRun:
         self.committed = False
         self.new_files: list[Path] = []  # files this run created that only its commit refers to
         self.written: list = []          # chunk ids whose KV this run appended
-        self.precompile = None           # build_precompile's warm-up, started before the model's load
 
     def fail(self) -> None:
         if self.committed:
@@ -910,23 +909,16 @@ class LazyIndex:
                       repair=False, drop_missing=False, unreadable=frozenset(), wrapper="auto"):
         t0 = time.perf_counter()
         report = report or BuildReport()
-        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
-        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
-            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
-                                 f"{', '.join(_DTYPES)}.")
         if llm is None:
-            # a new index's encode kernel compiles from the model's config while the weights load
-            # (an update's few batches run as they did)
-            if precompute_kv and not (out / DB_NAME).exists() and not (out / POINTER).exists():
-                prefix_ids = ((lambda tok: tokenize_text(tok, rag_prefix(tok, system_prompt, instruction), first=True))
-                              if shared_prefix else None)
-                run.precompile = build_precompile.warm_for_pretrained(model, device=device, kv_dtype=kv_dtype,
-                                                                      prefix_ids=prefix_ids)
             llm = LazyLLM.from_pretrained(model, device=device)
             model_name = model
         else:
             model_name = getattr(llm, "model_name", None)
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
+        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
+        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
+            raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
+                                 f"{', '.join(_DTYPES)}.")
         kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
@@ -946,7 +938,7 @@ class LazyIndex:
         def warm_up():  # the encode's kernels compiled beside the chunking and the embedding
             if not (precompute_kv and EncodeWarmup.wanted(llm)):
                 return None
-            return EncodeWarmup(llm, prefix["token_ids"] if prefix else (), wrapper, kv_dt, after=run.precompile)
+            return EncodeWarmup(llm, prefix["token_ids"] if prefix else (), wrapper, kv_dt)
 
         if prev.format is None:  # a new index: all of it will be encoded
             warmup = warm_up()
@@ -1082,10 +1074,6 @@ class LazyIndex:
             # the build's timeline: the warm-up's compiles against the chunking, embedding and encode
             report.stages["warmup_start_s"] = round(warmup.started - t0, 3)
             report.stages["warmup_end_s"] = round(warmup.ended - t0, 3)
-        if run.precompile is not None:  # the warm-up from the model's config, beside its load
-            report.stages["precompile_s"] = round(run.precompile.wait(), 3)
-            report.stages["precompile_end_s"] = round(run.precompile.ended - t0, 3)
-            report.stages["precompile_wait_s"] = round(warmup.after_wait_s if warmup is not None else 0.0, 3)
         if wrapper is not None:
             created = _save_wrapper(out, settings, wrapper)
             if created is not None:
