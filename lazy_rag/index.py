@@ -1032,7 +1032,8 @@ class LazyIndex:
         if warmup is None and todo_records:
             warmup = warm_up()
         if precompute_kv and todo_records:
-            cls._check_free_space(out, llm, store, todo_records, wrapper.slots if wrapper else 0)
+            cls._check_free_space(out, llm, store, todo_records, wrapper.slots if wrapper else 0,
+                                  new_index=not run.had_index)
         # Embed and encode only what is new.
         style = progress_style(progress)
         # from the build's start to the embedding and encoding: the model where it is loaded here,
@@ -1195,16 +1196,19 @@ class LazyIndex:
         return np.asarray(ids, dtype=np.int64), np.stack(out) if out else np.zeros((0, dim), np.float32)
 
     @staticmethod
-    def _check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0) -> None:
+    def _check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0, *, new_index: bool) -> None:
         """Refuse a build whose KV cannot fit on the disk, before writing any, with the numbers
-        (``slots``: a chunk wrapper's, stored with every chunk)."""
+        (``slots``: a chunk wrapper's, stored with every chunk). A smaller KV dtype is suggested
+        where it applies: an index keeps the dtype it was built with."""
         per_token = build_estimate.kv_bytes_per_token(llm, store.kv_dtype)  # fp8's scales included
         need = sum(len(r.token_ids) + slots for r in records) * per_token
         free = shutil.disk_usage(out).free
         if need > free * 0.95:
-            smaller = {4: "Store KV in bf16 or fp8 (--kv-dtype bf16: half the bytes; fp8: about a quarter), ",
-                       2: "Store KV in fp8 (--kv-dtype fp8: about half the bytes), "}.get(
+            smaller = {4: "store KV in bf16 or fp8 (--kv-dtype bf16: half the bytes; fp8: about a quarter)",
+                       2: "store KV in fp8 (--kv-dtype fp8: about half the bytes)"}.get(
                 (store.kv_dtype or llm.dtype).itemsize, "")
+            if smaller:
+                smaller += ", " if new_index else " in a new index (another --out), "
             fix = smaller + "index fewer files, defer KV to first use (--no-precompute), use a smaller model, or " \
                 "choose another --out."
             raise LazyIndexError(
@@ -1284,7 +1288,8 @@ class LazyIndex:
                 nbytes = 0
                 if settings.get("kv_precomputed", True):
                     records = list(self.records)
-                    self._check_free_space(self.path, self.llm, store, records, wrapper.slots if wrapper else 0)
+                    self._check_free_space(self.path, self.llm, store, records, wrapper.slots if wrapper else 0,
+                                           new_index=False)
                     with Progress(_tokens(records), "encoding chunk KV", progress_style(progress)) as bar:
                         todo = [r for r in records
                                 if store.staged_location(r.id) is None or store.read(r.id, r.token_ids)[0] is None]

@@ -79,3 +79,9 @@ def test_an_fp8_build_that_fits_its_values_but_not_their_scales_is_refused(tmp_p
     monkeypatch.setattr(index_mod.shutil, "disk_usage",
                         lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 2 * free, 2 * free))
     LazyIndex.from_texts(TEXTS, tmp_path / "fp8", llm=llm, split=False, vectors=False, kv_dtype="fp8", progress=False)
+    # a bf16 index is told of fp8, and that its own dtype stays: a new --out
+    monkeypatch.setattr(index_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    with pytest.raises(LazyIndexError, match=r"Store KV in fp8 \(--kv-dtype fp8: about half the bytes\) in a new "
+                                             r"index \(another --out\), index fewer files"):
+        LazyIndex.from_texts(TEXTS + ["A fourth document about the harbour."], tmp_path / "bf16", llm=llm,
+                             split=False, vectors=False, progress=False)
