@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -183,7 +182,9 @@ def select_docs(a, size: int) -> tuple[list, str]:
 
 
 def triton_cache_entries() -> int:
-    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    import triton
+
+    folder = Path(triton.knobs.cache.dir)   # Triton's own resolution (TRITON_CACHE_DIR, TRITON_HOME)
     return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
 
 
