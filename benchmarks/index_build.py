@@ -22,6 +22,9 @@ dtype, in a fresh process each (so the host's peak memory is that build's):
            ``--prime-kernels``: a build of a few chunks first, in a process of its own, so that
            the measured build finds its kernels compiled in Triton's cache as a machine's
            second build does (``kernels``: primed or as_found; ``kernels_primed_s``).
+           ``--compile-kernels``: ``lazy-rag compile`` for the model and KV dtype first, in a
+           process of its own, as a user runs it once per machine (``kernels``: compiled;
+           ``kernels_compile_s``, the command's seconds, its Python start-up included).
            ``load_s``: the model's load; ``triton_cache_entries_before``: entries in Triton's
            cache before the run (0: a machine's first build, or a fresh ``TRITON_CACHE_DIR``).
            ``pct_of_prefill_roofline``: tokens/s over (bf16 matmul rate measured in this run /
@@ -207,6 +210,18 @@ def prime_kernels(a, work: Path) -> float:
     return time.perf_counter() - t0
 
 
+def compile_kernels(a) -> float:
+    """``lazy-rag compile --model MODEL --kv-dtype KV`` in a process of its own; its seconds."""
+    argv = [sys.executable, "-m", "lazy_rag.cli", "compile", "--model", a.model, "--kv-dtype", a.kv_dtype]
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.stderr.write(res.stderr[-3000:])
+        raise SystemExit(f"--compile-kernels: lazy-rag compile failed ({res.returncode})")
+    print(res.stdout.strip().splitlines()[-1], flush=True)
+    return time.perf_counter() - t0
+
+
 def one_size(a) -> dict:
     import torch
 
@@ -219,6 +234,7 @@ def one_size(a) -> dict:
     work.mkdir(parents=True)
     # before this process loads its model: the priming process's GPU memory is given back
     primed_s = prime_kernels(a, Path(a.work) / "prime") if a.prime_kernels else None
+    compile_s = compile_kernels(a) if a.compile_kernels else None
     cache_entries = triton_cache_entries()
     t_load = time.perf_counter()
     llm = load_llm(a)
@@ -312,13 +328,15 @@ def one_size(a) -> dict:
                gpu_peak_gb=round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None,
                host_peak_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                host_peak_gb_before_build=round(rss0 / 2**20, 2), threads=torch.get_num_threads(),
-               # the Triton cache the build found: as the machine had it, or filled by a build
-               # in an earlier process (--prime-kernels, its seconds)
-               kernels="primed" if primed_s is not None else "as_found",
+               # the Triton cache the build found: as the machine had it, filled by a build in an
+               # earlier process (--prime-kernels), or by lazy-rag compile (--compile-kernels)
+               kernels="primed" if primed_s is not None else "compiled" if compile_s is not None else "as_found",
                # entries in Triton's cache as the model loads (0: a machine's first build)
                triton_cache_entries_before=cache_entries, load_s=round(load_s, 2))
     if primed_s is not None:
         rec["kernels_primed_s"] = round(primed_s, 2)
+    if compile_s is not None:
+        rec["kernels_compile_s"] = round(compile_s, 2)
     if probe_first is not None:
         what = "same_bytes_writeback_first" if probe_bytes == est else "writeback_first"
         rec["probe_first_gb"] = round(probe_bytes / 1e9, 2)
@@ -509,6 +527,9 @@ def main(argv=None):
         r.add_argument("--prime-kernels", action="store_true",
                        help=f"first a build of {PRIME_TOKENS} tokens in a process of its own (deleted), so that the "
                             "measured build finds its kernels in Triton's cache, as a machine's second build does")
+        r.add_argument("--compile-kernels", action="store_true",
+                       help="first `lazy-rag compile` for the model and KV dtype, in a process of its own (what a "
+                            "user runs once per machine before its first build)")
         r.add_argument("--one-size", type=int)
         r.add_argument("--prime-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -373,6 +373,35 @@ def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
         raise typer.Exit(code=1)
 
 
+@app.command("compile")
+def compile_(
+    model: str = typer.Option("smollm2", help="Bundled name, HF folder, .gguf file or hub id (its config only: no "
+                                              "weights are loaded), or random:NAME."),
+    device: str = typer.Option("auto", help="cuda, or auto (on a CPU there is nothing to compile)."),
+    kv_dtype: str = typer.Option("auto,fp8", help="Stored KV dtypes to compile for, comma-separated: auto (the "
+                                                  "model's), bf16, fp16, fp32, fp8."),
+    shared_prefix: bool = typer.Option(False, help="For indexes built with --shared-prefix."),
+):
+    """Compile the GPU kernels that builds and queries of MODEL run on this machine into Triton's
+    cache on disk (once per machine, or per cache folder shared by machines of one GPU type), so
+    that the first `lazy-rag index` and the first query do not wait for Triton's compile. Runs a
+    one-layer model of the config with random weights, in seconds."""
+    _quiet_libraries()
+    from .kernel_compile import compile_kernels
+
+    def said(step):
+        added = "" if step.cache_entries_added is None else f", {step.cache_entries_added} new Triton cache entries"
+        err.print(f"  {step.name}: {step.seconds:.1f} s{added}", markup=False, highlight=False)
+
+    try:
+        rep = compile_kernels(model, device=device, kv_dtype=kv_dtype, shared_prefix=shared_prefix, log_step=said)
+    except LazyRagError as e:
+        _fail(e)
+    out.print(f"Compiled {model}'s kernels: {rep.cache_entries_added} new Triton cache entries on {rep.device} in "
+              f"{rep.seconds:.1f} s ({rep.cache_entries_before} were cached already) -> {rep.cache_dir}",
+              markup=False, highlight=False)
+
+
 @app.command()
 def models():
     """List the bundled offline models, whether their packages are installed, and their bundled

@@ -1,0 +1,272 @@
+"""``lazy-rag compile``: a model's GPU kernels compiled into Triton's cache on disk ahead of the
+machine's first build and first query, so that neither pays Triton's compile: once per machine,
+or once per cache folder where machines of one GPU architecture share one (a volume, or an image
+made on such a machine).
+
+Triton compiles a kernel variant on its first launch in a process and keeps it in its cache on
+disk (``triton.knobs.cache.dir``: ``TRITON_CACHE_DIR``, else under ``TRITON_HOME`` or ~/.triton);
+every later process with the same Triton, GPU architecture and kernel source loads it from there.
+A machine's first index build compiles the encode's attention kernel (~2.5 s on an H100) and
+Triton's one-time setup (~1 s) while the disk it writes to waits, and its encode calibration's
+kernels beside its writes: on the 8B shape that kept most first builds under 70% of the disk's write
+bandwidth, against 74-106% for a machine's second build (BENCHMARKS.md, "Indexing at scale",
+sessions 28-31). Compiling inside the build's own process, beside the model's load, was measured and
+dropped: the compile and the load take turns (session 30).
+
+A compiled variant depends on the attention's shape (heads, KV heads, head dim, RoPE), the model's
+dtype, the pool's and the store's KV dtype and the page size, never on the number of layers, the
+vocabulary or the weights. So this builds a one-layer model of the checkpoint's config with random
+weights (the config alone is read: no weights are loaded, and a random-weights architecture,
+``random:NAME``, works as well) and runs on it what a build and a query run:
+
+- the build's encode warm-up (``build_pipeline.EncodeWarmup``), once per stored KV dtype;
+- the encode calibration a build runs for the read-or-encode choice of cold queries (its fit is
+  not kept: it would be a one-layer model's);
+- a lazy query over two stored chunks, in each pool dtype (the model's, and fp8's pages where fp8 is
+  asked for), through the engine's CUDA graphs as a server runs it.
+
+On a CPU there is nothing to compile: the CPU runs torch's kernels, and this says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import LazyRagError
+
+log = logging.getLogger(__name__)
+
+# the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
+# vocabulary would only take memory and time (no Triton kernel depends on its size)
+COMPILE_VOCAB = 256
+# the steps' chunks: two (one chunk takes SDPA, not the packed kernel launch: EncodeWarmup), each
+# longer than a 128-row tile, and a question after them
+CHUNK_TOKENS, QUESTION_TOKENS, NEW_TOKENS = 131, 17, 4
+# each engine's GPU pool: a few thousand pages of the one-layer model (no kernel variant depends on
+# the pool's size), so that the second engine (fp8 pages) finds memory beside the first
+COMPILE_POOL_BYTES = 1 << 30
+
+
+@dataclass
+class CompileStep:
+    name: str
+    seconds: float
+    cache_entries_added: int | None
+
+
+@dataclass
+class CompileReport:
+    model: str
+    device: str
+    cache_dir: str
+    cache_entries_before: int
+    steps: list[CompileStep] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def cache_entries_added(self) -> int:
+        return sum(s.cache_entries_added or 0 for s in self.steps)
+
+
+def triton_cache_dir() -> Path:
+    """Triton's cache folder, as Triton itself resolves it (``TRITON_CACHE_DIR``, ``TRITON_HOME``)."""
+    import triton
+
+    return Path(triton.knobs.cache.dir)
+
+
+def triton_cache_entries() -> int:
+    """Kernel variants in Triton's cache on disk (one folder each)."""
+    folder = triton_cache_dir()
+    return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+
+
+def one_layer_config(config):
+    """A copy of ``config`` with one decoder layer and a small vocabulary: the same attention
+    (heads, KV heads, head dim, RoPE) as the model's, so the same kernel variants."""
+    cfg = config.__class__.from_dict(config.to_dict())
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:1])
+    cfg.vocab_size = COMPILE_VOCAB
+    cfg.pad_token_id = None   # an embedding's padding row must lie inside the smaller vocabulary
+    return cfg
+
+
+def model_config(name_or_path: str):
+    """The config of a bundled name, HF folder, .gguf file or hub id (what ``lazy-rag index
+    --model`` takes), or of ``random:NAME`` (``bench.random_models``), checked as the index's
+    load checks it."""
+    from .architecture import check_supported
+
+    if name_or_path.startswith("random:"):
+        from .bench.random_models import random_config
+
+        config = random_config(name_or_path.split(":", 1)[1])
+    else:
+        from transformers import AutoConfig
+
+        from .models import resolve_model_path
+
+        config = AutoConfig.from_pretrained(str(resolve_model_path(name_or_path)))
+    check_supported(config)
+    return config
+
+
+def shared_prefix_tokens(name_or_path: str) -> int:
+    """The length of the shared prefix ``lazy-rag index --shared-prefix`` encodes before every
+    chunk of this model (the prompt's fixed head, in its own tokenizer)."""
+    from .chat import rag_prefix
+    from .models import load_tokenizer
+    from .segments import tokenize_text
+
+    if name_or_path.startswith("random:"):
+        raise LazyRagError(f"{name_or_path} has no tokenizer, so no shared prefix: drop --shared-prefix.")
+    tok = load_tokenizer(name_or_path)
+    return len(tokenize_text(tok, rag_prefix(tok), first=True))
+
+
+def one_layer_model(config, device, dtype):
+    """A one-layer model of ``config`` (``one_layer_config``) with random weights, created on
+    ``device`` in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(one_layer_config(config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _calibration_not_kept():
+    """The encode calibration measured, never kept nor read: a one-layer model's fit is nobody's
+    (and a kept fit of this shape would skip the probes whose kernels this compiles)."""
+    from .engine.read_or_encode import CALIBRATION_ENV
+
+    before = os.environ.get(CALIBRATION_ENV)
+    os.environ[CALIBRATION_ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CALIBRATION_ENV, None)
+        else:
+            os.environ[CALIBRATION_ENV] = before
+
+
+def parse_kv_dtypes(text: str, model_dtype) -> list:
+    """``--kv-dtype``'s comma list (auto, or a store's names: fp8, bf16, ...) as torch dtypes,
+    without repeats."""
+    from .store import KV_DTYPE_NAMES, _DTYPES
+
+    out = []
+    for name in (n.strip() for n in text.split(",")):
+        if not name:
+            continue
+        dt = model_dtype if name == "auto" else _DTYPES.get(KV_DTYPE_NAMES.get(name, name))
+        if dt is None:
+            raise LazyRagError(f"Unknown KV dtype {name!r} in --kv-dtype {text!r}; choose from auto, "
+                               f"{', '.join(KV_DTYPE_NAMES)}, comma-separated (e.g. auto,fp8).")
+        if dt not in out:
+            out.append(dt)
+    if not out:
+        raise LazyRagError(f"--kv-dtype {text!r} names no KV dtype; e.g. auto,fp8.")
+    return out
+
+
+def run_steps(llm, kv_dtypes, prefix_tokens: int = 0, step=None) -> None:
+    """What a build and a query run, on ``llm`` (module docstring): ``step(name, fn)`` runs and
+    times each (default: just runs it). A step that fails raises: a kernel that does not compile
+    here would fail the build the same way."""
+    from .build_pipeline import EncodeWarmup
+    from .llm import LazyLLM
+    from .segments import Chunk
+    from .kernels import FP8
+
+    step = step or (lambda name, fn: fn())
+    prefix = [1] * prefix_tokens
+
+    for kv in kv_dtypes:
+        def warm_up(kv=kv):
+            w = EncodeWarmup(llm, prefix, None, kv)
+            w.wait()
+            if w.error is not None:
+                raise w.error
+        step(f"build encode, {_name(kv)} KV", warm_up)
+    with _calibration_not_kept():
+        step("build encode calibration", llm.engine.calibrate_read_or_encode)
+
+    def query(on):
+        chunks = [Chunk([2 + i] * CHUNK_TOKENS) for i in range(2)]
+        on.generate([*chunks, [5] * QUESTION_TOKENS], max_new_tokens=NEW_TOKENS, mode="lazy")
+
+    step(f"query, {_name(llm.dtype)} pages", lambda: query(llm))
+    if FP8 in kv_dtypes and llm.dtype != FP8:
+        fp8 = LazyLLM(llm.model, llm.tokenizer, shared_prefix=prefix or None,
+                      engine_config=llm.engine_config.with_options(kv_dtype="fp8"))
+        step("query, fp8 pages", lambda: query(fp8))
+
+
+def _name(dtype) -> str:
+    from .store import KV_DTYPE_NAMES
+
+    plain = str(dtype).removeprefix("torch.")
+    return next((short for short, long in KV_DTYPE_NAMES.items() if long == plain), plain)
+
+
+def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto,fp8",
+                    shared_prefix: bool = False, log_step=None) -> CompileReport:
+    """Compile the GPU kernels that builds and queries of ``model`` run on ``device`` into
+    Triton's cache on disk (module docstring); ``kv_dtype``: the stored KV dtypes to compile for,
+    comma-separated; ``shared_prefix``: for indexes built with one (``index --shared-prefix``).
+    ``log_step(step)`` is told of each step as it ends."""
+    import torch
+
+    from .bench.random_models import IdTokenizer
+    from .llm import LazyLLM
+    from .models import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise LazyRagError(f"Nothing to compile on {dev.type!r}: lazy-rag's Triton kernels run on CUDA GPUs, and "
+                           "a CPU runs torch's kernels, which need no compile. Run `lazy-rag compile` on the GPU "
+                           "machine that will build and query.")
+    if not torch.cuda.is_available():
+        raise LazyRagError("--device cuda, but torch sees no CUDA GPU here: run `lazy-rag compile` on the GPU "
+                           "machine that will build and query.")
+    dt = resolve_dtype(dtype, dev)
+    kv_dtypes = parse_kv_dtypes(kv_dtype, dt)
+    config = model_config(model)
+    prefix_tokens = shared_prefix_tokens(model) if shared_prefix else 0
+    report = CompileReport(model=model, device=torch.cuda.get_device_name(dev), cache_dir=str(triton_cache_dir()),
+                           cache_entries_before=triton_cache_entries())
+
+    def step(name, fn):
+        before, t0 = triton_cache_entries(), time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        done = CompileStep(name, round(time.perf_counter() - t0, 3), triton_cache_entries() - before)
+        report.steps.append(done)
+        if log_step is not None:
+            log_step(done)
+
+    holder = {}
+
+    def load():
+        holder["llm"] = LazyLLM(one_layer_model(config, dev, dt), IdTokenizer(),
+                                shared_prefix=[1] * prefix_tokens or None, kv_bytes=COMPILE_POOL_BYTES)
+
+    step("one-layer model of the config", load)
+    run_steps(holder["llm"], kv_dtypes, prefix_tokens, step)
+    return report

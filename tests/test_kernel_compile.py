@@ -1,0 +1,138 @@
+"""lazy-rag compile: a model's GPU kernels compiled into Triton's cache from its config alone, on a
+one-layer model, so that a machine's first build and query find them there."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lazy_rag.bench.random_models import IdTokenizer, random_config
+from lazy_rag.cli import app
+from lazy_rag.engine.read_or_encode import CALIBRATION_ENV
+from lazy_rag.errors import LazyRagError
+from lazy_rag.kernel_compile import COMPILE_VOCAB, one_layer_config, one_layer_model, parse_kv_dtypes, run_steps
+from lazy_rag.kernels import FP8
+from lazy_rag.llm import LazyLLM
+
+
+def test_the_one_layer_model_has_the_models_attention():
+    from transformers import Qwen2Config
+
+    qwen = Qwen2Config(**{**random_config("qwen2.5-0.5b").to_dict(), "pad_token_id": 151643})
+    for cfg in (random_config("llama-3.1-8b"), qwen):
+        one = one_layer_config(cfg)
+        assert one.num_hidden_layers == 1 and one.vocab_size == COMPILE_VOCAB and one.pad_token_id is None
+        for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rope_parameters", "model_type",
+                    "head_dim"):
+            assert getattr(one, key, None) == getattr(cfg, key, None), key
+        assert cfg.num_hidden_layers > 1    # the model's own config is left as it was
+        if getattr(cfg, "layer_types", None):
+            assert one.layer_types == cfg.layer_types[:1]
+
+
+def test_kv_dtypes_are_named_as_index_names_them():
+    assert parse_kv_dtypes("auto,fp8", torch.bfloat16) == [torch.bfloat16, FP8]
+    assert parse_kv_dtypes("bf16, auto ,bfloat16", torch.bfloat16) == [torch.bfloat16]
+    assert parse_kv_dtypes("fp32", torch.bfloat16) == [torch.float32]
+    with pytest.raises(LazyRagError, match=r"'int4' in --kv-dtype 'fp8,int4'.*auto,fp8"):
+        parse_kv_dtypes("fp8,int4", torch.bfloat16)
+    with pytest.raises(LazyRagError, match="names no KV dtype"):
+        parse_kv_dtypes(" , ", torch.bfloat16)
+
+
+def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_fit(tmp_path, monkeypatch):
+    """The steps end to end on the CPU (torch's kernels here; on CUDA, Triton's: the GPU test
+    below): each stored KV dtype's encode, the calibration, a query in each pool dtype. The
+    calibration runs, but its one-layer fit is neither kept nor read, and the setting is restored."""
+    kept = tmp_path / "calibration.json"
+    monkeypatch.setenv(CALIBRATION_ENV, str(kept))
+    model = one_layer_model(random_config("tiny-llama"), "cpu", torch.float32)
+    llm = LazyLLM(model, IdTokenizer(), kv_bytes=1 << 26)
+    ran = []
+
+    def step(name, fn):
+        ran.append(name)
+        if "calibration" in name:
+            assert os.environ[CALIBRATION_ENV] == "off"
+        fn()
+
+    run_steps(llm, [torch.float32, FP8], 0, step)
+    assert ran == ["build encode, fp32 KV", "build encode, fp8 KV", "build encode calibration",
+                   "query, fp32 pages", "query, fp8 pages"]
+    assert llm.engine.planner.chooser.calibrated     # measured,
+    assert not kept.exists() and os.environ[CALIBRATION_ENV] == str(kept)   # not kept
+    assert llm.stats()["steps"] > 0
+
+
+def test_a_failing_step_raises_instead_of_leaving_the_build_to_compile():
+    model = one_layer_model(random_config("tiny-llama"), "cpu", torch.float32)
+    llm = LazyLLM(model, IdTokenizer(), kv_bytes=1 << 26)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this shape")
+
+    llm.engine.encode_chunks = broken
+    with pytest.raises(RuntimeError, match="no kernel for this shape"):
+        run_steps(llm, [torch.float32], 0)
+
+
+def test_the_command_says_there_is_nothing_to_compile_on_a_cpu():
+    res = CliRunner().invoke(app, ["compile", "--model", "random:tiny-llama", "--device", "cpu"])
+    assert res.exit_code == 2
+    assert "Nothing to compile on 'cpu'" in res.output and "GPU" in res.output
+    res = CliRunner().invoke(app, ["compile", "--model", "no-such-model", "--device", "cpu"])
+    assert res.exit_code == 2 and "Nothing to compile" in res.output   # the device is checked before the model
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_command_refuses_cuda_where_torch_sees_no_gpu():
+    res = CliRunner().invoke(app, ["compile", "--model", "random:tiny-llama", "--device", "cuda"])
+    assert res.exit_code == 2 and "sees no CUDA GPU" in res.output
+
+
+BUILD_AND_QUERY = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from transformers import AutoTokenizer
+    from lazy_rag import LazyIndex, LazyLLM
+    from lazy_rag.bench.random_models import random_model
+    from lazy_rag.kernel_compile import triton_cache_entries
+    out, tok, kv = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), sys.argv[3]
+    llm = LazyLLM(random_model("llama-3.1-8b", "cuda", layers=2), tok)
+    texts = [" ".join(str(i * 7 + j) for j in range(150 + 13 * i)) for i in range(6)]
+    counts = [triton_cache_entries()]
+    idx = LazyIndex.from_texts(texts, out, llm=llm, vectors=False, split=False, kv_dtype=kv, progress=False)
+    counts.append(triton_cache_entries())
+    ids = [idx.records.row(int(r)).id for r in idx.records.rowids()[:3]]   # a cold query: KV read from disk
+    llm.generate(idx.segments("what is 7 times 13?", ids), max_new_tokens=6, source=idx.chunk_source)
+    counts.append(triton_cache_entries())
+    print(json.dumps(counts))
+""")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's kernels compile on CUDA only")
+def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, tokenizer):
+    """With an empty Triton cache, `lazy-rag compile` compiles from the 8B config; a build of the
+    model (two layers, its own weights) in a fresh process then compiles nothing: every kernel it
+    runs, its calibration's included, comes from the cache."""
+    cache = tmp_path / "triton"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), CALIBRATION_ENV: str(tmp_path / "cal.json")}
+    res = subprocess.run([sys.executable, "-m", "lazy_rag.cli", "compile", "--model", "random:llama-3.1-8b"],
+                         env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "new Triton cache entries" in res.stdout and str(cache) in res.stdout
+    compiled = {p.name for p in cache.iterdir()}
+    assert compiled and not (tmp_path / "cal.json").exists()     # compiled, no one-layer fit kept
+    for kv in ("bf16", "fp8"):
+        res = subprocess.run([sys.executable, "-c", BUILD_AND_QUERY, str(tmp_path / f"index-{kv}"),
+                              tokenizer.name_or_path, kv], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        counts = json.loads(res.stdout.strip().splitlines()[-1])
+        assert counts[1] == counts[0], f"the {kv} build compiled kernels `lazy-rag compile` did not: {counts}"
+        assert counts[2] == counts[1], f"a query after the {kv} build compiled kernels: {counts}"
+        assert (tmp_path / "cal.json").exists()     # the build ran its calibration (its kernels checked too)
+        (tmp_path / "cal.json").unlink()
