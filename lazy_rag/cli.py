@@ -380,7 +380,6 @@ def compile_(
     device: str = typer.Option("auto", help="cuda, or auto (on a CPU there is nothing to compile)."),
     kv_dtype: str = typer.Option("auto,fp8", help="Stored KV dtypes to compile for, comma-separated: auto (the "
                                                   "model's), bf16, fp16, fp32, fp8."),
-    shared_prefix: bool = typer.Option(False, help="For indexes built with --shared-prefix."),
 ):
     """Compile the GPU kernels that builds and queries of MODEL run on this machine into Triton's
     cache on disk (once per machine, or per cache folder shared by machines of one GPU type), so
@@ -394,7 +393,7 @@ def compile_(
         err.print(f"  {step.name}: {step.seconds:.1f} s{added}", markup=False, highlight=False)
 
     try:
-        rep = compile_kernels(model, device=device, kv_dtype=kv_dtype, shared_prefix=shared_prefix, log_step=said)
+        rep = compile_kernels(model, device=device, kv_dtype=kv_dtype, log_step=said)
     except LazyRagError as e:
         _fail(e)
     out.print(f"Compiled {model}'s kernels: {rep.cache_entries_added} new Triton cache entries on {rep.device} in "

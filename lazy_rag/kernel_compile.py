@@ -19,13 +19,18 @@ vocabulary or the weights. So this builds a one-layer model of the checkpoint's 
 weights (the config alone is read: no weights are loaded, and a random-weights architecture,
 ``random:NAME``, works as well) and runs on it what a build and a query run:
 
-- the build's encode warm-up (``build_pipeline.EncodeWarmup``), once per stored KV dtype;
+- a build of three chunks into a temporary index per stored KV dtype, as ``lazy-rag index``
+  builds (its encode warm-up, batches and writer; fp8 quantised on the GPU);
 - the encode calibration a build runs for the read-or-encode choice of cold queries (its fit is
   not kept: it would be a one-layer model's);
-- a lazy query over two stored chunks, in each pool dtype (the model's, and fp8's pages where fp8 is
-  asked for), through the engine's CUDA graphs as a server runs it.
+- per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, a lazy query whose
+  chunks are read from the store, one whose chunks are encoded in its prefill instead (a cold
+  chunk's two paths), and one from the pool, each decoding through the engine's CUDA graphs.
 
-On a CPU there is nothing to compile: the CPU runs torch's kernels, and this says so.
+Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, decode
+batches larger than one sequence (a server's), and prompt shapes whose kernel settings differ
+(measured for the 8B shape: BENCHMARKS.md). On a CPU there is nothing to compile: the CPU runs
+torch's kernels, and this says so.
 """
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
+from .bench.random_models import IdTokenizer
 from .errors import LazyRagError
 
 log = logging.getLogger(__name__)
@@ -120,19 +127,6 @@ def model_config(name_or_path: str):
     return config
 
 
-def shared_prefix_tokens(name_or_path: str) -> int:
-    """The length of the shared prefix ``lazy-rag index --shared-prefix`` encodes before every
-    chunk of this model (the prompt's fixed head, in its own tokenizer)."""
-    from .chat import rag_prefix
-    from .models import load_tokenizer
-    from .segments import tokenize_text
-
-    if name_or_path.startswith("random:"):
-        raise LazyRagError(f"{name_or_path} has no tokenizer, so no shared prefix: drop --shared-prefix.")
-    tok = load_tokenizer(name_or_path)
-    return len(tokenize_text(tok, rag_prefix(tok), first=True))
-
-
 def one_layer_model(config, device, dtype):
     """A one-layer model of ``config`` (``one_layer_config``) with random weights, created on
     ``device`` in ``dtype``."""
@@ -185,37 +179,73 @@ def parse_kv_dtypes(text: str, model_dtype) -> list:
     return out
 
 
-def run_steps(llm, kv_dtypes, prefix_tokens: int = 0, step=None) -> None:
-    """What a build and a query run, on ``llm`` (module docstring): ``step(name, fn)`` runs and
-    times each (default: just runs it). A step that fails raises: a kernel that does not compile
-    here would fail the build the same way."""
-    from .build_pipeline import EncodeWarmup
+class _NumberTokenizer(IdTokenizer):
+    """Text of whitespace-separated token ids, for the steps' own build (``LazyIndex.from_texts``
+    tokenizes its texts): the one-layer model has no tokenizer of its own."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[int(w) % COMPILE_VOCAB for w in text.split()])
+
+
+@contextlib.contextmanager
+def _chunks_read(engine, read: bool):
+    """The engine's read-or-encode choice for stored chunks made ``read`` (True: read from the
+    store, False: encoded in the request's prefill) whatever its estimates say, so that both
+    paths' kernels run."""
+    chooser = engine.planner.chooser
+    chooser.should_encode = lambda *a, **k: not read
+    try:
+        yield
+    finally:
+        del chooser.should_encode   # the class's method again
+
+
+def run_steps(llm, kv_dtypes, step=None) -> None:
+    """What a build and its queries run, on ``llm`` (module docstring): ``step(name, fn)`` runs
+    and times each (default: just runs it). A step that fails raises: a kernel that does not
+    compile here would fail the build the same way.
+
+    Per stored KV dtype, a build of a few chunks into a temporary index, as ``lazy-rag index``
+    builds (its encode warm-up, batches, writer; fp8 quantised on the GPU); the encode
+    calibration; then, per pool dtype (the model's, and fp8 where asked for), a query over each
+    index's chunks read from the store, encoded in the query's prefill instead (the engine's two
+    paths for a cold chunk), and from the pool (warm)."""
+    import tempfile
+
+    from .index import LazyIndex
+    from .kernels import FP8
     from .llm import LazyLLM
     from .segments import Chunk
-    from .kernels import FP8
 
     step = step or (lambda name, fn: fn())
-    prefix = [1] * prefix_tokens
-
-    for kv in kv_dtypes:
-        def warm_up(kv=kv):
-            w = EncodeWarmup(llm, prefix, None, kv)
-            w.wait()
-            if w.error is not None:
-                raise w.error
-        step(f"build encode, {_name(kv)} KV", warm_up)
-    with _calibration_not_kept():
+    texts = [" ".join(str(2 + (7 * i + j) % 97) for j in range(CHUNK_TOKENS + 13 * i)) for i in range(3)]
+    with tempfile.TemporaryDirectory(prefix="lazy-rag-compile-") as tmp, _calibration_not_kept():
+        indexes = {}
+        for kv in kv_dtypes:
+            def build(kv=kv):
+                indexes[kv] = LazyIndex.from_texts(texts, Path(tmp) / _name(kv), llm=llm, vectors=False, split=False,
+                                                   kv_dtype=_name(kv), progress=False)
+            step(f"build, {_name(kv)} KV", build)
         step("build encode calibration", llm.engine.calibrate_read_or_encode)
 
-    def query(on):
-        chunks = [Chunk([2 + i] * CHUNK_TOKENS) for i in range(2)]
-        on.generate([*chunks, [5] * QUESTION_TOKENS], max_new_tokens=NEW_TOKENS, mode="lazy")
-
-    step(f"query, {_name(llm.dtype)} pages", lambda: query(llm))
-    if FP8 in kv_dtypes and llm.dtype != FP8:
-        fp8 = LazyLLM(llm.model, llm.tokenizer, shared_prefix=prefix or None,
-                      engine_config=llm.engine_config.with_options(kv_dtype="fp8"))
-        step("query, fp8 pages", lambda: query(fp8))
+        pools = [llm]
+        if FP8 in kv_dtypes and llm.dtype != FP8:
+            pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=llm.engine_config.with_options(kv_dtype="fp8")))
+        question = [5] * QUESTION_TOKENS
+        try:
+            for pool in pools:
+                for kv, idx in indexes.items():
+                    def query(pool=pool, idx=idx):
+                        prompt = [*(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records), question]
+                        for read in (True, False, None):   # cold from the store, cold re-encoded, warm
+                            if read is not None:
+                                pool.engine.clear_cache()
+                            with _chunks_read(pool.engine, read is not False):
+                                pool.generate(prompt, max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
+                    step(f"query, {_name(kv)} KV into {_name(pool.engine.pool.dtype)} pages", query)
+        finally:
+            for idx in indexes.values():
+                idx.close()
 
 
 def _name(dtype) -> str:
@@ -226,14 +256,12 @@ def _name(dtype) -> str:
 
 
 def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto,fp8",
-                    shared_prefix: bool = False, log_step=None) -> CompileReport:
+                    log_step=None) -> CompileReport:
     """Compile the GPU kernels that builds and queries of ``model`` run on ``device`` into
     Triton's cache on disk (module docstring); ``kv_dtype``: the stored KV dtypes to compile for,
-    comma-separated; ``shared_prefix``: for indexes built with one (``index --shared-prefix``).
-    ``log_step(step)`` is told of each step as it ends."""
+    comma-separated. ``log_step(step)`` is told of each step as it ends."""
     import torch
 
-    from .bench.random_models import IdTokenizer
     from .llm import LazyLLM
     from .models import resolve_device, resolve_dtype
 
@@ -248,7 +276,6 @@ def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv
     dt = resolve_dtype(dtype, dev)
     kv_dtypes = parse_kv_dtypes(kv_dtype, dt)
     config = model_config(model)
-    prefix_tokens = shared_prefix_tokens(model) if shared_prefix else 0
     report = CompileReport(model=model, device=torch.cuda.get_device_name(dev), cache_dir=str(triton_cache_dir()),
                            cache_entries_before=triton_cache_entries())
 
@@ -264,9 +291,8 @@ def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv
     holder = {}
 
     def load():
-        holder["llm"] = LazyLLM(one_layer_model(config, dev, dt), IdTokenizer(),
-                                shared_prefix=[1] * prefix_tokens or None, kv_bytes=COMPILE_POOL_BYTES)
+        holder["llm"] = LazyLLM(one_layer_model(config, dev, dt), _NumberTokenizer(), kv_bytes=COMPILE_POOL_BYTES)
 
     step("one-layer model of the config", load)
-    run_steps(holder["llm"], kv_dtypes, prefix_tokens, step)
+    run_steps(holder["llm"], kv_dtypes, step)
     return report
