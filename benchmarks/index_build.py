@@ -218,6 +218,7 @@ def compile_kernels(a) -> float:
     if res.returncode != 0:
         sys.stderr.write(res.stderr[-3000:])
         raise SystemExit(f"--compile-kernels: lazy-rag compile failed ({res.returncode})")
+    sys.stderr.write(res.stderr)   # its steps' seconds and cache entries
     print(res.stdout.strip().splitlines()[-1], flush=True)
     return time.perf_counter() - t0
 
