@@ -23,14 +23,16 @@ weights (the config alone is read: no weights are loaded, and a random-weights a
   builds (its encode warm-up, batches and writer; fp8 quantised on the GPU);
 - the encode calibration a build runs for the read-or-encode choice of cold queries (its fit is
   not kept: it would be a one-layer model's);
-- per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, a lazy query whose
-  chunks are read from the store, one whose chunks are encoded in its prefill instead (a cold
-  chunk's two paths), and one from the pool, each decoding through the engine's CUDA graphs.
+- per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, lazy queries whose
+  chunks are read from the store, encoded in the query's prefill instead (a cold chunk's two
+  paths) and found in the pool, with a short and a long question (a prefill's tile size follows
+  its new tokens), each decoding through the engine's CUDA graphs; then 16 requests at once (a
+  server's batch picks larger tiles and another decode graph).
 
-Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, decode
-batches larger than one sequence (a server's), and prompt shapes whose kernel settings differ
-(measured for the 8B shape: BENCHMARKS.md). On a CPU there is nothing to compile: the CPU runs
-torch's kernels, and this says so.
+Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, and batch
+shapes whose kernel settings differ from these. For the 8B shape, BENCHMARKS.md lists what a
+build and a query compiled after this command. On a CPU there is nothing to compile: the CPU
+runs torch's kernels, and this says so.
 """
 from __future__ import annotations
 
@@ -50,9 +52,14 @@ log = logging.getLogger(__name__)
 # the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
 # vocabulary would only take memory and time (no Triton kernel depends on its size)
 COMPILE_VOCAB = 256
-# the steps' chunks: two (one chunk takes SDPA, not the packed kernel launch: EncodeWarmup), each
-# longer than a 128-row tile, and a question after them
-CHUNK_TOKENS, QUESTION_TOKENS, NEW_TOKENS = 131, 17, 4
+# the steps' chunks: three (one chunk takes SDPA, not the packed kernel launch: EncodeWarmup), each
+# longer than a 128-row tile
+CHUNK_TOKENS, NEW_TOKENS = 131, 4
+# a query's new tokens pick its prefill kernel's tile (kernels.prefill.runs_rows, from their (token,
+# query head) rows): a short question fits one 128-row tile, a chat prompt's head and question
+# (tens of tokens) do not; and a server's batch of requests picks larger tiles again
+QUESTION_TOKENS = (17, 100)
+BATCH_REQUESTS = 16
 # each engine's GPU pool: a few thousand pages of the one-layer model (no kernel variant depends on
 # the pool's size), so that the second engine (fp8 pages) finds memory beside the first
 COMPILE_POOL_BYTES = 1 << 30
@@ -231,18 +238,28 @@ def run_steps(llm, kv_dtypes, step=None) -> None:
         pools = [llm]
         if FP8 in kv_dtypes and llm.dtype != FP8:
             pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=llm.engine_config.with_options(kv_dtype="fp8")))
-        question = [5] * QUESTION_TOKENS
+        def prompt(idx, question_tokens):
+            return [*(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records), [5] * question_tokens]
+
         try:
             for pool in pools:
                 for kv, idx in indexes.items():
                     def query(pool=pool, idx=idx):
-                        prompt = [*(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records), question]
-                        for read in (True, False, None):   # cold from the store, cold re-encoded, warm
-                            if read is not None:
-                                pool.engine.clear_cache()
-                            with _chunks_read(pool.engine, read is not False):
-                                pool.generate(prompt, max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
+                        for n in QUESTION_TOKENS:
+                            for read in (True, False, None):   # cold from the store, cold re-encoded, warm
+                                if read is not None:
+                                    pool.engine.clear_cache()
+                                with _chunks_read(pool.engine, read is not False):
+                                    pool.generate(prompt(idx, n), max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
                     step(f"query, {_name(kv)} KV into {_name(pool.engine.pool.dtype)} pages", query)
+
+                def batch(pool=pool, idx=next(iter(indexes.values()))):
+                    handles = [pool.engine.submit(prompt(idx, QUESTION_TOKENS[-1] + i), max_new_tokens=NEW_TOKENS,
+                                                  source=idx.chunk_source) for i in range(BATCH_REQUESTS)]
+                    for h in handles:   # the first drain steps them all together
+                        for _ in pool.engine.pieces(h):
+                            pass
+                step(f"{BATCH_REQUESTS} queries at once, {_name(pool.engine.pool.dtype)} pages", batch)
         finally:
             for idx in indexes.values():
                 idx.close()
