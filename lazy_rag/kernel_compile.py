@@ -55,10 +55,12 @@ COMPILE_VOCAB = 256
 # the steps' chunks: three (one chunk takes SDPA, not the packed kernel launch: EncodeWarmup), each
 # longer than a 128-row tile
 CHUNK_TOKENS, NEW_TOKENS = 131, 4
-# a query's new tokens pick its prefill kernel's tile (kernels.prefill.runs_rows, from their (token,
-# query head) rows): a short question fits one 128-row tile, a chat prompt's head and question
-# (tens of tokens) do not; and a server's batch of requests picks larger tiles again
-QUESTION_TOKENS = (17, 100)
+# a query's prompt: a head before its chunks (a chat template's, with the instruction) and a
+# question after them; its new tokens pick its prefill kernel's tile and launch settings
+# (kernels.prefill.runs_rows, prefill_runs.default_tuning, from their (token, query head) rows):
+# a short question fits one 128-row tile, a long one does not; and a server's batch of requests
+# picks larger tiles again
+HEAD_TOKENS, QUESTION_TOKENS = 24, (8, 100)
 BATCH_REQUESTS = 16
 # each engine's GPU pool: a few thousand pages of the one-layer model (no kernel variant depends on
 # the pool's size), so that the second engine (fp8 pages) finds memory beside the first
@@ -239,7 +241,8 @@ def run_steps(llm, kv_dtypes, step=None) -> None:
         if FP8 in kv_dtypes and llm.dtype != FP8:
             pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=llm.engine_config.with_options(kv_dtype="fp8")))
         def prompt(idx, question_tokens):
-            return [*(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records), [5] * question_tokens]
+            return [[5] * HEAD_TOKENS, *(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records),
+                    [6] * question_tokens]
 
         try:
             for pool in pools:
