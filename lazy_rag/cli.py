@@ -380,6 +380,8 @@ def compile_(
     device: str = typer.Option("auto", help="cuda, or auto (on a CPU there is nothing to compile)."),
     kv_dtype: str = typer.Option("auto,fp8", help="Stored KV dtypes to compile for, comma-separated: auto (the "
                                                   "model's), bf16, fp16, fp32, fp8."),
+    list_variants: bool = typer.Option(False, "--list", help="Name each kernel variant compiled (its launch "
+                                                             "options and constexprs)."),
 ):
     """Compile the GPU kernels that builds and queries of MODEL run on this machine into Triton's
     cache on disk (once per machine, or per cache folder shared by machines of one GPU type), so
@@ -389,8 +391,10 @@ def compile_(
     from .kernel_compile import compile_kernels
 
     def said(step):
-        added = "" if step.cache_entries_added is None else f", {step.cache_entries_added} new Triton cache entries"
-        err.print(f"  {step.name}: {step.seconds:.1f} s{added}", markup=False, highlight=False)
+        err.print(f"  {step.name}: {step.seconds:.1f} s, {len(step.variants)} kernel variant(s) compiled, "
+                  f"{step.cache_entries_added} new Triton cache entries", markup=False, highlight=False)
+        for v in step.variants if list_variants else ():
+            err.print(f"    {v}", markup=False, highlight=False)
 
     try:
         rep = compile_kernels(model, device=device, kv_dtype=kv_dtype, log_step=said)

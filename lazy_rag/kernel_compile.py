@@ -60,7 +60,11 @@ CHUNK_TOKENS, NEW_TOKENS = 131, 4
 # (kernels.prefill.runs_rows, prefill_runs.default_tuning, from their (token, query head) rows):
 # a short question fits one 128-row tile, a long one does not; and a server's batch of requests
 # picks larger tiles again
-HEAD_TOKENS, QUESTION_TOKENS = 24, (8, 100)
+# (every token bucket of the engine's prefill graphs from 32 to 512 new tokens, cuda_graphs.TOKEN_BUCKETS,
+# for chunks read from the store; the other paths with a short and a long one)
+HEAD_TOKENS = 24
+QUESTION_TOKENS = tuple(b - HEAD_TOKENS for b in (32, 48, 64, 96, 128, 192, 256, 384, 512))
+SHORT_LONG = (QUESTION_TOKENS[0], QUESTION_TOKENS[4])
 BATCH_REQUESTS = 16
 # each engine's GPU pool: a few thousand pages of the one-layer model (no kernel variant depends on
 # the pool's size), so that the second engine (fp8 pages) finds memory beside the first
@@ -72,6 +76,9 @@ class CompileStep:
     name: str
     seconds: float
     cache_entries_added: int | None
+    # the kernel variants compiled (not found in Triton's cache on disk): name, launch options and
+    # upper-case constexprs
+    variants: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +156,42 @@ def one_layer_model(config, device, dtype):
             return AutoModelForCausalLM.from_config(one_layer_config(config)).eval()
     finally:
         torch.set_default_dtype(previous)
+
+
+def _variant_name(fn, compile: dict) -> str:
+    names = [p.name for p in fn.jit_function.params]
+    consts = ", ".join(f"{names[k[0]]}={v}" for k, v in compile["constants"].items()
+                       if len(k) == 1 and names[k[0]].isupper() and isinstance(v, (bool, int, str)))
+    return f"{fn.name}[warps {compile['num_warps']}, stages {compile['num_stages']}]({consts})"
+
+
+@contextlib.contextmanager
+def compiled_variants():
+    """The kernel variants Triton compiles inside the block, as a list filled as they are
+    (``_variant_name``): a variant counts when its launch added an entry to Triton's cache on disk,
+    not when it was loaded from there. Triton's jit hooks (``triton.knobs.runtime``), the previous
+    ones chained and put back after."""
+    import triton
+
+    rt = triton.knobs.runtime
+    found, before = [], {}
+    ahead_was, after_was = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+    def ahead(*, key, **kw):
+        before[key] = triton_cache_entries()
+        return ahead_was(key=key, **kw) if ahead_was else False
+
+    def after(*, key, fn, compile, **kw):
+        if triton_cache_entries() > before.pop(key, 1 << 62):
+            found.append(_variant_name(fn, compile))
+        if after_was:
+            after_was(key=key, fn=fn, compile=compile, **kw)
+
+    rt.jit_cache_hook, rt.jit_post_compile_hook = ahead, after
+    try:
+        yield found
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = ahead_was, after_was
 
 
 @contextlib.contextmanager
@@ -248,16 +291,17 @@ def run_steps(llm, kv_dtypes, step=None) -> None:
             for pool in pools:
                 for kv, idx in indexes.items():
                     def query(pool=pool, idx=idx):
-                        for n in QUESTION_TOKENS:
-                            for read in (True, False, None):   # cold from the store, cold re-encoded, warm
-                                if read is not None:
-                                    pool.engine.clear_cache()
-                                with _chunks_read(pool.engine, read is not False):
-                                    pool.generate(prompt(idx, n), max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
+                        runs = [(n, True) for n in QUESTION_TOKENS] + [(n, read) for n in SHORT_LONG
+                                                                      for read in (False, None)]
+                        for n, read in runs:   # cold from the store, cold re-encoded, warm
+                            if read is not None:
+                                pool.engine.clear_cache()
+                            with _chunks_read(pool.engine, read is not False):
+                                pool.generate(prompt(idx, n), max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
                     step(f"query, {_name(kv)} KV into {_name(pool.engine.pool.dtype)} pages", query)
 
                 def batch(pool=pool, idx=next(iter(indexes.values()))):
-                    handles = [pool.engine.submit(prompt(idx, QUESTION_TOKENS[-1] + i), max_new_tokens=NEW_TOKENS,
+                    handles = [pool.engine.submit(prompt(idx, SHORT_LONG[-1] + i), max_new_tokens=NEW_TOKENS,
                                                   source=idx.chunk_source) for i in range(BATCH_REQUESTS)]
                     for h in handles:   # the first drain steps them all together
                         for _ in pool.engine.pieces(h):
@@ -301,9 +345,10 @@ def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv
 
     def step(name, fn):
         before, t0 = triton_cache_entries(), time.perf_counter()
-        fn()
-        torch.cuda.synchronize(dev)
-        done = CompileStep(name, round(time.perf_counter() - t0, 3), triton_cache_entries() - before)
+        with compiled_variants() as variants:
+            fn()
+            torch.cuda.synchronize(dev)
+        done = CompileStep(name, round(time.perf_counter() - t0, 3), triton_cache_entries() - before, variants)
         report.steps.append(done)
         if log_step is not None:
             log_step(done)

@@ -14,7 +14,8 @@ from lazy_rag.bench.random_models import random_config
 from lazy_rag.cli import app
 from lazy_rag.engine.read_or_encode import CALIBRATION_ENV
 from lazy_rag.errors import LazyRagError
-from lazy_rag.kernel_compile import COMPILE_VOCAB, _NumberTokenizer, one_layer_config, one_layer_model, parse_kv_dtypes, run_steps
+from lazy_rag.kernel_compile import (COMPILE_VOCAB, QUESTION_TOKENS, SHORT_LONG, _NumberTokenizer,
+                                     compiled_variants, one_layer_config, one_layer_model, parse_kv_dtypes, run_steps)
 from lazy_rag.kernels import FP8
 from lazy_rag.llm import LazyLLM
 
@@ -65,9 +66,39 @@ def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_
                    "query, fp32 KV into fp8 pages", "query, fp8 KV into fp8 pages", "16 queries at once, fp8 pages"]
     assert llm.engine.planner.chooser.calibrated     # measured,
     assert not kept.exists() and os.environ[CALIBRATION_ENV] == str(kept)   # not kept
-    stats = llm.stats()     # per question length each index's three chunks read, re-encoded, then a hit
-    assert stats["tier_disk_hits"] == stats["tier_recomputed_not_read"] == 2 * 6
-    assert stats["chunk_hits"] >= 2 * 6 and stats["requests_running"] == 0
+    stats = llm.stats()     # each index's three chunks read per question length, re-encoded per short/long one
+    assert stats["tier_disk_hits"] == len(QUESTION_TOKENS) * 6
+    assert stats["tier_recomputed_not_read"] == len(SHORT_LONG) * 6
+    assert stats["chunk_hits"] >= len(SHORT_LONG) * 6 and stats["requests_running"] == 0
+
+
+def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path, monkeypatch):
+    """compiled_variants through Triton's jit hooks, called here as Triton calls them around a
+    compile: a launch whose compile wrote a cache entry is named with its options and upper-case
+    constexprs, one loaded from the cache is not; hooks set before are chained and put back."""
+    import triton
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    rt = triton.knobs.runtime
+    seen = []
+    monkeypatch.setattr(rt, "jit_cache_hook", lambda **kw: seen.append("ahead") or False)
+    monkeypatch.setattr(rt, "jit_post_compile_hook", lambda **kw: seen.append("after"))
+    fn = SimpleNamespace(name="_kern", jit_function=SimpleNamespace(
+        params=[SimpleNamespace(name=n) for n in ("X", "n", "BLOCK", "DIRECT")]))
+    compile = {"constants": {(2,): 64, (3,): False}, "num_warps": 8, "num_stages": 2}
+    with compiled_variants() as found:
+        for key, writes in (("a", True), ("b", False)):
+            assert rt.jit_cache_hook(key=key, repr="", fn=fn, compile=compile, is_manual_warmup=False,
+                                     already_compiled=False) is False
+            if writes:
+                (tmp_path / "ENTRY").mkdir()
+            rt.jit_post_compile_hook(key=key, repr="", fn=fn, compile=compile, is_manual_warmup=False,
+                                     already_compiled=False)
+    assert found == ["_kern[warps 8, stages 2](BLOCK=64, DIRECT=False)"]
+    assert seen == ["ahead", "after"] * 2
+    rt.jit_cache_hook(key="c")
+    assert seen[-1] == "ahead"      # the previous hook is back
 
 
 def test_a_failing_step_raises_instead_of_leaving_the_build_to_compile():
@@ -140,9 +171,10 @@ def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, 
     runs, its calibration's included, comes from the cache."""
     cache = tmp_path / "triton"
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), CALIBRATION_ENV: str(tmp_path / "cal.json")}
-    res = subprocess.run([sys.executable, "-m", "lazy_rag.cli", "compile", "--model", "random:llama-3.1-8b"],
+    res = subprocess.run([sys.executable, "-m", "lazy_rag.cli", "compile", "--model", "random:llama-3.1-8b", "--list"],
                          env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    compile_log = res.stderr
     assert "new Triton cache entries" in res.stdout and str(cache) in res.stdout
     compiled = {p.name for p in cache.iterdir()}
     assert compiled and not (tmp_path / "cal.json").exists()     # compiled, no one-layer fit kept
@@ -151,7 +183,7 @@ def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, 
                               tokenizer.name_or_path, kv], env=env, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
         in_build, in_queries = json.loads(res.stdout.strip().splitlines()[-1])
-        assert not in_build, f"the {kv} build compiled kernels `lazy-rag compile` did not: {in_build}"
-        assert not in_queries, f"queries after the {kv} build compiled kernels: {in_queries}"
+        assert not in_build, f"the {kv} build compiled kernels `lazy-rag compile` did not: {in_build}\n{compile_log}"
+        assert not in_queries, f"queries after the {kv} build compiled kernels: {in_queries}\n{compile_log}"
         assert (tmp_path / "cal.json").exists()     # the build ran its calibration (its kernels checked too)
         (tmp_path / "cal.json").unlink()
