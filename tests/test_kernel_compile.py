@@ -130,37 +130,21 @@ def test_the_command_refuses_cuda_where_torch_sees_no_gpu():
 BUILD_AND_QUERY = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    import triton
     from transformers import AutoTokenizer
     from lazy_rag import LazyIndex, LazyLLM
     from lazy_rag.bench.random_models import random_model
-    from lazy_rag.kernel_compile import triton_cache_entries
+    from lazy_rag.kernel_compile import compiled_variants
 
-    # each kernel variant this process compiles (not found in Triton's cache on disk): its
-    # upper-case constexprs and launch options, to say which variant `lazy-rag compile` missed
-    fresh, before = [], {}
-
-    def ahead(key, fn, **_):
-        before[key] = triton_cache_entries()
-        return False
-
-    def after(key, fn, compile, **_):
-        if triton_cache_entries() > before.pop(key, 1 << 30):
-            names = [p.name for p in fn.jit_function.params]
-            consts = {names[k[0]]: v for k, v in compile["constants"].items()
-                      if len(k) == 1 and names[k[0]].isupper() and isinstance(v, (bool, int, str))}
-            fresh.append(f"{fn.name}[warps {compile['num_warps']}, stages {compile['num_stages']}] {consts}")
-
-    triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = ahead, after
     out, tok, kv = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), sys.argv[3]
     llm = LazyLLM(random_model("llama-3.1-8b", "cuda", layers=2), tok)
     texts = [" ".join(str(i * 7 + j) for j in range(150 + 13 * i)) for i in range(6)]
-    idx = LazyIndex.from_texts(texts, out, llm=llm, vectors=False, split=False, kv_dtype=kv, progress=False)
-    in_build, fresh[:] = fresh[:], []
-    ids = [idx.records.row(int(r)).id for r in idx.records.rowids()[:3]]   # a cold query, then a warm one
-    for _ in range(2):
-        llm.generate(idx.segments("what is 7 times 13?", ids), max_new_tokens=6, source=idx.chunk_source)
-    print(json.dumps([in_build, fresh]))
+    with compiled_variants() as in_build:
+        idx = LazyIndex.from_texts(texts, out, llm=llm, vectors=False, split=False, kv_dtype=kv, progress=False)
+    ids = [idx.records.row(int(r)).id for r in idx.records.rowids()[:3]]
+    with compiled_variants() as in_queries:   # a cold query, then a warm one
+        for _ in range(2):
+            llm.generate(idx.segments("what is 7 times 13?", ids), max_new_tokens=6, source=idx.chunk_source)
+    print(json.dumps([in_build, in_queries]))
 """)
 
 
