@@ -19,18 +19,19 @@ vocabulary or the weights. So this builds a one-layer model of the checkpoint's 
 weights (the config alone is read: no weights are loaded, and a random-weights architecture,
 ``random:NAME``, works as well) and runs on it what a build and a query run:
 
-- a build of three chunks into a temporary index per stored KV dtype, as ``lazy-rag index``
-  builds (its encode warm-up, batches and writer; fp8 quantised on the GPU);
+- a build of 64 chunks into a temporary index per stored KV dtype, as ``lazy-rag index`` builds
+  (its encode warm-up, batches and writer; fp8 quantised on the GPU);
 - the encode calibration a build runs for the read-or-encode choice of cold queries (its fit is
   not kept: it would be a one-layer model's);
-- per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, lazy queries whose
-  chunks are read from the store, encoded in the query's prefill instead (a cold chunk's two
-  paths) and found in the pool, with a short and a long question (a prefill's tile size follows
-  its new tokens), each decoding through the engine's CUDA graphs; then 16 requests at once (a
-  server's batch picks larger tiles and another decode graph).
+- per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, one-sequence lazy
+  queries over contexts of 256 to 16k tokens whose chunks are read from the store, encoded in the
+  query's prefill instead (a cold chunk's two paths) or found in the pool, with questions of
+  every prefill token bucket up to 512 (``CONTEXT_CHUNKS``, ``QUESTION_TOKENS``: a prefill's tile
+  and launch settings follow its new tokens, its and the decode's split count its context), each
+  decoding through the engine's CUDA graphs; then 16 requests at once.
 
-Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, and batch
-shapes whose kernel settings differ from these. For the 8B shape, BENCHMARKS.md lists what a
+Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, contexts
+past 16k tokens, and batches whose kernel settings differ from these. For the 8B shape, BENCHMARKS.md lists what a
 build and a query compiled after this command. On a CPU there is nothing to compile: the CPU
 runs torch's kernels, and this says so.
 """
@@ -52,19 +53,19 @@ log = logging.getLogger(__name__)
 # the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
 # vocabulary would only take memory and time (no Triton kernel depends on its size)
 COMPILE_VOCAB = 256
-# the steps' chunks: three (one chunk takes SDPA, not the packed kernel launch: EncodeWarmup), each
-# longer than a 128-row tile
-CHUNK_TOKENS, NEW_TOKENS = 131, 4
+# the steps' index: chunks of the default chunk size, as many as the longest context below
+CHUNK_TOKENS, NEW_TOKENS = 256, 4
 # a query's prompt: a head before its chunks (a chat template's, with the instruction) and a
-# question after them; its new tokens pick its prefill kernel's tile and launch settings
-# (kernels.prefill.runs_rows, prefill_runs.default_tuning, from their (token, query head) rows):
-# a short question fits one 128-row tile, a long one does not; and a server's batch of requests
-# picks larger tiles again
-# (every token bucket of the engine's prefill graphs from 32 to 512 new tokens, cuda_graphs.TOKEN_BUCKETS,
-# for chunks read from the store; the other paths with a short and a long one)
+# question after them. Its new tokens pick the prefill kernel's tile and launch settings
+# (kernels.prefill.runs_rows, prefill_runs.default_tuning) and its context the split count of the
+# prefill and the decode (the merge kernel's SP): so queries over 1 to 64 chunks (256 to 16k
+# tokens) read from the store, each with a question at every token bucket of the engine's prefill
+# graphs from 32 to 512 new tokens (cuda_graphs.TOKEN_BUCKETS); over 1 to 16 chunks encoded in
+# the query's prefill instead; and found in the pool, each of these with a short and a long question
 HEAD_TOKENS = 24
 QUESTION_TOKENS = tuple(b - HEAD_TOKENS for b in (32, 48, 64, 96, 128, 192, 256, 384, 512))
 SHORT_LONG = (QUESTION_TOKENS[0], QUESTION_TOKENS[4])
+CONTEXT_CHUNKS, ENCODED_CHUNKS = (1, 4, 16, 64), (1, 4, 16)
 BATCH_REQUESTS = 16
 # each engine's GPU pool: a few thousand pages of the one-layer model (no kernel variant depends on
 # the pool's size), so that the second engine (fp8 pages) finds memory beside the first
@@ -252,16 +253,17 @@ def _chunks_read(engine, read: bool):
         del chooser.should_encode   # the class's method again
 
 
-def run_steps(llm, kv_dtypes, step=None) -> None:
+def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENCODED_CHUNKS,
+              questions=QUESTION_TOKENS, short_long=SHORT_LONG) -> None:
     """What a build and its queries run, on ``llm`` (module docstring): ``step(name, fn)`` runs
     and times each (default: just runs it). A step that fails raises: a kernel that does not
     compile here would fail the build the same way.
 
-    Per stored KV dtype, a build of a few chunks into a temporary index, as ``lazy-rag index``
+    Per stored KV dtype, a build of 64 chunks into a temporary index, as ``lazy-rag index``
     builds (its encode warm-up, batches, writer; fp8 quantised on the GPU); the encode
-    calibration; then, per pool dtype (the model's, and fp8 where asked for), a query over each
-    index's chunks read from the store, encoded in the query's prefill instead (the engine's two
-    paths for a cold chunk), and from the pool (warm)."""
+    calibration; then, per pool dtype (the model's, and fp8 where asked for), queries over each
+    index's chunks (``runs``: read from the store, encoded in the query's prefill instead, the
+    engine's two paths for a cold chunk, and from the pool), and a batch of requests."""
     import tempfile
 
     from .index import LazyIndex
@@ -270,7 +272,7 @@ def run_steps(llm, kv_dtypes, step=None) -> None:
     from .segments import Chunk
 
     step = step or (lambda name, fn: fn())
-    texts = [" ".join(str(2 + (7 * i + j) % 97) for j in range(CHUNK_TOKENS + 13 * i)) for i in range(3)]
+    texts = [" ".join(str(2 + (7 * i + j) % 97) for j in range(CHUNK_TOKENS)) for i in range(max(contexts))]
     with tempfile.TemporaryDirectory(prefix="lazy-rag-compile-") as tmp, _calibration_not_kept():
         indexes = {}
         for kv in kv_dtypes:
@@ -283,25 +285,29 @@ def run_steps(llm, kv_dtypes, step=None) -> None:
         pools = [llm]
         if FP8 in kv_dtypes and llm.dtype != FP8:
             pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=llm.engine_config.with_options(kv_dtype="fp8")))
-        def prompt(idx, question_tokens):
-            return [[5] * HEAD_TOKENS, *(Chunk(r.token_ids, chunk_id=r.id) for r in idx.records),
+        def prompt(idx, chunks, question_tokens):
+            return [[5] * HEAD_TOKENS, *(Chunk(r.token_ids, chunk_id=r.id) for r in list(idx.records)[:chunks]),
                     [6] * question_tokens]
+
+        runs = ([(k, n, "read") for k in contexts for n in questions]
+                + [(k, n, "encode") for k in encoded for n in short_long]
+                + [(k, n, "warm") for k in contexts for n in short_long])
 
         try:
             for pool in pools:
                 for kv, idx in indexes.items():
                     def query(pool=pool, idx=idx):
-                        runs = [(n, True) for n in QUESTION_TOKENS] + [(n, read) for n in SHORT_LONG
-                                                                      for read in (False, None)]
-                        for n, read in runs:   # cold from the store, cold re-encoded, warm
-                            if read is not None:
-                                pool.engine.clear_cache()
-                            with _chunks_read(pool.engine, read is not False):
-                                pool.generate(prompt(idx, n), max_new_tokens=NEW_TOKENS, source=idx.chunk_source)
+                        for k, n, path in runs:   # cold from the store, cold re-encoded, warm
+                            pool.engine.clear_cache()
+                            with _chunks_read(pool.engine, path != "encode"):
+                                for _ in range(2 if path == "warm" else 1):   # (the second finds them)
+                                    pool.generate(prompt(idx, k, n), max_new_tokens=NEW_TOKENS,
+                                                  source=idx.chunk_source)
                     step(f"query, {_name(kv)} KV into {_name(pool.engine.pool.dtype)} pages", query)
 
                 def batch(pool=pool, idx=next(iter(indexes.values()))):
-                    handles = [pool.engine.submit(prompt(idx, SHORT_LONG[-1] + i), max_new_tokens=NEW_TOKENS,
+                    handles = [pool.engine.submit(prompt(idx, min(4, max(contexts)), short_long[-1] + i),
+                                                  max_new_tokens=NEW_TOKENS,
                                                   source=idx.chunk_source) for i in range(BATCH_REQUESTS)]
                     for h in handles:   # the first drain steps them all together
                         for _ in pool.engine.pieces(h):

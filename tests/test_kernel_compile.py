@@ -14,7 +14,7 @@ from lazy_rag.bench.random_models import random_config
 from lazy_rag.cli import app
 from lazy_rag.engine.read_or_encode import CALIBRATION_ENV
 from lazy_rag.errors import LazyRagError
-from lazy_rag.kernel_compile import (COMPILE_VOCAB, QUESTION_TOKENS, SHORT_LONG, _NumberTokenizer,
+from lazy_rag.kernel_compile import (COMPILE_VOCAB, _NumberTokenizer,
                                      compiled_variants, one_layer_config, one_layer_model, parse_kv_dtypes, run_steps)
 from lazy_rag.kernels import FP8
 from lazy_rag.llm import LazyLLM
@@ -60,16 +60,19 @@ def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_
         assert os.environ[CALIBRATION_ENV] == "off"
         fn()
 
-    run_steps(llm, [torch.float32, FP8], step)
+    sweep = dict(contexts=(1, 3), encoded=(2,), questions=(8, 40, 72), short_long=(8, 72))   # (the CPU's time)
+    run_steps(llm, [torch.float32, FP8], step, **sweep)
     assert ran == ["build, fp32 KV", "build, fp8 KV", "build encode calibration",
                    "query, fp32 KV into fp32 pages", "query, fp8 KV into fp32 pages", "16 queries at once, fp32 pages",
                    "query, fp32 KV into fp8 pages", "query, fp8 KV into fp8 pages", "16 queries at once, fp8 pages"]
     assert llm.engine.planner.chooser.calibrated     # measured,
     assert not kept.exists() and os.environ[CALIBRATION_ENV] == str(kept)   # not kept
-    stats = llm.stats()     # each index's three chunks read per question length, re-encoded per short/long one
-    assert stats["tier_disk_hits"] == len(QUESTION_TOKENS) * 6
-    assert stats["tier_recomputed_not_read"] == len(SHORT_LONG) * 6
-    assert stats["chunk_hits"] >= len(SHORT_LONG) * 6 and stats["requests_running"] == 0
+    stats = llm.stats()     # per index: each context's chunks read per question, then again before a warm query
+    reads = sum(sweep["contexts"]) * (len(sweep["questions"]) + len(sweep["short_long"]))
+    assert stats["tier_disk_hits"] == 2 * reads
+    assert stats["tier_recomputed_not_read"] == 2 * sum(sweep["encoded"]) * len(sweep["short_long"])
+    assert stats["chunk_hits"] >= 2 * sum(sweep["contexts"]) * len(sweep["short_long"])
+    assert stats["requests_running"] == 0
 
 
 def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path, monkeypatch):
