@@ -19,8 +19,9 @@ vocabulary or the weights. So this builds a one-layer model of the checkpoint's 
 weights (the config alone is read: no weights are loaded, and a random-weights architecture,
 ``random:NAME``, works as well) and runs on it what a build and a query run:
 
-- a build of 64 chunks into a temporary index per stored KV dtype, as ``lazy-rag index`` builds
-  (its encode warm-up, batches and writer; fp8 quantised on the GPU);
+- per stored KV dtype, builds into temporary indexes as ``lazy-rag index`` builds (its encode
+  warm-up, batches and writer; fp8 quantised on the GPU): three short chunks, then 64 of up to
+  256 tokens (lengths varied: Triton also specialises on integer arguments' divisibility by 16);
 - the encode calibration a build runs for the read-or-encode choice of cold queries (its fit is
   not kept: it would be a one-layer model's);
 - per pool dtype (the model's, and fp8 pages where fp8 is asked for) and index, one-sequence lazy
@@ -53,8 +54,9 @@ log = logging.getLogger(__name__)
 # the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
 # vocabulary would only take memory and time (no Triton kernel depends on its size)
 COMPILE_VOCAB = 256
-# the steps' index: chunks of the default chunk size, as many as the longest context below
-CHUNK_TOKENS, NEW_TOKENS = 256, 4
+# the steps' index: chunks of up to the default chunk size, as many as the longest context below
+# (and a build of three shorter ones)
+CHUNK_TOKENS, SHORT_CHUNK_TOKENS, NEW_TOKENS = 256, (131, 144, 157), 4
 # a query's prompt: a head before its chunks (a chat template's, with the instruction) and a
 # question after them. Its new tokens pick the prefill kernel's tile and launch settings
 # (kernels.prefill.runs_rows, prefill_runs.default_tuning) and its context the split count of the
@@ -259,8 +261,8 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
     and times each (default: just runs it). A step that fails raises: a kernel that does not
     compile here would fail the build the same way.
 
-    Per stored KV dtype, a build of 64 chunks into a temporary index, as ``lazy-rag index``
-    builds (its encode warm-up, batches, writer; fp8 quantised on the GPU); the encode
+    Per stored KV dtype, a build of three chunks and one of 64 into temporary indexes, as
+    ``lazy-rag index`` builds (its encode warm-up, batches, writer; fp8 quantised on the GPU); the encode
     calibration; then, per pool dtype (the model's, and fp8 where asked for), queries over each
     index's chunks (``runs``: read from the store, encoded in the query's prefill instead, the
     engine's two paths for a cold chunk, and from the pool), and a batch of requests."""
@@ -272,13 +274,24 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
     from .segments import Chunk
 
     step = step or (lambda name, fn: fn())
-    texts = [" ".join(str(2 + (7 * i + j) % 97) for j in range(CHUNK_TOKENS)) for i in range(max(contexts))]
+    def texts(lengths):
+        return [" ".join(str(2 + (7 * i + j) % 97) for j in range(n)) for i, n in enumerate(lengths)]
+
+    # a build's kernels are specialised on its integer arguments too (Triton's divisibility by 16),
+    # so the chunks' lengths vary: three short ones of their own build (what the GPU test checked
+    # first), then the queries' index of 64, 256 tokens and less
+    short = texts(SHORT_CHUNK_TOKENS)
+    full = texts([CHUNK_TOKENS - (13 * i) % 32 for i in range(max(contexts))])
     with tempfile.TemporaryDirectory(prefix="lazy-rag-compile-") as tmp, _calibration_not_kept():
         indexes = {}
         for kv in kv_dtypes:
             def build(kv=kv):
-                indexes[kv] = LazyIndex.from_texts(texts, Path(tmp) / _name(kv), llm=llm, vectors=False, split=False,
-                                                   kv_dtype=_name(kv), progress=False)
+                for name, chunks in (("short", short), ("full", full)):
+                    idx = LazyIndex.from_texts(chunks, Path(tmp) / f"{_name(kv)}-{name}", llm=llm, vectors=False,
+                                               split=False, kv_dtype=_name(kv), progress=False)
+                    if name == "short":
+                        idx.close()
+                indexes[kv] = idx
             step(f"build, {_name(kv)} KV", build)
         step("build encode calibration", llm.engine.calibrate_read_or_encode)
 
