@@ -108,6 +108,22 @@ def triton_cache_dir() -> Path:
     return Path(triton.knobs.cache.dir)
 
 
+def writable_cache_dir() -> Path:
+    """Triton's cache folder, created if missing; an error that names it and the fix when it
+    cannot be written (the compile would otherwise fail inside Triton, or fill nothing)."""
+    folder = triton_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".lazy-rag-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise LazyRagError(f"Triton's cache folder {folder} cannot be written ({e.strerror or e}); set "
+                           "TRITON_CACHE_DIR to a writable folder (the same one the builds and queries will "
+                           "use).") from e
+    return folder
+
+
 def triton_cache_entries() -> int:
     """Kernel variants in Triton's cache on disk (one folder each)."""
     folder = triton_cache_dir()
@@ -359,7 +375,7 @@ def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv
     dt = resolve_dtype(dtype, dev)
     kv_dtypes = parse_kv_dtypes(kv_dtype, dt)
     config = model_config(model)
-    report = CompileReport(model=model, device=torch.cuda.get_device_name(dev), cache_dir=str(triton_cache_dir()),
+    report = CompileReport(model=model, device=torch.cuda.get_device_name(dev), cache_dir=str(writable_cache_dir()),
                            cache_entries_before=triton_cache_entries())
 
     def step(name, fn):

@@ -104,6 +104,18 @@ def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path
     assert seen[-1] == "ahead"      # the previous hook is back
 
 
+def test_an_unwritable_triton_cache_is_refused_with_the_fix(tmp_path, monkeypatch):
+    from lazy_rag.kernel_compile import writable_cache_dir
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert writable_cache_dir() == tmp_path / "cache" and (tmp_path / "cache").is_dir()
+    assert not list((tmp_path / "cache").iterdir())     # its probe file removed
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(LazyRagError, match=r"file/cache cannot be written .*set TRITON_CACHE_DIR to a writable"):
+        writable_cache_dir()
+
+
 def test_a_failing_step_raises_instead_of_leaving_the_build_to_compile():
     model = one_layer_model(random_config("tiny-llama"), "cpu", torch.float32)
     llm = LazyLLM(model, _NumberTokenizer(), kv_bytes=1 << 26)
