@@ -87,6 +87,7 @@ from pathlib import Path
 
 from lazy_rag.bench.disk import drop_page_cache, read_folder, write_bandwidth
 from lazy_rag.bench.roofline import matmul_tflops
+from lazy_rag.kernel_compile import triton_cache_entries
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRIME_TOKENS = 1024  # --prime-kernels' build: a few chunks (their KV deleted: ~128 MB of the 8B shape)
@@ -182,13 +183,6 @@ def select_docs(a, size: int) -> tuple[list, str]:
         out.append(p)
         n += t
     return out, "files"
-
-
-def triton_cache_entries() -> int:
-    import triton
-
-    folder = Path(triton.knobs.cache.dir)   # Triton's own resolution (TRITON_CACHE_DIR, TRITON_HOME)
-    return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
 
 
 def prime_kernels(a, work: Path) -> float:

@@ -32,14 +32,13 @@ weights (the config alone is read: no weights are loaded, and a random-weights a
   decoding through the engine's CUDA graphs; then 16 requests at once.
 
 Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, contexts
-past 16k tokens, and batches whose kernel settings differ from these. For the 8B shape, BENCHMARKS.md lists what a
-build and a query compiled after this command. On a CPU there is nothing to compile: the CPU
-runs torch's kernels, and this says so.
+past 16k tokens, and batches whose kernel settings differ from these. For the 8B shape,
+BENCHMARKS.md lists what a build and a query compiled after this command. On a CPU there is
+nothing to compile: the CPU runs torch's kernels, and this says so.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,8 +47,6 @@ from types import SimpleNamespace
 
 from .bench.random_models import IdTokenizer
 from .errors import LazyRagError
-
-log = logging.getLogger(__name__)
 
 # the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
 # vocabulary would only take memory and time (no Triton kernel depends on its size)
@@ -78,7 +75,7 @@ COMPILE_POOL_BYTES = 1 << 30
 class CompileStep:
     name: str
     seconds: float
-    cache_entries_added: int | None
+    cache_entries_added: int
     # the kernel variants compiled (not found in Triton's cache on disk): name, launch options and
     # upper-case constexprs
     variants: list[str] = field(default_factory=list)
@@ -98,7 +95,7 @@ class CompileReport:
 
     @property
     def cache_entries_added(self) -> int:
-        return sum(s.cache_entries_added or 0 for s in self.steps)
+        return sum(s.cache_entries_added for s in self.steps)
 
 
 def triton_cache_dir() -> Path:
@@ -125,7 +122,7 @@ def writable_cache_dir() -> Path:
 
 
 def triton_cache_entries() -> int:
-    """Kernel variants in Triton's cache on disk (one folder each)."""
+    """Entries in Triton's cache on disk: a folder per kernel variant, launcher or helper library."""
     folder = triton_cache_dir()
     return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
 
@@ -313,7 +310,8 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
 
         pools = [llm]
         if FP8 in kv_dtypes and llm.dtype != FP8:
-            pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=llm.engine_config.with_options(kv_dtype="fp8")))
+            fp8_pool = llm.engine_config.with_options(kv_dtype="fp8")
+            pools.append(LazyLLM(llm.model, llm.tokenizer, engine_config=fp8_pool))
         def prompt(idx, chunks, question_tokens):
             return [[5] * HEAD_TOKENS, *(Chunk(r.token_ids, chunk_id=r.id) for r in list(idx.records)[:chunks]),
                     [6] * question_tokens]
