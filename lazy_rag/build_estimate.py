@@ -20,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from .chunking import TokenChunker, discover_files, read_text
-from .store import _DTYPES, KV_DTYPE_NAMES
+from .store import kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
 PROBE_WRITE_BYTES = 256 << 20
@@ -34,12 +36,11 @@ def kv_bytes_per_token(llm, kv_dtype) -> float:
     model's, as ``ChunkStore.kv_dtype``)."""
     s = llm.shape
     elems = s.kv_bytes_per_token  # 2 * layers * kv heads * head_dim
-    if not isinstance(kv_dtype, str):
-        kv_dtype = "auto" if kv_dtype is None else str(kv_dtype).removeprefix("torch.")
-    kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
-    if kv_dtype == "float8_e4m3fn":
+    dtype = kv_dtype_named(kv_dtype, llm.dtype) if isinstance(kv_dtype, str) else kv_dtype or llm.dtype
+    if dtype is None:
+        raise KeyError(f"unknown KV dtype {kv_dtype!r}")
+    if dtype == torch.float8_e4m3fn:
         return elems + 2 * s.num_layers * s.num_kv_heads * 2  # fp8 values + one fp16 scale per row
-    dtype = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
     return elems * dtype.itemsize
 
 

@@ -64,7 +64,7 @@ from .progress import Progress, resolved_style
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
 from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
-                    KV_DTYPE_NAMES, _DTYPES, _fsync_dir, segment_name)
+                    KV_DTYPE_NAMES, _DTYPES, _fsync_dir, kv_dtype_named, segment_name)
 from .tempfiles import atomic_write_bytes as _atomic_write_bytes  # a module global: tests fail it on purpose
 from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
@@ -915,11 +915,10 @@ class LazyIndex:
         else:
             model_name = getattr(llm, "model_name", None)
         chunker = TokenChunker(llm.tokenizer, chunk_size, chunk_overlap) if split else None
-        kv_dtype = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
-        if kv_dtype != "auto" and kv_dtype not in _DTYPES:
+        kv_dt = kv_dtype_named(kv_dtype, llm.dtype)
+        if kv_dt is None:
             raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
                                  f"{', '.join(_DTYPES)}.")
-        kv_dt = llm.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
         prefix = None
         if shared_prefix:
             text = rag_prefix(llm.tokenizer, system_prompt, instruction)

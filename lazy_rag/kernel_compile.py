@@ -230,13 +230,13 @@ def _calibration_not_kept():
 def parse_kv_dtypes(text: str, model_dtype) -> list:
     """``--kv-dtype``'s comma list (auto, or a store's names: fp8, bf16, ...) as torch dtypes,
     without repeats."""
-    from .store import KV_DTYPE_NAMES, _DTYPES
+    from .store import KV_DTYPE_NAMES, kv_dtype_named
 
     out = []
     for name in (n.strip() for n in text.split(",")):
         if not name:
             continue
-        dt = model_dtype if name == "auto" else _DTYPES.get(KV_DTYPE_NAMES.get(name, name))
+        dt = kv_dtype_named(name, model_dtype)
         if dt is None:
             raise LazyRagError(f"Unknown KV dtype {name!r} in --kv-dtype {text!r}; choose from auto, "
                                f"{', '.join(KV_DTYPE_NAMES)}, comma-separated (e.g. auto,fp8).")
@@ -379,18 +379,15 @@ def compile_kernels(model: str, *, device: str = "auto", dtype: str = "auto", kv
     def step(name, fn):
         before, t0 = triton_cache_entries(), time.perf_counter()
         with compiled_variants() as variants:
-            fn()
+            result = fn()
             torch.cuda.synchronize(dev)
         done = CompileStep(name, round(time.perf_counter() - t0, 3), triton_cache_entries() - before, variants)
         report.steps.append(done)
         if log_step is not None:
             log_step(done)
+        return result
 
-    holder = {}
-
-    def load():
-        holder["llm"] = LazyLLM(one_layer_model(config, dev, dt), _NumberTokenizer(), kv_bytes=COMPILE_POOL_BYTES)
-
-    step("one-layer model of the config", load)
-    run_steps(holder["llm"], kv_dtypes, step)
+    llm = step("one-layer model of the config", lambda: LazyLLM(one_layer_model(config, dev, dt), _NumberTokenizer(),
+                                                                  kv_bytes=COMPILE_POOL_BYTES))
+    run_steps(llm, kv_dtypes, step)
     return report

@@ -66,6 +66,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # the short names `--kv-dtype` also accepts (a benchmark run with "bf16" was refused)
 KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
+
+def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The torch dtype a stored KV dtype's name means (a short name, ``KV_DTYPE_NAMES``, a dtype's
+    own, or auto: ``model_dtype``); None for a name that is none of these (callers name the fix)."""
+    if name == "auto":
+        return model_dtype
+    return _DTYPES.get(KV_DTYPE_NAMES.get(name, name))
+
 DB_NAME = "index.sqlite"
 SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)
 COMPACT_BELOW = 0.5              # a build compacts segments whose live records fill less than this
