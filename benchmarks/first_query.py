@@ -62,7 +62,8 @@ def child(a) -> dict:
                                source=idx.chunk_source)
             ttft[f"query_{label}_ttft_ms"] = round(res.stats.ttft_ms, 2)
     idx.close()
-    return dict(build_s=round(build_s, 2), build_variants_compiled=len(in_build), **ttft,
+    return dict(build_s=round(build_s, 2), build_variants_compiled=len(in_build),
+                build_variants="; ".join(in_build), **ttft,
                 query_variants_compiled=len(in_queries), query_variants="; ".join(in_queries))
 
 

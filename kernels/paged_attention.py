@@ -310,7 +310,9 @@ def _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh,
         tl.store(LSE + qi.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+# tiles_per_split follows the context's length: not specialised on its value, so that one
+# compiled variant serves every length (as the runs prefill kernel's entries_per_split)
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _paged_attn_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_vd,
@@ -541,7 +543,8 @@ def _paged_attn_kernel(
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, 2 * HALF, DIRECT, WRITE_LSE)
 
 
-@triton.jit
+# num_splits: not specialised on its value, one variant per SP (as the attention kernels' counts)
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stride_ot, stride_oh,
                   num_splits, SP: tl.constexpr, D: tl.constexpr,
                   LSE_OUT=None, stride_lot=None, stride_loh=None, WRITE_LSE: tl.constexpr = False):

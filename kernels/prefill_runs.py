@@ -266,7 +266,10 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
     return acc, l_i, m_i
 
 
-@triton.jit
+# entries_per_split follows the context's length: not specialised on its value (Triton's
+# divisible-by-16 and equal-to-1 variants), so that one compiled variant serves every length
+# (a machine's first 8B build compiled a second one when it reached a multiple of 16)
+@triton.jit(do_not_specialize=["entries_per_split"])
 def _prefill_runs_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt: tl.constexpr, stride_vp, stride_vh,

@@ -162,7 +162,9 @@ class SharedChunks:
         return PageTable.from_lists(ids, pos, lens, rot, device=private.indptr.device)
 
 
-@triton.jit
+# tiles_per_split follows the context's length: not specialised on its value, so that one
+# compiled variant serves every length (as the runs prefill kernel's entries_per_split)
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _shared_chunk_kernel(
     Q, stride_qt, stride_qh,
     K, V, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_vd,
@@ -261,7 +263,8 @@ def _shared_chunk_kernel(
         tl.store(LSE + pair64 * stride_lp + split * stride_ls + head, lse, mask=row_ok)
 
 
-@triton.jit
+# num_splits: not specialised on its value, one variant per SP (as the attention kernels' counts)
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_shared_kernel(PRIV_O, stride_ot, stride_oh, PRIV_LSE, stride_plt,
                          PO, stride_pop, stride_pos, stride_poh, LSE, stride_lp, stride_ls,
                          SEQ_INDPTR, SEQ_PAIRS, OUT, stride_out, stride_ouh, num_splits,

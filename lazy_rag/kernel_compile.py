@@ -175,10 +175,19 @@ def one_layer_model(config, device, dtype):
 
 
 def _variant_name(fn, compile: dict) -> str:
+    """A variant as ``kernel[warps, stages](CONSTEXPRS; =1: args; /16: args)``: the upper-case
+    constexprs, then the arguments Triton specialised on their value (integers equal to 1,
+    integers and pointers divisible by 16), which tell two variants of the same settings apart."""
     names = [p.name for p in fn.jit_function.params]
     consts = ", ".join(f"{names[k[0]]}={v}" for k, v in compile["constants"].items()
                        if len(k) == 1 and names[k[0]].isupper() and isinstance(v, (bool, int, str)))
-    return f"{fn.name}[warps {compile['num_warps']}, stages {compile['num_stages']}]({consts})"
+    ones = " ".join(names[k[0]] for k, v in compile["constants"].items()
+                    if len(k) == 1 and not names[k[0]].isupper() and v == 1 and not isinstance(v, bool))
+    attrs = (compile.get("configs") or [{}])[0]
+    div16 = " ".join(names[k[0]] for k, v in attrs.items()
+                     if len(k) == 1 and any(a and a[0] == "tt.divisibility" for a in v))
+    return (f"{fn.name}[warps {compile['num_warps']}, stages {compile['num_stages']}]({consts}"
+            f"; =1: {ones or '-'}; /16: {div16 or '-'})")
 
 
 @contextlib.contextmanager

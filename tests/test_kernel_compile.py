@@ -77,8 +77,8 @@ def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_
 
 def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path, monkeypatch):
     """compiled_variants through Triton's jit hooks, called here as Triton calls them around a
-    compile: a launch whose compile wrote a cache entry is named with its options and upper-case
-    constexprs, one loaded from the cache is not; hooks set before are chained and put back."""
+    compile: a launch whose compile wrote a cache entry is named with its options, upper-case
+    constexprs and value specialisations, one loaded from the cache is not; hooks set before are chained and put back."""
     import triton
     from types import SimpleNamespace
 
@@ -89,7 +89,8 @@ def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path
     monkeypatch.setattr(rt, "jit_post_compile_hook", lambda **kw: seen.append("after"))
     fn = SimpleNamespace(name="_kern", jit_function=SimpleNamespace(
         params=[SimpleNamespace(name=n) for n in ("X", "n", "BLOCK", "DIRECT")]))
-    compile = {"constants": {(2,): 64, (3,): False}, "num_warps": 8, "num_stages": 2}
+    compile = {"constants": {(1,): 1, (2,): 64, (3,): False}, "num_warps": 8, "num_stages": 2,
+               "configs": [{(0,): [["tt.divisibility", 16]]}]}
     with compiled_variants() as found:
         for key, writes in (("a", True), ("b", False)):
             assert rt.jit_cache_hook(key=key, repr="", fn=fn, compile=compile, is_manual_warmup=False,
@@ -98,7 +99,7 @@ def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path
                 (tmp_path / "ENTRY").mkdir()
             rt.jit_post_compile_hook(key=key, repr="", fn=fn, compile=compile, is_manual_warmup=False,
                                      already_compiled=False)
-    assert found == ["_kern[warps 8, stages 2](BLOCK=64, DIRECT=False)"]
+    assert found == ["_kern[warps 8, stages 2](BLOCK=64, DIRECT=False; =1: n; /16: X)"]
     assert seen == ["ahead", "after"] * 2
     rt.jit_cache_hook(key="c")
     assert seen[-1] == "ahead"      # the previous hook is back
@@ -186,3 +187,4 @@ def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, 
         assert not in_queries, f"queries after the {kv} build compiled kernels: {in_queries}\n{compile_log}"
         assert (tmp_path / "cal.json").exists()     # the build ran its calibration (its kernels checked too)
         (tmp_path / "cal.json").unlink()
+
