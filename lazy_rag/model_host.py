@@ -12,6 +12,7 @@ import torch
 from .architecture import ModelParts
 from .errors import LazyRagError, PromptTooLongError
 from .fingerprint import model_fingerprint
+from .kernels import compiler_setup
 from .requests import CHUNK_MODES, ChunkSource, check_mode
 from .segments import PromptLayout, Segment, assemble, tokenize_text
 from .wrapper import ChunkWrapper, WrapperTable, resolve_wrapper
@@ -46,6 +47,7 @@ class ModelHost:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.parts = ModelParts(model)
+        compiler_setup.start(self.parts.device)   # (a model loaded elsewhere: from here)
         self.shape = self.parts.shape
         self.rope_table = self.parts.rope_table
         if isinstance(shared_prefix, str):

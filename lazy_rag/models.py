@@ -208,7 +208,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .kernels import compiler_setup
+
     dev = resolve_device(device)
+    compiler_setup.start(dev)   # Triton's once-per-process set-up beside the weights' load
     dt = resolve_dtype(dtype, dev)
     path = resolve_model_path(name_or_path)
     check_supported(AutoConfig.from_pretrained(str(path)))

@@ -188,3 +188,34 @@ def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, 
         assert (tmp_path / "cal.json").exists()     # the build ran its calibration (its kernels checked too)
         (tmp_path / "cal.json").unlink()
 
+
+def test_triton_setup_starts_once_per_process_on_cuda_only_and_is_waited_for(monkeypatch):
+    """kernels.compiler_setup: Triton's own cache key computed on one thread, begun at the model's
+    load on a CUDA device (never on a CPU), and joined by whoever launches first."""
+    import threading
+
+    from lazy_rag.kernels import compiler_setup
+
+    release, calls = threading.Event(), []
+    monkeypatch.setattr(compiler_setup, "_thread", None)
+    monkeypatch.setattr(compiler_setup, "_set_up", lambda: calls.append(release.wait(5)))
+    compiler_setup.wait()                       # none begun: returns at once
+    compiler_setup.start("cpu")
+    assert compiler_setup._thread is None
+    compiler_setup.start(torch.device("cuda"))
+    compiler_setup.start("cuda:0")              # once per process
+    first = compiler_setup._thread
+    assert first is not None and first.is_alive() and calls == []
+    release.set()
+    compiler_setup.wait()
+    assert calls == [True] and not first.is_alive()
+
+
+def test_the_real_triton_setup_computes_tritons_cache_key():
+    from triton.runtime.cache import triton_key
+
+    from lazy_rag.kernels import compiler_setup
+
+    triton_key.cache_clear()
+    compiler_setup._set_up()
+    assert triton_key.cache_info().currsize == 1

@@ -63,10 +63,12 @@ def random_model(name: str, device="cpu", dtype=None, layers: int | None = None,
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..kernels import compiler_setup
     from ..models import resolve_device, resolve_dtype
 
     cfg = random_config(name, layers)
     dev = resolve_device(device)
+    compiler_setup.start(dev)   # Triton's once-per-process set-up beside the weights' creation
     dt = resolve_dtype(dtype or "auto", dev)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
