@@ -77,6 +77,19 @@ FORMAT1_KEYS = ("model", "kv_dtype", "files", "generation", "chunks_file", "num_
 EMBED_BATCH = 64
 
 
+def _token_ids_batched(tokenizer, texts: list[str], batch: int = 1024) -> Iterator[list[int]]:
+    """Each text's token ids without special tokens (as ``tokenizer(text)`` gives them), a
+    batch of texts per call to a fast tokenizer's own backend where it pads and truncates nothing
+    (what transformers' call does then; the call's conversion of every encoding into a dict of
+    lists cost more than the encoding itself). Any other tokenizer: one call per text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        yield from (tokenizer(t, add_special_tokens=False).input_ids for t in texts)
+        return
+    for i in range(0, len(texts), batch):
+        yield from (e.ids for e in backend.encode_batch(texts[i:i + batch], add_special_tokens=False))
+
+
 def _keep_encode_calibration(llm, report: "BuildReport") -> None:
     """Fit the engine's encode costs (its read-or-encode choice for cold chunks) in a build that
     encodes KV, where a machine-wide calibration file keeps the fit for a day: the first
@@ -969,7 +982,7 @@ class LazyIndex:
                                                         drop_missing)
         # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
         keep_sources, new_records, new_files, drop_sources = set(), [], {}, set()
-        seen_sources = set()
+        seen_sources, changed = set(), []
         for source, text, meta in docs:
             seen_sources.add(source)
             digest = hashlib.sha256(text.encode()).hexdigest()
@@ -979,7 +992,13 @@ class LazyIndex:
                 keep_sources.add(source)
                 report.files_unchanged += 1
                 continue
-            parts = chunker.split(text) if split else [(text, llm.tokenizer(text, add_special_tokens=False).input_ids)]
+            changed.append((source, text, meta, digest, prev_entry))
+        # texts taken whole as chunks: tokenized in batches (the fast tokenizer spreads a batch
+        # over the cores; one call per text was a machine's first build's longest wait before
+        # its first encode)
+        whole = iter(_token_ids_batched(llm.tokenizer, [c[1] for c in changed]) if not split else ())
+        for source, text, meta, digest, prev_entry in changed:
+            parts = chunker.split(text) if split else [(text, next(whole))]
             recs = [ChunkRecord(_chunk_id(source, i, t) if split else source, source, i, t, ids, dict(meta))
                     for i, (t, ids) in enumerate(parts)]
             new_records.extend(recs)

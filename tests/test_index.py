@@ -515,3 +515,18 @@ def test_a_build_converts_a_format1_index_in_place_reusing_every_intact_kv_file(
     _, rep = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
                              progress=False)
     assert (rep.files_indexed, rep.files_unchanged, rep.chunks_added) == (1, 2, 1) and verify_index(out)["ok"]
+
+
+def test_whole_texts_are_tokenized_in_batches_exactly_as_one_by_one(tokenizer):
+    """from_texts(split=False) tokenizes its texts a batch per call, through the fast tokenizer's
+    backend where it pads and truncates nothing; the ids are those of one call per text."""
+    import copy
+
+    from lazy_rag.index import _token_ids_batched
+
+    texts = ["", " leading space", "Ünïcode — and émoji 🚀\n\ttabs", "a" * 700, "The bakery opens at 7 a.m."] * 3
+    one_by_one = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    assert list(_token_ids_batched(tokenizer, texts, batch=4)) == one_by_one
+    padded = copy.deepcopy(tokenizer)
+    padded.backend_tokenizer.enable_padding(length=4096)   # the backend would pad: the tokenizer's call is taken
+    assert list(_token_ids_batched(padded, texts, batch=4)) == one_by_one
