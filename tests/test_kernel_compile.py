@@ -78,7 +78,8 @@ def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_
 def test_a_variant_counts_as_compiled_when_it_adds_to_the_cache_on_disk(tmp_path, monkeypatch):
     """compiled_variants through Triton's jit hooks, called here as Triton calls them around a
     compile: a launch whose compile wrote a cache entry is named with its options, upper-case
-    constexprs and value specialisations, one loaded from the cache is not; hooks set before are chained and put back."""
+    constexprs and value specialisations, one loaded from the cache is not; hooks set before are
+    chained and put back."""
     import triton
     from types import SimpleNamespace
 
@@ -219,3 +220,24 @@ def test_the_real_triton_setup_computes_tritons_cache_key():
     triton_key.cache_clear()
     compiler_setup._set_up()
     assert triton_key.cache_info().currsize == 1
+
+
+def test_the_per_split_counts_are_not_specialised_on_their_value():
+    """The attention kernels' per-split counts follow the context's length; specialised (divisible
+    by 16, equal to 1) each length class compiled a variant of its own, which a machine's first
+    build then compiled in its first batch after `lazy-rag compile`. Read from the compiled
+    (not interpreted) kernels, in a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from lazy_rag.kernels import paged_attention as a, prefill_runs as r, shared_chunks as s\n"
+            "ks = {'runs': r._prefill_runs_kernel, 'tiles': a._paged_attn_kernel, 'merge': a._merge_kernel,\n"
+            "      'shared': s._shared_chunk_kernel, 'merge_shared': s._merge_shared_kernel}\n"
+            "print(json.dumps({n: [p.name for p in k.params if p.do_not_specialize] for n, k in ks.items()}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {
+        "runs": ["entries_per_split"], "tiles": ["tiles_per_split"], "merge": ["num_splits"],
+        "shared": ["tiles_per_split"], "merge_shared": ["num_splits"]}
