@@ -264,19 +264,6 @@ class _NumberTokenizer(IdTokenizer):
         return SimpleNamespace(input_ids=[int(w) % COMPILE_VOCAB for w in text.split()])
 
 
-@contextlib.contextmanager
-def _chunks_read(engine, read: bool):
-    """The engine's read-or-encode choice for stored chunks made ``read`` (True: read from the
-    store, False: encoded in the request's prefill) whatever its estimates say, so that both
-    paths' kernels run."""
-    chooser = engine.planner.chooser
-    chooser.should_encode = lambda *a, **k: not read
-    try:
-        yield
-    finally:
-        del chooser.should_encode   # the class's method again
-
-
 def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENCODED_CHUNKS,
               questions=QUESTION_TOKENS, short_long=SHORT_LONG) -> None:
     """What a build and its queries run, on ``llm`` (module docstring): ``step(name, fn)`` runs
@@ -335,7 +322,7 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
                     def query(pool=pool, idx=idx):
                         for k, n, path in runs:   # cold from the store, cold re-encoded, warm
                             pool.engine.clear_cache()
-                            with _chunks_read(pool.engine, path != "encode"):
+                            with pool.engine.planner.chooser.forcing(encode=path == "encode"):
                                 for _ in range(2 if path == "warm" else 1):   # (the second finds them)
                                     pool.generate(prompt(idx, k, n), max_new_tokens=NEW_TOKENS,
                                                   source=idx.chunk_source)

@@ -53,4 +53,5 @@ def _queries_read_stored_kv(request, monkeypatch):
     if request.node.path.name != "test_read_or_encode.py":
         from lazy_rag.engine.read_or_encode import ReadOrEncode
 
-        monkeypatch.setattr(ReadOrEncode, "should_encode", lambda self, *a, **kw: False)
+        # (unless a block forces it: ReadOrEncode.forcing, which lazy-rag compile uses)
+        monkeypatch.setattr(ReadOrEncode, "should_encode", lambda self, *a, **kw: bool(self.forced))

@@ -24,6 +24,7 @@ for a day): a `lazy-rag query` is one short process, and its probes (~1.8 s for 
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -104,6 +105,7 @@ class ReadOrEncode:
         self.token_s: float | None = None     # cost per encoded token
         self.encodes_measured = 0
         self.calibration = None           # where the encode fit came from: "measured" / "kept"
+        self.forced: bool | None = None   # set by ``forcing``: the choice made whatever the costs
 
     # -- estimates ------------------------------------------------------------------------------
     @property
@@ -120,10 +122,22 @@ class ReadOrEncode:
         """Encode a chunk of ``tokens`` rather than read its ``nbytes`` of stored KV from the disk
         (``cached``: from the page cache)? ``batch_tokens``: tokens already in the forward that
         would encode it (its fixed cost is paid already, so this chunk adds only its tokens)."""
+        if self.forced is not None:
+            return self.forced
         if not self.calibrated:
             return False
         extra = tokens * self.token_s + (0.0 if batch_tokens else (self.forward_s or 0.0))
         return extra < self.read_seconds(nbytes, cached)
+
+    @contextlib.contextmanager
+    def forcing(self, encode: bool):
+        """Inside the block every stored chunk is encoded (``encode``) or read, whatever the
+        estimates say: ``lazy-rag compile`` runs both paths' kernels this way."""
+        before, self.forced = self.forced, bool(encode)
+        try:
+            yield self
+        finally:
+            self.forced = before
 
     # -- measurements ---------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float, cached: bool = False) -> None:

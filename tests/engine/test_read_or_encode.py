@@ -30,6 +30,12 @@ def test_cost_model_prefers_the_cheaper_path_and_learns_both_rates():
     c.observe_encode(1000, 0.010 + 1000 * 3e-5)    # encodes are slower than the probe said
     assert c.token_s == pytest.approx(0.7 * 1e-5 + 0.3 * 3e-5)
     assert c.as_dict()["disk_reads_measured"] == 1 and c.as_dict()["encodes_measured"] == 1
+    with c.forcing(encode=False):                  # lazy-rag compile runs each path whatever the costs
+        assert not c.should_encode(50 << 20, 500)
+        with c.forcing(encode=True):
+            assert c.should_encode(5 << 20, 500)
+        assert not c.should_encode(50 << 20, 500)
+    assert c.forced is None and c.should_encode(50 << 20, 500)
 
 
 def test_calibration_fits_a_fixed_and_a_per_token_cost(monkeypatch):
