@@ -9,9 +9,11 @@ index build's first write to disk waited on it. It depends only on the Triton in
 can run beside the weights' loading instead of in front of the first launch.
 
 ``start(device)``: begins it once per process on a CUDA device (nothing on a CPU, where kernels
-run in the interpreter or as torch references). ``wait()``: joins it, so that a first launch
-does not compute the same key a second time beside it (``triton_key`` caches its value but does
-not lock). A set-up that fails is left to the first launch, which meets the same error.
+run in the interpreter or as torch references). ``wait()``: joins it; the kernels' launch paths
+call it (``page_table.use_triton``, the fp8 ``write_kv``), so that the first launch, on whichever
+thread, does not compute the same key a second time beside it (``triton_key`` caches its value
+but does not lock), and nothing else waits for it. A set-up that fails is left to the first
+launch, which meets the same error.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _thread: threading.Thread | None = None
+_done = False    # joined once: later launches skip the join
 _guard = threading.Lock()
 
 
@@ -47,7 +50,10 @@ def start(device) -> None:
 
 
 def wait() -> None:
-    """Waits for a set-up begun by ``start`` (returns at once if none was)."""
+    """Waits for a set-up begun by ``start`` (returns at once if none was, or once it was joined)."""
+    global _done
     thread = _thread
-    if thread is not None:
-        thread.join()
+    if _done or thread is None:
+        return
+    thread.join()
+    _done = True

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compiler_setup
 from .page_table import interpreting
 
 FP8 = torch.float8_e4m3fn
@@ -176,6 +177,8 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale: torch.Tensor
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pages.stride(-1) == 1
     assert k_scale.stride() == v_scale.stride()   # V pages: either layout (v_layout.py)
     soft = interpreting() and not k.is_cuda
+    if k.is_cuda:
+        compiler_setup.wait()
     meta = {} if soft else {"num_warps": 1}
     _write_kv_kernel[(n, H)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              k_pages, v_pages, k_pages.stride(0), k_pages.stride(1),

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import compiler_setup
+
 
 # How the pool stores keys, and so how the kernels apply RoPE (the `rope_mode` of every entry
 # point): "none" keys stored rotated at their logical positions (q passed already rotated),
@@ -182,6 +184,9 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Dispatch rule: CUDA tensors -> Triton; CPU tensors -> Triton interpreter when enabled,
-    else the torch reference."""
-    return t.is_cuda or interpreting()
+    """Dispatch rule: CUDA tensors -> Triton (after Triton's set-up begun at the model's load,
+    ``compiler_setup``); CPU tensors -> Triton interpreter when enabled, else the torch reference."""
+    if t.is_cuda:
+        compiler_setup.wait()
+        return True
+    return interpreting()

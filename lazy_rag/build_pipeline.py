@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import build_estimate
-from .kernels import FP8, compiler_setup
+from .kernels import FP8
 from .pinned_staging import ALIGN, PinnedStaging
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,6 @@ class EncodeWarmup:
     def _run(self, engine, prefix, wrapper, quantize) -> None:
         t0 = time.perf_counter()
         try:
-            compiler_setup.wait()
             engine.encode_chunks([[1] * self.TOKENS] * self.CHUNKS, prefix, wrapper, cache=False, quantize=quantize)
         except BaseException as e:  # noqa: BLE001 - the build's own encode raises it where it matters
             self.error = e

@@ -192,13 +192,17 @@ def test_compiled_kernels_are_the_ones_a_build_of_the_full_model_runs(tmp_path, 
 
 def test_triton_setup_starts_once_per_process_on_cuda_only_and_is_waited_for(monkeypatch):
     """kernels.compiler_setup: Triton's own cache key computed on one thread, begun at the model's
-    load on a CUDA device (never on a CPU), and joined by whoever launches first."""
+    load on a CUDA device (never on a CPU), and joined by the first launch on CUDA (the kernels'
+    dispatch rule, use_triton), never by a CPU one."""
     import threading
+    from types import SimpleNamespace
 
     from lazy_rag.kernels import compiler_setup
+    from lazy_rag.kernels.page_table import interpreting, use_triton
 
     release, calls = threading.Event(), []
     monkeypatch.setattr(compiler_setup, "_thread", None)
+    monkeypatch.setattr(compiler_setup, "_done", False)
     monkeypatch.setattr(compiler_setup, "_set_up", lambda: calls.append(release.wait(5)))
     compiler_setup.wait()                       # none begun: returns at once
     compiler_setup.start("cpu")
@@ -207,9 +211,11 @@ def test_triton_setup_starts_once_per_process_on_cuda_only_and_is_waited_for(mon
     compiler_setup.start("cuda:0")              # once per process
     first = compiler_setup._thread
     assert first is not None and first.is_alive() and calls == []
+    assert use_triton(torch.zeros(1)) == interpreting()   # a CPU launch does not wait for it
+    assert first.is_alive() and calls == []
     release.set()
-    compiler_setup.wait()
-    assert calls == [True] and not first.is_alive()
+    assert use_triton(SimpleNamespace(is_cuda=True))      # a CUDA launch joins it
+    assert calls == [True] and not first.is_alive() and compiler_setup._done
 
 
 def test_the_real_triton_setup_computes_tritons_cache_key():

@@ -21,7 +21,6 @@ import torch
 
 from ..model_host import ModelHost
 from ..errors import LazyRagError, RequestFailedError
-from ..kernels import compiler_setup
 from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
                         resolve_recovery)
 from ..sampling import TextAssembler, sample_next
@@ -59,7 +58,6 @@ class Engine:
         """``tiers``: share one host tier between engines (benchmarks)."""
         self.host = host
         self.config = config = config or EngineConfig()
-        compiler_setup.wait()   # Triton's set-up begun at the model's load, not again beside it
         shp, dev = host.shape, host.device
         dt = config.resolved_kv_dtype(host.dtype)   # storage: the model's dtype, or fp8
         page_size = config.resolved_page_size(dev)
