@@ -381,7 +381,8 @@ def compile_(
     kv_dtype: str = typer.Option("auto,fp8", help="Stored KV dtypes to compile for, comma-separated: auto (the "
                                                   "model's), bf16, fp16, fp32, fp8."),
     list_variants: bool = typer.Option(False, "--list", help="Name each kernel variant compiled (its launch "
-                                                             "options and constexprs)."),
+                                                             "options, constexprs and the arguments "
+                                                             "Triton specialised on their value)."),
 ):
     """Compile the GPU kernels that builds and queries of MODEL run on this machine into Triton's
     cache on disk (once per machine, or per cache folder shared by machines of one GPU type), so

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -996,9 +997,10 @@ class LazyIndex:
         # texts taken whole as chunks: tokenized in batches (the fast tokenizer spreads a batch
         # over the cores; one call per text was a machine's first build's longest wait before
         # its first encode)
-        whole = iter(_token_ids_batched(llm.tokenizer, [c[1] for c in changed]) if not split else ())
-        for source, text, meta, digest, prev_entry in changed:
-            parts = chunker.split(text) if split else [(text, next(whole))]
+        whole_ids = (itertools.repeat(None) if split
+                     else _token_ids_batched(llm.tokenizer, [text for _, text, *_ in changed]))
+        for (source, text, meta, digest, prev_entry), text_ids in zip(changed, whole_ids):
+            parts = chunker.split(text) if split else [(text, text_ids)]
             recs = [ChunkRecord(_chunk_id(source, i, t) if split else source, source, i, t, ids, dict(meta))
                     for i, (t, ids) in enumerate(parts)]
             new_records.extend(recs)

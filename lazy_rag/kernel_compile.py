@@ -76,8 +76,8 @@ class CompileStep:
     name: str
     seconds: float
     cache_entries_added: int
-    # the kernel variants compiled (not found in Triton's cache on disk): name, launch options and
-    # upper-case constexprs
+    # the kernel variants compiled (not found in Triton's cache on disk): name, launch options,
+    # upper-case constexprs and value specialisations (``_variant_name``)
     variants: list[str] = field(default_factory=list)
 
 
@@ -286,9 +286,10 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
     def texts(lengths):
         return [" ".join(str(2 + (7 * i + j) % 97) for j in range(n)) for i, n in enumerate(lengths)]
 
-    # a build's kernels are specialised on its integer arguments too (Triton's divisibility by 16),
-    # so the chunks' lengths vary: three short ones of their own build (what the GPU test checked
-    # first), then the queries' index of 64, 256 tokens and less
+    # Triton specialises a kernel on its integer arguments' values (divisible by 16, equal to 1);
+    # the attention kernels' per-split counts no longer are (their decorators), the other
+    # arguments still may be, so the chunks' lengths vary: three short ones of their own build
+    # (what the GPU test checked first), then the queries' index of 64, 256 tokens and less
     short = texts(SHORT_CHUNK_TOKENS)
     full = texts([CHUNK_TOKENS - (13 * i) % 32 for i in range(max(contexts))])
     with tempfile.TemporaryDirectory(prefix="lazy-rag-compile-") as tmp, _calibration_not_kept():
