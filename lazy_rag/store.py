@@ -74,6 +74,7 @@ def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
         return model_dtype
     return _DTYPES.get(KV_DTYPE_NAMES.get(name, name))
 
+
 DB_NAME = "index.sqlite"
 SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)
 COMPACT_BELOW = 0.5              # a build compacts segments whose live records fill less than this
