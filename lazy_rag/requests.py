@@ -213,6 +213,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     first_logits: "torch.Tensor | None" = None  # [vocab] fp32, with output_first_logits=True
+    score: object = None  # what the request's score_fn returned (teacher-forced scoring), else None
 
 
 class GenerationStream:

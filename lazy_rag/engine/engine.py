@@ -45,6 +45,7 @@ class RequestHandle:
     ttft_ms: float = 0.0
     first_token_time: float = 0.0
     first_logits: torch.Tensor | None = None
+    score: object = None
     result: GenerationResult | None = None
     error: RequestFailedError | None = None  # set when this request failed (the others go on)
 
@@ -82,11 +83,17 @@ class Engine:
     def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
                top_p: float = 1.0, stop: Seq[str] | str | None = None, seed: int | None = None,
                source: ChunkSource | None = None, boundary_recompute: int = 0,
-               recovery: Recovery | str | None = None, output_first_logits: bool = False) -> RequestHandle:
+               recovery: Recovery | str | None = None, output_first_logits: bool = False,
+               score_rows: int = 0, score_fn=None) -> RequestHandle:
         """Queue one request. ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
         ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
-        short name, e.g. "prophet20"); ``boundary_recompute=N`` is short for ``recovery="epicN"``."""
+        short name, e.g. "prophet20"); ``boundary_recompute=N`` is short for ``recovery="epicN"``.
+        ``score_rows`` / ``score_fn``: teacher-forced scoring. The fp32 logits [score_rows, vocab]
+        of the prompt's last ``score_rows`` positions (the last one predicts the first new token)
+        are passed, on the engine's device, to ``score_fn`` once, and what it returns is the
+        result's ``score``: e.g. a KL per position against a reference answer appended to the
+        prompt as uncached tokens. The rows must be computed at query time (uncached text)."""
         params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
         source = source or self.host.default_source
         recovery = resolve_recovery(recovery, boundary_recompute)
@@ -97,7 +104,10 @@ class Engine:
         with self.lock:  # the tokenizer is not safe to share between threads
             layout = self.host.prepare(segments, source, recovery.boundary, mode)
             self.host.check_request(layout, mode, max_new_tokens)
-            seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery)
+            if score_rows:
+                self._check_score_rows(layout, score_rows, score_fn)
+            seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery,
+                           score_rows=score_rows, score_fn=score_fn)
             gen = None
             if temperature > 0:
                 gen = torch.Generator(device="cpu")
@@ -131,6 +141,10 @@ class Engine:
             if not seqs:
                 return True
             step.prefill = [s for s in step.prefill if s in seqs]
+            for seq in step.prefill:
+                if seq.scored_logits is not None:
+                    self.handles[seq.id].score = seq.score_fn(seq.scored_logits)
+                    seq.scored_logits, seq.score_rows = None, 0  # its decode steps score nothing
             # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
             # timers below are exact.
@@ -174,6 +188,14 @@ class Engine:
             except Exception as e:
                 self._fail(seq, e)
         return kept, (torch.cat(rows) if rows else None)
+
+    @staticmethod
+    def _check_score_rows(layout, score_rows: int, score_fn) -> None:
+        """The scored rows must be the prompt's trailing uncached tokens (cached rows have no logits)."""
+        T = len(layout.token_ids)
+        if score_fn is None or not 0 < score_rows <= T or layout.uncached[-score_rows:] != list(range(T - score_rows, T)):
+            raise LazyRagError(f"score_rows={score_rows} needs a score_fn and the prompt's last {score_rows} tokens "
+                               "computed at query time (uncached text after the last chunk).")
 
     def _fail(self, seq: Sequence, e: Exception) -> None:
         """End one request with an error its caller sees; free its KV; the engine serves on."""
@@ -398,4 +420,4 @@ class Engine:
         if len(seq.output) > 1 and h.first_token_time:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
-                                    finish_reason=reason, first_logits=h.first_logits)
+                                    finish_reason=reason, first_logits=h.first_logits, score=h.score)

@@ -122,7 +122,8 @@ class ModelRunner:
         each layer writes their KV before anyone attends to it; their captured KV is left in the
         sequence's ``encoded_kv``."""
         jobs = [j for s in seqs for j in getattr(s, "encode_jobs", ())]
-        if not jobs:
+        scoring = any(s.score_rows for s in seqs)  # rows beyond the last: eager, outside any graph
+        if not jobs and not scoring:
             if self.graphs is not None and is_decode_step(seqs):
                 out = self.graphs.run(seqs)
                 if out is not None:
@@ -131,7 +132,7 @@ class ModelRunner:
                 out = self.append_graphs.run(seqs)
                 if out is not None:
                     return out
-        elif self.append_graphs is not None and ChunkAdapters.find(self.parts.model) is None:
+        elif self.append_graphs is not None and not scoring and ChunkAdapters.find(self.parts.model) is None:
             # a cold request's step (its missing chunks encoded in its prefill) from a graph too:
             # eager, a launch-bound shape pays more in kernel launches than `full` pays to
             # re-encode the same tokens. Chunk adapters gate per token outside any graph, so
@@ -142,15 +143,24 @@ class ModelRunner:
                 self._keep_encoded(seqs, caught, spans)
                 return logits
         batch = self._pack(jobs + seqs)
-        last = torch.tensor([b - 1 for _, b in batch.spans[len(jobs):]], device=self.pool.device)
+        # each sequence's rows: its last new token's, or its last score_rows (teacher-forced scoring)
+        counts = [max(1, s.score_rows) for s in seqs]
+        rows = [r for (_, b), n in zip(batch.spans[len(jobs):], counts) for r in range(b - n, b)]
         encoded = batch.spans[len(jobs) - 1][1] if jobs else 0
         # pack_fresh: the chunks join the sequences' kernel launch (one per layer), not one SDPA each
         with self._adapters_on(jobs, batch):
             logits, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                           StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
-                                          key_pos=batch.key_pos, logits_rows=last, capture=encoded)
+                                          key_pos=batch.key_pos, logits_rows=torch.tensor(rows, device=self.pool.device),
+                                          capture=encoded)
         if jobs:
             self._keep_encoded(seqs, caught, batch.spans[:len(jobs)])
+        if scoring:
+            parts = logits.split(counts)
+            for s, part in zip(seqs, parts):
+                if s.score_rows:
+                    s.scored_logits = part
+            logits = torch.stack([part[-1] for part in parts])
         return logits
 
     def _keep_encoded(self, seqs, caught, spans) -> None:

@@ -49,7 +49,7 @@ _ids = itertools.count()
 class Sequence:
     def __init__(self, layout: PromptLayout, mode: str = "lazy", params: SamplingParams | None = None,
                  source: ChunkSource | None = None, keep_first_logits: bool = False,
-                 recovery: Recovery | None = None):
+                 recovery: Recovery | None = None, score_rows: int = 0, score_fn=None):
         self.id = next(_ids)
         self.layout = layout
         self.mode = mode
@@ -57,6 +57,11 @@ class Sequence:
         self.source = source or ChunkSource()
         self.recovery = recovery or Recovery()
         self.keep_first_logits = keep_first_logits
+        # teacher-forced scoring: the fp32 logits of the prompt's last ``score_rows`` rows (the
+        # last predicts the first new token) go through ``score_fn`` once, in the prefill's step
+        self.score_rows = score_rows
+        self.score_fn = score_fn
+        self.scored_logits = None         # set by ModelRunner.run for score_fn, then dropped
         self.output: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None

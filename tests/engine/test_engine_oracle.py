@@ -217,3 +217,38 @@ def test_prefix_hit_followed_by_a_long_tail_matches_the_oracle(tiny_llm):
     assert eng.stats()["prefix_hit_tokens"] - before >= 40  # 5 blocks of 8 reused by the second
     assert results[1].stats.cached_tokens >= 40
     assert_oracle_consistent(tiny_llm, [(first, 2), (second, 3)], results, "prefix", logit_tol=1e-4, tol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_teacher_forced_scoring_equals_the_oracle(tiny_llm, mode):
+    """score_rows / score_fn: the logits of a prompt's last rows, computed with the prompt's own
+    answer appended as uncached text, are the oracle's teacher-forced logits on that answer; the
+    scoring requests run batched with ordinary ones, which keep their own first logits."""
+    rng = random.Random(17)
+    reqs = requests(rng, 6, num_chunks=4, chunk_len=(5, 25), vocab=40000, max_new=1)
+    answers = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 7))] for _ in reqs]
+    eng = tiny_llm.engine
+    scored = [eng.submit(segs + [ans[:-1]] if len(ans) > 1 else segs, mode=mode, max_new_tokens=1,
+                         score_rows=len(ans), score_fn=lambda rows: rows.cpu())
+              for (segs, _), ans in zip(reqs, answers)]
+    plain = [eng.submit(segs, mode=mode, max_new_tokens=2, output_first_logits=True) for segs, _ in reqs]
+    eng.run_until_done()
+    eng.pm.check()
+    for (segs, _), ans, h, p in zip(reqs, answers, scored, plain):
+        want = teacher_forced_logits(tiny_llm, segs, mode, ans).cpu()
+        assert h.result.score.shape == want.shape
+        assert rel_err(h.result.score, want) < 1e-4, mode
+        assert rel_err(p.result.first_logits, want[0]) < 1e-4, mode
+        assert p.result.score is None and len(p.result.token_ids) == 2
+
+
+def test_scoring_rows_must_be_uncached_text(tiny_llm):
+    from lazy_rag.errors import LazyRagError
+
+    rng = random.Random(2)
+    (segs, _), = requests(rng, 1, num_chunks=3, chunk_len=(5, 9), vocab=40000, max_new=1)
+    tail = len(segs[-1])
+    with pytest.raises(LazyRagError, match="score_rows"):
+        tiny_llm.engine.submit(segs, max_new_tokens=1, score_rows=tail + 1, score_fn=lambda r: r)
+    with pytest.raises(LazyRagError, match="score_fn"):
+        tiny_llm.engine.submit(segs, max_new_tokens=1, score_rows=1)
