@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -46,10 +47,13 @@ log = logging.getLogger(__name__)
 NOT_IN_MEMORY = "not in memory"
 
 
-def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = ()) -> tuple:
-    """Cache key of a chunk's KV in every tier: the prefix it was encoded after and its tokens."""
+def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "") -> tuple:
+    """Cache key of a chunk's KV in every tier: the prefix it was encoded after and its tokens,
+    and the request's cache salt for a chunk of the caller's own text (``Engine.submit``): the
+    same tokens under two salts are two entries, so one tenant's request never finds (or times)
+    the KV another tenant's request encoded."""
     pre = _content_key(tuple(shared_prefix)) if shared_prefix else ""
-    return ("chunk", pre, _content_key(tuple(token_ids)))
+    return ("chunk", pre, _content_key(tuple(token_ids), salt))
 
 
 def host_key(key: tuple, quantized: bool) -> tuple:
@@ -58,10 +62,13 @@ def host_key(key: tuple, quantized: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=2048)
-def _content_key(ids: tuple) -> str:
+def _content_key(ids: tuple, salt: str = "") -> str:
     # every admission keys each of its chunks: a popular chunk's sha256 is looked up (a tuple hash
-    # and compare, ~10 us for 2048 tokens) instead of recomputed (~100 us with the array copy)
-    return token_ids_key(ids)
+    # and compare, ~10 us for 2048 tokens) instead of recomputed (~100 us with the array copy).
+    # The salt is part of this cache's key too: another tenant's earlier request must not make
+    # even this hash faster.
+    key = token_ids_key(ids)
+    return hashlib.sha256(f"{salt}\0{key}".encode()).hexdigest() if salt else key
 
 
 class Transfer:

@@ -84,7 +84,8 @@ class Engine:
                top_p: float = 1.0, stop: Seq[str] | str | None = None, seed: int | None = None,
                source: ChunkSource | None = None, boundary_recompute: int = 0,
                recovery: Recovery | str | None = None, output_first_logits: bool = False,
-               score_rows: int = 0, score_fn=None) -> RequestHandle:
+               score_rows: int = 0, score_fn=None, cache_salt: str = "",
+               tenant: str | None = None) -> RequestHandle:
         """Queue one request. ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
         ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
@@ -93,7 +94,12 @@ class Engine:
         of the prompt's last ``score_rows`` positions (the last one predicts the first new token)
         are passed, on the engine's device, to ``score_fn`` once, and what it returns is the
         result's ``score``: e.g. a KL per position against a reference answer appended to the
-        prompt as uncached tokens. The rows must be computed at query time (uncached text)."""
+        prompt as uncached tokens. The rows must be computed at query time (uncached text).
+        ``cache_salt``: the KV of this request's chunks without a ``chunk_id`` (text the caller
+        sent, not an index's) and of its prompt pages in prefix mode is cached under this salt,
+        found only by requests with the same salt (a server gives each tenant its own).
+        ``tenant``: waiting requests are admitted tenant by tenant (the tenant with the fewest
+        running requests first), so that one tenant's flood cannot hold the others back."""
         params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
         source = source or self.host.default_source
         recovery = resolve_recovery(recovery, boundary_recompute)
@@ -107,7 +113,7 @@ class Engine:
             if score_rows:
                 self._check_score_rows(layout, score_rows, score_fn)
             seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery,
-                           score_rows=score_rows, score_fn=score_fn)
+                           score_rows=score_rows, score_fn=score_fn, cache_salt=cache_salt, tenant=tenant)
             gen = None
             if temperature > 0:
                 gen = torch.Generator(device="cpu")

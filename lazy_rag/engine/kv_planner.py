@@ -140,21 +140,28 @@ class KVPlanner:
 
     # -- chunks ---------------------------------------------------------------------------------
     def _chunks(self, seq: Sequence):
-        """(start, token_ids, chunk_id, shared_prefix, skip) of every cached piece of the prompt:
-        the shared prefix first (itself a chunk encoded alone), then the chunks in prompt order.
-        Chunks recomputed whole (skip == length) have nothing to read and are left out."""
+        """(start, token_ids, chunk_id, shared_prefix, skip, cache key) of every cached piece of
+        the prompt: the shared prefix first (itself a chunk encoded alone), then the chunks in
+        prompt order. Chunks recomputed whole (skip == length) have nothing to read and are left
+        out. A chunk without an id is the caller's own text: keyed under the request's cache salt
+        (an index's chunks, which have ids, and the shared prefix are shared by every caller)."""
         lay = seq.layout
         if lay.prefix_len:
-            yield 0, tuple(lay.token_ids[:lay.prefix_len]), None, (), 0
+            ids = tuple(lay.token_ids[:lay.prefix_len])
+            yield 0, ids, None, (), 0, chunk_key(ids)
+        prefix = seq.source.shared_prefix_ids
         for span in lay.spans:
             if span.cached_tokens:
-                yield span.start, span.token_ids, span.chunk_id, seq.source.shared_prefix_ids, span.skip
+                salt = seq.cache_salt if span.chunk_id is None else ""
+                yield (span.start, span.token_ids, span.chunk_id, prefix, span.skip,
+                       chunk_key(span.token_ids, prefix, salt))
 
-    def place_chunk(self, ids, chunk_id, prefix, store):
+    def place_chunk(self, ids, chunk_id, prefix, store, key=None):
         """The chunk's pool entry, acquired once: resident already, or placed from the host tier
         or the disk store, or encoded. Returns (entry, tier: "pool", "host", "disk" or "encoded").
-        With a shared prefix, its entry must be held by the caller (encoding reads it)."""
-        key = chunk_key(ids, prefix)
+        With a shared prefix, its entry must be held by the caller (encoding reads it). ``key``:
+        its cache key (default: unsalted, ``chunk_key(ids, prefix)``)."""
+        key = chunk_key(ids, prefix) if key is None else key
         e = self.pm.lookup(key)
         if e is not None:
             return self.pm.acquire(e), "pool"
@@ -189,8 +196,7 @@ class KVPlanner:
         own = len(self._new_positions(seq)) if in_prefill else 0
         pending, tokens, short = [], 0, None
         try:
-            for _, ids, cid, prefix, _ in self._chunks(seq):
-                key = chunk_key(ids, prefix)
+            for _, ids, cid, prefix, _, key in self._chunks(seq):
                 if key in seq.prefetched or key in seq.pending_chunks or self.pm.lookup(key) is not None:
                     continue  # resident (or listed twice): the admission acquires it
                 if key in self.encoding:
@@ -289,12 +295,12 @@ class KVPlanner:
                 f"head_dim {shp.head_dim} vocab {shp.vocab_size} {self.runner.parts.dtype} | "
                 f"pool {self.pool.dtype} page {self.pool.page_size}")
 
-    def _acquire_chunk(self, seq: Sequence, ids, chunk_id, prefix):
-        taken = seq.prefetched.pop(chunk_key(ids, prefix), None)
+    def _acquire_chunk(self, seq: Sequence, key, ids, chunk_id, prefix):
+        taken = seq.prefetched.pop(key, None)
         if taken is not None:  # placed by _place_missing_chunks, held for this admission
             e, tier = taken
         else:
-            e, tier = self.place_chunk(ids, chunk_id, prefix, seq.source.store)
+            e, tier = self.place_chunk(ids, chunk_id, prefix, seq.source.store, key)
         seq.held.append(e)
         if tier == "pool":
             # a hit, unless this request placed it itself in an admission that was then refused
@@ -333,11 +339,10 @@ class KVPlanner:
 
     def _admit_lazy(self, seq: Sequence) -> None:
         counted = set()
-        for start, ids, cid, prefix, skip in self._chunks(seq):
-            key = chunk_key(ids, prefix)
+        for start, ids, cid, prefix, skip, key in self._chunks(seq):
             pending = seq.pending_chunks.get(key)
             if pending is None:
-                pages = tuple(self._acquire_chunk(seq, ids, cid, prefix).pages)
+                pages = tuple(self._acquire_chunk(seq, key, ids, cid, prefix).pages)
             else:  # encoded by this request's prefill
                 pages = pending[0]
                 if key not in counted:
@@ -352,9 +357,9 @@ class KVPlanner:
 
     def _admit_block(self, seq: Sequence) -> None:
         self._private_run(seq, 0, seq.num_tokens)
-        for start, ids, cid, prefix, _skip in self._chunks(seq):
+        for start, ids, cid, prefix, _skip, key in self._chunks(seq):
             # a recomputed head is copied too, then overwritten by the prefill's own KV
-            seq.block_copies.append((self._acquire_chunk(seq, ids, cid, prefix), start))
+            seq.block_copies.append((self._acquire_chunk(seq, key, ids, cid, prefix), start))
         seq.compute_pos = self._new_positions(seq)
         self._reserve_recompute(seq)
 
@@ -417,7 +422,7 @@ class KVPlanner:
 
     def _admit_prefix(self, seq: Sequence) -> None:
         ps = self.pool.page_size
-        pages = self.pm.match_prefix(seq.tokens, seq.num_tokens - 1)
+        pages = self.pm.match_prefix(seq.tokens, seq.num_tokens - 1, seq.cache_salt)
         seq.held.extend(pages)
         for i, e in enumerate(pages):
             seq.cached_runs.append(Run(i * ps, ps, tuple(e.pages), 0))
@@ -436,7 +441,7 @@ class KVPlanner:
             return
         ps = self.pool.page_size
         run = seq.private_runs[0]
-        keys = self.pm.prefix_keys(seq.prompt)
+        keys = self.pm.prefix_keys(seq.prompt, seq.cache_salt)
         for b in range(run.pos // ps, len(keys)):
             page = run.pages[b - run.pos // ps]
             if self.pm.lookup(keys[b]) is None:

@@ -29,10 +29,11 @@ import numpy as np
 from .page_pool import OutOfPages, PagePool
 
 
-def prefix_hashes(ids: list[int], page_size: int) -> list[bytes]:
+def prefix_hashes(ids: list[int], page_size: int, salt: str = "") -> list[bytes]:
     """One hash per full page of ``ids``, chained over every page before it (vLLM's automatic
-    prefix caching): a page is found again only behind exactly the same token prefix."""
-    hashes, prev = [], b""
+    prefix caching): a page is found again only behind exactly the same token prefix, and under
+    the same ``salt`` (a tenant's: the chain starts from it, as vLLM's cache_salt)."""
+    hashes, prev = [], hashlib.sha256(salt.encode()).digest() if salt else b""
     arr = np.asarray(ids, dtype="<i8")
     for b in range(len(ids) // page_size):
         h = hashlib.sha256(prev)
@@ -232,14 +233,14 @@ class PageManager:
         return self.acquire(e)
 
     # -- prefix caching (vLLM APC) --------------------------------------------------------------
-    def prefix_keys(self, token_ids: list[int]) -> list[tuple]:
+    def prefix_keys(self, token_ids: list[int], salt: str = "") -> list[tuple]:
         """Keys of every full page of token_ids: a hash chain over all pages so far."""
-        return [("prefix", h) for h in prefix_hashes(list(token_ids), self.page_size)]
+        return [("prefix", h) for h in prefix_hashes(list(token_ids), self.page_size, salt)]
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[CachedEntry]:
+    def match_prefix(self, token_ids: list[int], max_tokens: int, salt: str = "") -> list[CachedEntry]:
         """Acquire the cached pages of the longest page-aligned prefix (at most max_tokens)."""
         found = []
-        for key in self.prefix_keys(token_ids[:max_tokens]):
+        for key in self.prefix_keys(token_ids[:max_tokens], salt):
             e = self.entries.get(key)
             if e is None:
                 break

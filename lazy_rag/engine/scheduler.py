@@ -3,8 +3,11 @@
 Each ``schedule()`` builds one step: every running sequence that is decoding gets a slot for its
 next token (one token of budget each); sequences whose prefill is pending and whose chunk
 transfers have landed are prefilled, oldest first, within what is left of the token budget; then
-waiting sequences are admitted (KV reserved by the planner) in arrival order while memory and
-``max_num_seqs`` allow. A prefill larger than the whole budget runs alone.
+waiting sequences are admitted (KV reserved by the planner) while memory and ``max_num_seqs``
+allow, in arrival order within a tenant and tenant by tenant across them (``Sequence.tenant``:
+the tenant with the fewest running sequences goes next), so that a tenant who floods the queue
+is served alongside the others instead of ahead of them. A prefill larger than the whole budget
+runs alone.
 
 Memory pressure: the planner evicts unreferenced cached pages first (block manager); if a
 running sequence still cannot get a page for its next token, the youngest running sequence is
@@ -17,7 +20,7 @@ The planner (``KVPlanner`` or a test double) answers: ``admit(seq) -> bool``,
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .sequence import Sequence, Status
@@ -72,10 +75,25 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _fail_waiting(self, seq: Sequence, error: Exception, step: Step) -> None:
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = "error"
         step.failed.append((seq, error))
+
+    def _next_waiting(self) -> Sequence:
+        """The oldest waiting sequence of the tenant with the fewest running sequences (a
+        preempted one is at the front of the queue, so first of its tenant's). Without tenants
+        (all None) that is the queue's head."""
+        running = Counter(s.tenant for s in self.running)
+        best = self.waiting[0]
+        fewest = running[best.tenant]
+        if fewest:
+            for seq in self.waiting:
+                if running[seq.tenant] < fewest:
+                    best, fewest = seq, running[seq.tenant]
+                    if not fewest:
+                        break
+        return best
 
     def schedule(self) -> Step:
         step = Step()
@@ -101,11 +119,11 @@ class Scheduler:
                     break
                 step.prefill.append(seq)
                 budget -= seq.num_prefill_tokens
-        # 3. admit waiting sequences in arrival order
+        # 3. admit waiting sequences, tenant by tenant
         # (not in a step that had to preempt: the freed pages are for the running ones)
         while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
                and self.num_preemptions == preempted):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             try:
                 admitted = self.planner.admit(seq)  # releases what it took if it raises
             except Exception as e:  # this request's fault only: fail it, serve the others
@@ -116,7 +134,7 @@ class Scheduler:
                     break  # pages come back as running requests finish
                 self._fail_waiting(seq, RequestTooLarge(f"request {seq.id} does not fit in the empty KV pool"), step)
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             if self.planner.ready(seq) and not (step and seq.num_prefill_tokens > budget):

@@ -49,8 +49,11 @@ _ids = itertools.count()
 class Sequence:
     def __init__(self, layout: PromptLayout, mode: str = "lazy", params: SamplingParams | None = None,
                  source: ChunkSource | None = None, keep_first_logits: bool = False,
-                 recovery: Recovery | None = None, score_rows: int = 0, score_fn=None):
+                 recovery: Recovery | None = None, score_rows: int = 0, score_fn=None, cache_salt: str = "",
+                 tenant: str | None = None):
         self.id = next(_ids)
+        self.cache_salt = cache_salt  # keys its own chunks' and prompt pages' KV (Engine.submit)
+        self.tenant = tenant          # whose request it is: the scheduler admits tenants in turn
         self.layout = layout
         self.mode = mode
         self.params = params or SamplingParams()

@@ -267,3 +267,40 @@ def test_a_dropped_runner_is_freed_at_once_despite_its_graphs(llm):
         assert pool() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_cache_salt_keeps_callers_chunks_apart_and_shares_indexed_ones(llm, mode):
+    """A chunk without an id (text the caller sent) is cached under the request's salt: the same
+    salt finds it in the pool, another salt (or none) encodes it again, from no tier; a chunk with
+    an id (an index's) is shared whatever the salt. The answers do not depend on the salt."""
+    eng = engine(llm, num_pages=200, page_size=4)
+    own, shared = Chunk(list(range(400, 412))), Chunk(list(range(500, 509)), chunk_id="index-chunk")
+    segs = [[300, 301], own, shared, [600, 601]]
+
+    def run(salt):
+        return eng.generate([dict(segments=segs, mode=mode, max_new_tokens=3, cache_salt=salt)])[0]
+
+    first = run("tenant-a")
+    assert first.stats.chunk_sources == {"encoded": 2}
+    again = run("tenant-a")
+    assert again.stats.chunk_sources == {"pool": 2} and again.token_ids == first.token_ids
+    for salt in ("tenant-b", ""):  # a cold miss for the caller's chunk (not even the host tier has it)
+        other = run(salt)
+        assert other.stats.chunk_sources == {"encoded": 1, "pool": 1} and other.token_ids == first.token_ids
+    eng.pm.check()
+
+
+def test_cache_salt_keys_prefix_pages(llm):
+    """Prefix mode: a prompt's pages are found again only under the salt that cached them."""
+    eng = engine(llm, num_pages=200, page_size=4)
+    prompt = list(range(300, 330))
+
+    def run(salt):
+        return eng.generate([dict(segments=[prompt], mode="prefix", max_new_tokens=2, cache_salt=salt)])[0]
+
+    first = run("a")
+    assert first.stats.cached_tokens == 0
+    assert run("a").stats.cached_tokens == 28  # every full page but the one holding the last token
+    assert run("b").stats.cached_tokens == 0
+    assert run("a").token_ids == run("b").token_ids == first.token_ids

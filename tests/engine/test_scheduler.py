@@ -107,3 +107,33 @@ def test_a_request_larger_than_the_pool_fails_alone():
     step = sched.schedule()
     assert [(s, type(e)) for s, e in step.failed] == [(big, RequestTooLarge)] and big.finish_reason == "error"
     assert step.prefill == [small] and list(sched.waiting) == []  # the next one is admitted in the same step
+
+
+@pytest.mark.parametrize("tenants", [True, False], ids=["tenants", "no_tenants"])
+def test_a_flooding_tenant_does_not_hold_another_back(tenants):
+    """Two running slots; tenant "flood" queues 12 requests before tenant "b" queues 2. Tenant by
+    tenant, b's requests are admitted 2nd and 4th (the first free slots);
+    without tenants (arrival order) they wait behind the whole flood."""
+    def seq(tenant):
+        return Sequence(PromptLayout(token_ids=[1, 2, 3]), params=SamplingParams(max_new_tokens=3),
+                        tenant=tenant if tenants else None)
+
+    planner = FakePlanner(1000)
+    sched = Scheduler(planner, max_num_seqs=2, max_batched_tokens=64)
+    for s in [seq("flood") for _ in range(12)] + (b := [seq("b") for _ in range(2)]):
+        sched.add(s)
+    admitted = []
+    while sched.has_work:
+        step = sched.schedule()
+        admitted += [s for s in step.prefill if s not in admitted]
+        for s in step.prefill + step.decode:
+            s.needs_prefill, s.compute_pos = False, []
+            s.kv_len = s.num_tokens
+            s.output.append(0)
+            if len(s.output) >= s.params.max_new_tokens:
+                sched.finish(s, "length")
+    where = sorted(admitted.index(s) for s in b)
+    if tenants:
+        assert where == [1, 3], where  # the second slot at once, then the next slot that frees
+    else:
+        assert where == [12, 13], where

@@ -66,7 +66,7 @@ class ResidentChunks:
             return
         prefix = seq.source.shared_prefix_ids
         for key, span in zip(route.keys, spans):
-            self._keys[key] = chunk_key(span.token_ids, prefix)
+            self._keys[key] = chunk_key(span.token_ids, prefix, seq.cache_salt if span.chunk_id is None else "")
             self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)

@@ -39,20 +39,22 @@ from .engine_replica import error_of  # noqa: E402
 log = logging.getLogger("lazy_rag.server.scaleout")
 
 
-def route_key(chunk: Chunk) -> str:
-    """A chunk's routing key: 16 hex digits of a hash of its index id, else of its token ids
-    (the same chunk gets the same key in every ingress replica and in every report)."""
+def route_key(chunk: Chunk, salt: str = "") -> str:
+    """A chunk's routing key: 16 hex digits of a hash of its index id, else of its token ids and
+    the request's cache salt, as the engine keys it (the same chunk gets the same key in every
+    ingress replica and in every report)."""
     h = hashlib.blake2b(digest_size=8)
     if chunk.chunk_id is not None:
         h.update(b"id\0" + chunk.chunk_id.encode())
     else:
-        h.update(b"ids\0" + b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.content))
+        h.update(b"ids\0" + salt.encode() + b"\0" +
+                 b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.content))
     return h.hexdigest()
 
 
-def chunk_route(segments, policy: str | None = None) -> ChunkRoute:
+def chunk_route(segments, policy: str | None = None, salt: str = "") -> ChunkRoute:
     chunks = [s for s in segments if isinstance(s, Chunk)]
-    return ChunkRoute(tuple(route_key(c) for c in chunks), tuple(len(c.content) for c in chunks), policy)
+    return ChunkRoute(tuple(route_key(c, salt) for c in chunks), tuple(len(c.content) for c in chunks), policy)
 
 
 def ray_error(e: BaseException) -> LazyRagError:
@@ -110,8 +112,8 @@ class ServeDriver(Driver):
     async def submit(self, segments, *, uses_index: bool = False, **options) -> ServeTicket:
         self.check_admission(len(self._tickets))
         ticket = ServeTicket(asyncio.get_running_loop(), asyncio.Queue(), rid=next(self._ids))
-        ticket.stream = self._streams.generate.remote(chunk_route(segments, self.policy), segments, uses_index,
-                                                      options)
+        route = chunk_route(segments, self.policy, options.get("cache_salt", ""))
+        ticket.stream = self._streams.generate.remote(route, segments, uses_index, options)
         self._tickets[ticket.rid] = ticket
         try:
             first = await ticket.stream.__anext__()
