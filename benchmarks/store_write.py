@@ -46,7 +46,7 @@ def synthetic_kv(shape: str, chunk_tokens: int, variants: int = 4) -> list:
     import torch
 
     from lazy_rag.bench.random_models import random_config
-    from lazy_rag.store import ChunkKV
+    from lazy_rag.chunk_kv import ChunkKV
 
     c = random_config(shape)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .chunking import TokenChunker, discover_files, read_text
-from .store import kv_dtype_named
+from .kv_record import kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
 PROBE_WRITE_BYTES = 256 << 20
@@ -32,7 +32,7 @@ PROBE_CHUNKS, PROBE_TOKENS = 8, 256
 
 def kv_bytes_per_token(llm, kv_dtype) -> float:
     """Stored KV bytes per token (K and V over every layer and KV head). ``kv_dtype``: a name
-    (``store.KV_DTYPE_NAMES``' or a dtype's, auto: the model's) or a torch dtype (None: the
+    (``kv_record.KV_DTYPE_NAMES``' or a dtype's, auto: the model's) or a torch dtype (None: the
     model's, as ``ChunkStore.kv_dtype``)."""
     s = llm.shape
     elems = s.kv_bytes_per_token  # 2 * layers * kv heads * head_dim

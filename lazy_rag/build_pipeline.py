@@ -142,7 +142,7 @@ class KVWriter:
             raise
         self.stats.encoder_wait_s += time.perf_counter() - t0
         if self.pool is not None:
-            kvs = [self.pool.submit(self.store.prepare, r.id, r.token_ids, kv) for r, kv in zip(records, kvs)]
+            kvs = [self.pool.submit(self.store.pack, r.id, r.token_ids, kv) for r, kv in zip(records, kvs)]
         self.items.put((records, kvs, nbytes, on_written, lease))
 
     def would_wait(self, nbytes: int) -> bool:
@@ -215,7 +215,7 @@ class KVWriter:
             # segment store keeps its own account of what it appended
             path_of = getattr(self.store, "path", None)
             for r, kv in zip(records, kvs):
-                if self.pool is not None:  # a future of store.prepare: write takes its record
+                if self.pool is not None:  # a future of store.pack: write takes its record
                     t1 = time.perf_counter()
                     kv = kv.result()
                     self.stats.prepare_wait_s += time.perf_counter() - t1

@@ -59,13 +59,14 @@ from .chunking import TokenChunker, discover_files, read_text
 from .deps import require
 from .embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from .errors import FingerprintMismatchError, LazyIndexError, LazyRagError
+from .file_writes import fsync_dir
 from .index_lock import try_writer_lock, writer_lock
+from .kv_record import KV_DTYPE_NAMES, KV_DTYPES, RECORD_HEADER, kv_dtype_named
 from .llm import LazyLLM
 from .progress import Progress, resolved_style
 from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
 from .segments import Chunk, tokenize_text
-from .store import (DB_NAME, RECORD_HEADER, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB,
-                    KV_DTYPE_NAMES, _DTYPES, _fsync_dir, kv_dtype_named, segment_name)
+from .store import DB_NAME, REPAIR_FIX, SEGMENT_RE, ChunkStore, DamagedIndexError, IndexDB, segment_name
 from .tempfiles import atomic_write_bytes as _atomic_write_bytes  # a module global: tests fail it on purpose
 from .vector_index import VectorIndex
 from .wrapper import ChunkWrapper, WrapperError
@@ -171,7 +172,7 @@ def open_store(path: Path, manifest: dict, vocab_rows: int | None = None, db: In
     """The KV store of the index at ``path`` with settings ``manifest``, located through ``db``
     (a loaded index's snapshot or a build's connection)."""
     prefix = manifest["shared_prefix"]["token_ids"] if manifest.get("shared_prefix") else ()
-    return ChunkStore(path, store_fingerprint(manifest), prefix, _DTYPES.get(manifest["kv_dtype"]),
+    return ChunkStore(path, store_fingerprint(manifest), prefix, KV_DTYPES.get(manifest["kv_dtype"]),
                       precomputed=manifest.get("kv_precomputed", True), kv_subdir=kv_subdir(manifest.get("wrapper")),
                       vocab_rows=vocab_rows, db=db)
 
@@ -932,7 +933,7 @@ class LazyIndex:
         kv_dt = kv_dtype_named(kv_dtype, llm.dtype)
         if kv_dt is None:
             raise LazyIndexError(f"Unknown KV dtype {kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
-                                 f"{', '.join(_DTYPES)}.")
+                                 f"{', '.join(KV_DTYPES)}.")
         prefix = None
         if shared_prefix:
             text = rag_prefix(llm.tokenizer, system_prompt, instruction)
@@ -1179,7 +1180,7 @@ class LazyIndex:
                 name = f"vectors-{gen}.faiss"
                 _atomic_write_bytes(out / name, data)
                 run.new_files.append(out / name)
-                _fsync_dir(out)  # its name durable before the commit that names it
+                fsync_dir(out)  # its name durable before the commit that names it
                 settings["vectors_file"] = name
                 settings["checksums"]["vectors_file"] = _sha256(data)
                 settings["vectors"] = {"kind": vindex.kind, "ntotal": vindex.ntotal, "bytes": len(data)}

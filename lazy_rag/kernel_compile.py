@@ -239,7 +239,7 @@ def _calibration_not_kept():
 def parse_kv_dtypes(text: str, model_dtype) -> list:
     """``--kv-dtype``'s comma list (auto, or a store's names: fp8, bf16, ...) as torch dtypes,
     without repeats."""
-    from .store import KV_DTYPE_NAMES, kv_dtype_named
+    from .kv_record import KV_DTYPE_NAMES, kv_dtype_named
 
     out = []
     for name in (n.strip() for n in text.split(",")):
@@ -343,7 +343,7 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
 
 
 def _name(dtype) -> str:
-    from .store import KV_DTYPE_NAMES
+    from .kv_record import KV_DTYPE_NAMES
 
     plain = str(dtype).removeprefix("torch.")
     return next((short for short, long in KV_DTYPE_NAMES.items() if long == plain), plain)

@@ -13,7 +13,7 @@ from .engine import Engine, EngineConfig
 from .model_host import ModelHost
 from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery
 from .segments import Chunk, PromptLayout, Segment, chunk_token_ids
-from .store import ChunkKV
+from .chunk_kv import ChunkKV
 
 
 class LazyLLM:

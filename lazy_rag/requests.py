@@ -18,7 +18,7 @@ from .errors import InvalidRequestError, LazyRagError
 if TYPE_CHECKING:
     import torch
 
-    from .store import ChunkStore
+    from .chunk_kv import ChunkKVStore
     from .wrapper import ChunkWrapper
 
 MODES = ("lazy", "block", "prefix", "full")
@@ -178,7 +178,7 @@ class ChunkSource:
     """
 
     shared_prefix_ids: tuple[int, ...] = ()
-    store: "ChunkStore | None" = None
+    store: "ChunkKVStore | None" = None
     wrapper: "ChunkWrapper | None" = None
 
 

@@ -1,17 +1,11 @@
-"""``ChunkKV`` (a chunk's position-free KV) and the index's on-disk store: ``IndexDB`` (one SQLite
-file, ``index.sqlite``: the chunk table, the files, the KV segments and the settings) and
-``ChunkStore`` (every chunk's KV as one record in large append-only segment files).
+"""The index's on-disk store: ``IndexDB`` (one SQLite file, ``index.sqlite``: the chunk table, the
+files, the KV segments and the settings) and ``ChunkStore`` (every chunk's KV as one record in
+large append-only segment files).
 
-KV records. A chunk's KV is one record appended to ``<kv folder>/seg-<n>.kvseg`` (``kv/``, or
-``kv-w<digest>/`` for chunks encoded inside a chunk wrapper, so a re-encode with a new wrapper is
-new records in a new folder, committed atomically); a new segment starts once one would pass
-``SEGMENT_BYTES``. A record is a 16-byte header (``LRKV``, the CRC32 of the body, the body's
-length) and a body that is a safetensors blob: ``k`` (unrotated) and ``v`` of shape [layers,
-tokens, kv_heads, head_dim], plus ``k_scale``/``v_scale`` for quantised (fp8) KV, with metadata:
-the chunk id, the CRC32 of every tensor, a hash of the token ids (a wrapper's slots left out: the
-wrapper is in the fingerprint), the dtype and the fingerprint of the model/tokenizer/RoPE/shared
-prefix/wrapper that computed it. Records describe themselves (``--repair`` finds KV by scanning
-the segments) and load without unpickling (safetensors' bytes and a JSON header).
+KV records. A chunk's KV is one record (``kv_record``: a header, then a safetensors body that
+describes itself) appended to ``<kv folder>/seg-<n>.kvseg`` (``kv/``, or ``kv-w<digest>/`` for
+chunks encoded inside a chunk wrapper, so a re-encode with a new wrapper is new records in a new
+folder, committed atomically); a new segment starts once one would pass ``SEGMENT_BYTES``.
 
 Where a chunk's KV is: its row in the chunk table holds (segment, offset, length, CRC32). A row
 without one has no KV. A read (``os.pread`` of exactly those bytes) checks the CRC, the
@@ -37,14 +31,11 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import sqlite3
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,27 +44,15 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
 
+from .chunk_kv import NOT_IN_MEMORY, ChunkKV
 from .errors import LazyIndexError
+from .file_writes import fsync_dir, pwrite_all, start_writeback
+from .kv_record import (RECORD_HEADER, TENSOR_NAMES, PackedRecord, first_byte_cached, pack, read_body, read_header,
+                        record_metadata, tensor_crc, unpack)
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           # e4m3 with one fp16 scale per (layer, token, KV head): half the bytes (kernels.kv_quant)
-           "float8_e4m3fn": torch.float8_e4m3fn}
-# the short names `--kv-dtype` also accepts (a benchmark run with "bf16" was refused)
-KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
-    """The torch dtype a stored KV dtype's name means (a short name, ``KV_DTYPE_NAMES``, a dtype's
-    own, or auto: ``model_dtype``); None for a name that is none of these (callers name the fix)."""
-    if name == "auto":
-        return model_dtype
-    return _DTYPES.get(KV_DTYPE_NAMES.get(name, name))
-
 
 DB_NAME = "index.sqlite"
 SEGMENT_BYTES = 1 << 30          # a new segment once one would pass this (1 GiB)
@@ -82,14 +61,8 @@ CHECKPOINT_BYTES = 256 << 20     # a build commits its staged KV to pending_kv e
 CHECKPOINT_MIN_S = 2.0           # ... and at most this often: each commit fsyncs, and the writer
                                  # waits for it (the 8B build on the H100 spent 2.1 of its 13.3 s
                                  # of writing in 73 commits of 256 MiB)
-RECORD_MAGIC = b"LRKV"
-RECORD_HEADER = struct.Struct("<4sIQ")  # magic, CRC32 of the body, body length
 SEGMENT_RE = re.compile(r"seg-(\d{6,})\.kvseg")
-TENSOR_NAMES = ("k", "v", "k_scale", "v_scale")
 READ_FDS = 64                    # open segment files kept per store (a large index has thousands)
-# ``why`` of ``read_nowait`` for an intact record whose bytes are not all in the page cache (the
-# engine's chunk_tiers.NOT_IN_MEMORY: it then weighs reading the disk against encoding again)
-NOT_IN_MEMORY = "not in memory"
 REPAIR_FIX = "rebuild it from the sources with `lazy-rag index SOURCES --out {folder} --repair`"
 
 SCHEMA = """
@@ -113,48 +86,6 @@ CREATE TABLE IF NOT EXISTS pending_kv (
 # overflow pages its text, token ids and vector spill into.
 
 
-@dataclass
-class ChunkKV:
-    """Position-free KV of one chunk: ``k`` (unrotated) and ``v`` of shape [layers, L, kv_heads, head_dim].
-
-    Quantised KV (``k.dtype == torch.float8_e4m3fn``) carries one scale per (layer, token, kv head)
-    in ``k_scale`` / ``v_scale`` ([layers, L, kv_heads]): the value is ``k.float() * k_scale[..., None]``.
-    Unquantised KV has no scales (None)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors to store, by name (``k``, ``v``, and the scales of quantised KV)."""
-        out = {"k": self.k, "v": self.v}
-        if self.k_scale is not None:
-            out["k_scale"], out["v_scale"] = self.k_scale, self.v_scale
-        return out
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "ChunkKV":
-        return cls(tensors["k"], tensors["v"], tensors.get("k_scale"), tensors.get("v_scale"))
-
-
-def _checksum(t: torch.Tensor) -> str:
-    flat = t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t.contiguous()
-    return format(zlib.crc32(flat.numpy().data), "08x")
-
-
 @dataclass(frozen=True)
 class KVLocation:
     """Where one record's body is: segment number, offset and length of the body (its header is
@@ -175,149 +106,12 @@ def segment_name(seg: int) -> str:
     return f"seg-{seg:06d}.kvseg"
 
 
-def record_metadata(body) -> dict:
-    """The metadata of a record body (a safetensors blob), from its JSON header alone."""
-    if isinstance(body, torch.Tensor):  # a uint8 buffer (ChunkStore._read_record): no copy
-        body = memoryview(body.numpy())
-    if len(body) < 8:
-        raise ValueError("shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", bytes(body[:8]))
-    if n > min(len(body) - 8, 100 << 20):
-        raise ValueError("header length past the record")
-    header = json.loads(bytes(body[8:8 + n]))
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        raise ValueError("no metadata")
-    return meta
-
-
-def _first_byte_cached(fd: int, off: int) -> bool | None:
-    """Whether the byte at ``off`` of ``fd`` is in the page cache (a one-byte RWF_NOWAIT read);
-    None where the kernel or file system cannot tell."""
-    try:
-        os.preadv(fd, [bytearray(1)], off, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return False
-    except (OSError, AttributeError):
-        return None
-    return True
-
-
-def record_tensors(body) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors record body: views of ``body`` when it is a uint8 tensor (the
-    data starts 8-aligned, ``safetensors_parts``), else a safetensors load (copies)."""
-    if not isinstance(body, torch.Tensor):
-        return load_safetensors(body)
-    (n,) = struct.unpack("<Q", body[:8].numpy().tobytes())
-    header = json.loads(body[8:8 + n].numpy().tobytes())
-    header.pop("__metadata__", None)
-    data = body[8 + n:]
-    out = {}
-    for name, spec in header.items():
-        dtype = _ST_TO_TORCH[spec["dtype"]]
-        a, b = spec["data_offsets"]
-        shape = [int(x) for x in spec["shape"]]
-        if not 0 <= a <= b <= data.numel() or (b - a) != math.prod(shape) * dtype.itemsize or a % dtype.itemsize:
-            raise ValueError(f"tensor {name} does not fit the record")
-        out[name] = data[a:b].view(dtype).view(shape)
-    return out
-
-
 def format1_file_name(chunk_id: str) -> str:
     """The KV file of ``chunk_id`` in a format-1 index (one file per chunk): the id itself when it
     is a plain name, else its hash (no id could name a path outside the KV folder)."""
     if re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", chunk_id):
         return f"{chunk_id}.safetensors"
     return f"id-{hashlib.sha256(chunk_id.encode()).hexdigest()[:40]}.safetensors"
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
-_ST_TO_TORCH = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict) -> list:
-    """A safetensors blob as buffers: its header, then each (contiguous, CPU) tensor's own bytes,
-    uncopied (``safetensors.torch.save`` copies every tensor into one bytes object, at ~0.6 GB/s on
-    a 2-core machine: the build's writer thread was bound by it). ``safetensors.torch.load`` of the
-    joined buffers gives the tensors back."""
-    header, off, datas = {}, 0, []
-    for name, t in tensors.items():
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + data.nbytes]}
-        off += data.nbytes
-        datas.append(data)
-    header["__metadata__"] = metadata
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-aligned, as safetensors writes it
-    return [struct.pack("<Q", len(head)) + head, *datas]
-
-
-def body_length(body) -> int:
-    """Bytes of a record body: bytes, or a list of buffers (``safetensors_parts``)."""
-    return sum(memoryview(p).nbytes for p in body) if isinstance(body, list) else len(body)
-
-
-def body_crc(body) -> int:
-    if not isinstance(body, list):
-        return zlib.crc32(body)
-    crc = 0
-    for p in body:
-        crc = zlib.crc32(p, crc)
-    return crc
-
-
-@dataclass(frozen=True)
-class PreparedRecord:
-    """A record made ready by ``ChunkStore.prepare``; ``ChunkStore.write`` takes it in place of the KV."""
-
-    body: list
-    crc: int
-
-
-def _pwrite_all(fd: int, parts: list, off: int) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.pwritev(fd, views, off)
-        off += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _writeback_starter():
-    """Linux's sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE) through ctypes (Python has no
-    binding), or None elsewhere: it starts writing a range's dirty pages to the disk and returns
-    without waiting."""
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_START_WRITEBACK = _writeback_starter()
-SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(fd: int, off: int, n: int) -> None:
-    """Start writing bytes [off, off + n) of ``fd`` to the disk without waiting for them (Linux);
-    elsewhere a no-op, and the next fsync writes them."""
-    if _START_WRITEBACK is not None:
-        _START_WRITEBACK(fd, off, n, SYNC_FILE_RANGE_WRITE)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the database ----------------------------------------------------------------------------------
@@ -570,16 +364,14 @@ class _Appender:
         self.ends[seg] = 0
         self.seg = seg
 
-    def append(self, body, crc: int) -> KVLocation:
-        """Append one record: ``body`` is bytes or a list of buffers (``safetensors_parts``)."""
-        length = body_length(body)
-        span = RECORD_HEADER.size + length
+    def append(self, record: PackedRecord) -> KVLocation:
+        """Append one record."""
+        length, span = record.length, record.span
         if self.seg is None or (self.ends[self.seg] and self.ends[self.seg] + span > SEGMENT_BYTES):
             self.roll()
         off = self.ends[self.seg]
-        parts = body if isinstance(body, list) else [body]
         fd = self._fds[self.seg]
-        _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, crc, length), *parts], off)
+        pwrite_all(fd, record.parts(), off)
         # the disk starts on this record now, not at the next checkpoint's fsync: a build's
         # writes then keep the disk busy while the encoder runs, instead of the page cache
         # filling up and the writer waiting on one long fsync every checkpoint (the 8B build
@@ -587,14 +379,14 @@ class _Appender:
         start_writeback(fd, off, span)
         self.ends[self.seg] = off + span
         self.appended += span
-        return KVLocation(self.seg, off + RECORD_HEADER.size, length, crc)
+        return KVLocation(self.seg, off + RECORD_HEADER.size, length, record.crc)
 
     def flush(self) -> None:
         """fsync the segments written (and the folder, for new ones): before any commit."""
         for fd in self._fds.values():
             os.fsync(fd)
         if self.created:
-            _fsync_dir(self.kv_dir)
+            fsync_dir(self.kv_dir)
 
     def retire(self, seg: int) -> None:
         self.retired.add(seg)
@@ -744,7 +536,7 @@ class ChunkStore:
         read: no buffer of the record's size); None where that cannot be told."""
         loc = self.location(chunk_id)
         fd = None if loc is None else self._read_fd(loc.seg)
-        return None if fd is None else _first_byte_cached(fd, loc.off)
+        return None if fd is None else first_byte_cached(fd, loc.off)
 
     def _load(self, chunk_id, token_ids, nowait: bool, pin: bool, tensor_crcs: bool):
         loc = self.location(chunk_id)
@@ -753,40 +545,20 @@ class ChunkStore:
         buf, why = self._read_record(loc, nowait, pin)
         if buf is None:
             return None, why
-        return self.decode(chunk_id, token_ids, buf, tensor_crcs)
+        return self.unpack(chunk_id, token_ids, buf, tensor_crcs)
 
     def _read_record(self, loc: KVLocation, nowait: bool, pin: bool) -> tuple[torch.Tensor | None, str | None]:
-        """The record body at ``loc`` as a uint8 tensor, checked against its CRC32, or (None, why).
-        One copy, from the page cache into the tensor (``bytes`` from ``os.pread`` and then a
-        safetensors load and a pin made four: an 8B model's 32 MB chunk took ~130 ms to read from
-        the page cache, slower than encoding it again)."""
+        """The record body at ``loc`` as a uint8 tensor, checked against its CRC32, or (None, why)."""
         fd = self._read_fd(loc.seg)
         if fd is None:
             return None, "missing"
         flags = 0
         if nowait:  # one byte first: a record not in memory costs a syscall, not a buffer of its size
-            cached = _first_byte_cached(fd, loc.off)
+            cached = first_byte_cached(fd, loc.off)
             if cached is False:
                 return None, NOT_IN_MEMORY
             flags = os.RWF_NOWAIT if cached else 0  # None: RWF_NOWAIT unsupported, an ordinary read
-        buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)
-        view = memoryview(buf.numpy())
-        got = 0
-        try:
-            while got < loc.length:
-                n = os.preadv(fd, [view[got:]], loc.off + got, flags)
-                if n <= 0:
-                    break
-                got += n
-        except BlockingIOError:
-            return None, NOT_IN_MEMORY
-        except OSError as e:
-            return None, f"unreadable ({e.strerror})"
-        if got < loc.length:
-            return None, NOT_IN_MEMORY if flags else "unreadable (truncated)"
-        if zlib.crc32(view) != loc.crc:
-            return None, "checksum mismatch (corrupt)"
-        return buf, None
+        return read_body(fd, loc.off, loc.length, loc.crc, pin=pin, flags=flags)
 
     def read_body(self, loc: KVLocation) -> tuple[bytes | None, str | None]:
         """The record body at ``loc`` as bytes, checked against its CRC32, or (None, why)."""
@@ -798,82 +570,41 @@ class ChunkStore:
         loc = self.location(chunk_id)
         return 0 if loc is None else loc.length
 
-    def decode(self, chunk_id: str, token_ids, body, tensor_crcs: bool = True) -> tuple[ChunkKV | None, str | None]:
-        """The KV of a record body (bytes, or a uint8 tensor whose views the tensors become)."""
-        try:
-            meta = record_metadata(body)
-        except ValueError as e:
-            return None, f"unreadable ({e})"
-        if meta.get("fingerprint") != self.fingerprint_id:
-            return None, "computed by another model/tokenizer/prefix/wrapper"
-        if meta.get("chunk") != chunk_id:
-            return None, "the record holds another chunk's KV"
-        if meta.get("tokens") != self._meta_key(token_ids):
-            return None, "token ids differ"
-        try:
-            tensors = record_tensors(body)
-        except Exception as e:  # a garbled blob (the CRC matched a forged one)  # noqa: BLE001
-            return None, f"unreadable ({type(e).__name__})"
-        if not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES):
-            return None, f"unreadable (tensors {sorted(tensors)})"
-        if tensor_crcs:
-            for name, t in tensors.items():
-                if meta.get(f"{name}_crc32") != _checksum(t):
-                    return None, "checksum mismatch (corrupt)"
-        return ChunkKV.from_tensors(tensors), None
+    def unpack(self, chunk_id: str, token_ids, body, tensor_crcs: bool = True) -> tuple[ChunkKV | None, str | None]:
+        """The KV of a record body (bytes, or a uint8 tensor whose views the tensors become) if it
+        is this chunk's, for these token ids and this store's fingerprint (``kv_record.unpack``)."""
+        return unpack(body, chunk_id=chunk_id, tokens_key=self._meta_key(token_ids), fingerprint=self.fingerprint_id,
+                      tensor_crcs=tensor_crcs)
 
     # -- writing ------------------------------------------------------------------------------
-    def encode(self, chunk_id: str, token_ids, kv: ChunkKV) -> bytes:
-        """One record body as bytes (``encode_parts``, joined)."""
-        return b"".join(bytes(memoryview(p).cast("B")) for p in self.encode_parts(chunk_id, token_ids, kv))
+    def pack(self, chunk_id: str, token_ids, kv: ChunkKV) -> PackedRecord:
+        """One chunk's record in this store's dtype (``kv_record.pack``): the costly, lock-free part
+        of ``write``. A build runs it for several chunks at once on a thread pool and hands the
+        result to ``write`` in place of the KV."""
+        return pack(kv, chunk_id=chunk_id, tokens_key=self._meta_key(token_ids), fingerprint=self.fingerprint_id,
+                    dtype=self.kv_dtype)
 
-    def encode_parts(self, chunk_id: str, token_ids, kv: ChunkKV) -> list:
-        """One record body: the KV's tensors (cast to the store's dtype unless quantised: fp8
-        values mean nothing without their scales' dtype) and their metadata."""
-        if self.kv_dtype == torch.float8_e4m3fn and not kv.quantized:  # an fp8 store: quantise per row
-            from .kernels.kv_quant import quantize_rows
-
-            (k8, ks), (v8, vs) = quantize_rows(kv.k.detach()), quantize_rows(kv.v.detach())
-            kv = ChunkKV(k8, v8, ks, vs)
-        tensors = {}
-        for name, t in kv.tensors().items():
-            t = t.detach().to("cpu")
-            if not kv.quantized and self.kv_dtype is not None:
-                t = t.to(self.kv_dtype)
-            tensors[name] = t.contiguous()
-        meta = {"format": "2", "chunk": chunk_id, "tokens": self._meta_key(token_ids),
-                "fingerprint": self.fingerprint_id, "dtype": str(tensors["k"].dtype).removeprefix("torch.")}
-        meta.update({f"{name}_crc32": _checksum(t) for name, t in tensors.items()})
-        return safetensors_parts(tensors, meta)
-
-    def write(self, chunk_id: str, token_ids, kv: "ChunkKV | PreparedRecord") -> int:
+    def write(self, chunk_id: str, token_ids, kv: "ChunkKV | PackedRecord") -> int:
         """Append one chunk's KV; returns the bytes written. In a build (``begin_build``) the record
         is staged until the build commits, and this may be called from one writer thread while
         other threads read; otherwise it is committed at once (the caller holds the writer lock)."""
-        prepared = kv if isinstance(kv, PreparedRecord) else self.prepare(chunk_id, token_ids, kv)
-        return self.write_body(chunk_id, prepared.body, prepared.crc)
+        record = kv if isinstance(kv, PackedRecord) else self.pack(chunk_id, token_ids, kv)
+        return self.write_record(chunk_id, record)
 
-    def prepare(self, chunk_id: str, token_ids, kv: ChunkKV) -> "PreparedRecord":
-        """The costly, lock-free part of ``write``: the record's buffers and CRC. A build runs it
-        for several chunks at once on a thread pool (the copies and CRCs release the GIL) and
-        hands the result to ``write`` in place of the KV."""
-        body = self.encode_parts(chunk_id, token_ids, kv)
-        return PreparedRecord(body, body_crc(body))
-
-    def write_body(self, chunk_id: str, body: bytes, crc: int) -> int:
+    def write_record(self, chunk_id: str, record: PackedRecord) -> int:
         with self._lock:
             if self._appender is not None:
-                loc = self._appender.append(body, crc)
+                loc = self._appender.append(record)
                 self._staged[chunk_id] = loc
                 self._unsaved.append((chunk_id, loc))
                 if (self._appender.appended >= CHECKPOINT_BYTES
                         and time.monotonic() - self._last_checkpoint >= CHECKPOINT_MIN_S):
                     self.checkpoint()
                 return loc.span
-            loc = self._write_now(chunk_id, body, crc)
+            loc = self._write_now(chunk_id, record)
             return 0 if loc is None else loc.span
 
-    def _write_now(self, chunk_id: str, body: bytes, crc: int) -> KVLocation | None:
+    def _write_now(self, chunk_id: str, record: PackedRecord) -> KVLocation | None:
         """Append and commit one record. A loaded index writes through a connection of its own
         (its snapshot never writes) and only to a chunk its table holds."""
         if self._alone:
@@ -884,7 +615,7 @@ class ChunkStore:
         try:
             app = self._open_appender(db)
             try:
-                loc = app.append(body, crc)
+                loc = app.append(record)
                 app.flush()
                 with db.transaction() as cur:
                     cur.execute("UPDATE chunks SET kv_seg = ?, kv_off = ?, kv_len = ?, kv_crc = ? WHERE id = ?",
@@ -1019,7 +750,7 @@ class ChunkStore:
                     cur.execute("UPDATE chunks SET kv_seg = NULL, kv_off = NULL, kv_len = NULL, kv_crc = NULL "
                                 "WHERE rowid = ?", (rowid,))
                     continue
-                loc = app.append(body, crc)
+                loc = app.append(PackedRecord([body], crc))
                 cur.execute("UPDATE chunks SET kv_seg = ?, kv_off = ? WHERE rowid = ?", (loc.seg, loc.off, rowid))
                 moved += 1
                 nbytes += loc.span
@@ -1064,10 +795,11 @@ class ChunkStore:
             with open(p, "rb") as f:
                 size, pos = os.fstat(f.fileno()).st_size, 0
                 while pos + RECORD_HEADER.size <= size:
-                    magic, crc, n = RECORD_HEADER.unpack(os.pread(f.fileno(), RECORD_HEADER.size, pos))
+                    header = read_header(os.pread(f.fileno(), RECORD_HEADER.size, pos))
                     body_at = pos + RECORD_HEADER.size
-                    if magic != RECORD_MAGIC or body_at + n > size:
+                    if header is None or body_at + header[1] > size:
                         break  # the end of what was written whole
+                    crc, n = header
                     head = os.pread(f.fileno(), min(n, 1 << 16), body_at)
                     try:
                         meta = record_metadata(head)
@@ -1130,10 +862,9 @@ class ChunkStore:
                 continue
             if meta.get("fingerprint") != self.fingerprint_id or meta.get("tokens") != self._meta_key(ids) \
                     or not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES) \
-                    or any(meta.get(f"{name}_crc32") != _checksum(t) for name, t in tensors.items()):
+                    or any(meta.get(f"{name}_crc32") != tensor_crc(t) for name, t in tensors.items()):
                 continue
-            body = self.encode(cid, ids, ChunkKV.from_tensors(tensors))
-            self.write_body(cid, body, zlib.crc32(body))
+            self.write_record(cid, self.pack(cid, ids, ChunkKV.from_tensors(tensors)))
             n += 1
         return n
 

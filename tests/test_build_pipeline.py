@@ -13,7 +13,8 @@ import torch
 from lazy_rag import build_pipeline
 from lazy_rag.build_pipeline import CPU_BATCH_TOKENS, STAGING_SLOTS, batches_by_tokens, encode_and_write
 from lazy_rag.pinned_staging import PinnedStaging
-from lazy_rag.store import ChunkKV, ChunkStore
+from lazy_rag.chunk_kv import ChunkKV
+from lazy_rag.store import ChunkStore
 
 
 def kv_for(ids) -> ChunkKV:

@@ -429,7 +429,7 @@ def write_format1(index, out: Path, generation: int = 3) -> None:
 
     import faiss
 
-    from lazy_rag.store import _checksum
+    from lazy_rag.kv_record import tensor_crc
 
     m = index.manifest
     records = list(index.records)
@@ -448,7 +448,7 @@ def write_format1(index, out: Path, generation: int = 3) -> None:
         kv, why = index.store.read(r.id, r.token_ids)
         assert why is None
         save_file({"k": kv.k, "v": kv.v}, str(kv_dir / format1_file_name(r.id)),
-                  metadata={"k_crc32": _checksum(kv.k), "v_crc32": _checksum(kv.v), "format": "1",
+                  metadata={"k_crc32": tensor_crc(kv.k), "v_crc32": tensor_crc(kv.v), "format": "1",
                             "tokens": index.store._meta_key(r.token_ids), "fingerprint": index.store.fingerprint_id,
                             "dtype": str(kv.k.dtype).removeprefix("torch.")})
     shutil.copy(index.path / m["wrapper_file"], out / m["wrapper_file"])

@@ -453,7 +453,7 @@ def test_a_full_disk_inside_an_append_is_an_error_and_leaves_no_partial_record(i
         os.pwrite(fd, bytes(parts[0]) + bytes(parts[1])[:1000], off)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "_pwrite_all", full)
+    monkeypatch.setattr(store_mod, "pwrite_all", full)
     with pytest.raises(LazyIndexError, match="disk is full.*previous index is unchanged"):
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     assert index_content(out) == content_before and verify_index(out)["ok"]

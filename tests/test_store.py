@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import lazy_rag.store as store_mod
-from lazy_rag.store import (RECORD_HEADER, ChunkKV, ChunkStore, IndexDB, KVLocation, record_metadata,
-                            segment_name)
+from lazy_rag.chunk_kv import NOT_IN_MEMORY, ChunkKV
+from lazy_rag.kv_record import RECORD_HEADER, record_metadata
+from lazy_rag.store import ChunkStore, IndexDB, KVLocation, segment_name
 
 
 def kv_of(i: int, tokens: int = 3, layers: int = 2) -> ChunkKV:
@@ -114,7 +115,7 @@ def test_a_read_is_one_buffer_whose_views_are_the_tensors(tmp_path):
 
 
 def test_a_new_segment_starts_past_the_size_limit(tmp_path, monkeypatch):
-    span = RECORD_HEADER.size + len(ChunkStore(tmp_path / "x", "fp").encode("c0", [0], kv_of(0)))
+    span = ChunkStore(tmp_path / "x", "fp").pack("c0", [0], kv_of(0)).span
     monkeypatch.setattr(store_mod, "SEGMENT_BYTES", 3 * span)
     store = ChunkStore(tmp_path, "fp")
     for i in range(7):
@@ -127,7 +128,8 @@ def test_a_new_segment_starts_past_the_size_limit(tmp_path, monkeypatch):
 
 WRITER = """
 import sys, torch
-from lazy_rag.store import ChunkStore, ChunkKV
+from lazy_rag.chunk_kv import ChunkKV
+from lazy_rag.store import ChunkStore
 store = ChunkStore(sys.argv[1], "fp")
 store.begin_build()  # a build: records staged, committed only at its end (which never comes)
 print("writing", flush=True)
@@ -168,7 +170,7 @@ def test_a_writer_killed_mid_append_leaves_bytes_that_are_never_read_and_cut_off
 
 
 def test_compaction_copies_the_live_records_of_sparse_segments_and_deletes_them(tmp_path, monkeypatch):
-    span = RECORD_HEADER.size + len(ChunkStore(tmp_path / "x", "fp").encode("c0", [0], kv_of(0)))
+    span = ChunkStore(tmp_path / "x", "fp").pack("c0", [0], kv_of(0)).span
     monkeypatch.setattr(store_mod, "SEGMENT_BYTES", 4 * span)
     store = ChunkStore(tmp_path, "fp")
     kvs = {f"c{i}": kv_of(i) for i in range(10)}
@@ -227,7 +229,7 @@ def test_checkpoints_are_rate_limited(tmp_path, monkeypatch, min_s, checkpointed
 def test_writes_from_a_writer_thread_while_another_thread_reads(tmp_path, monkeypatch):
     """A build's writer thread appends (and checkpoints) while the main thread reads what it
     staged; every record lands whole, at the location it was staged under."""
-    span = RECORD_HEADER.size + len(ChunkStore(tmp_path / "x", "fp").encode("c00", [0], kv_of(0)))
+    span = ChunkStore(tmp_path / "x", "fp").pack("c00", [0], kv_of(0)).span
     monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 5 * span)  # checkpoints commit from the writer thread
     monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", 0.0)
     store = ChunkStore(tmp_path, "fp")
@@ -274,7 +276,7 @@ def test_a_full_disk_during_an_append_is_an_oserror_and_leaves_no_partial_record
         os.pwrite(fd, bytes(parts[0]) + bytes(parts[1])[:100], off)  # part of the record, then no space
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "_pwrite_all", full)
+    monkeypatch.setattr(store_mod, "pwrite_all", full)
     with pytest.raises(OSError) as info:
         store.write("b", [2], kv_of(2))
     assert info.value.errno == errno.ENOSPC
@@ -298,7 +300,6 @@ def test_read_nowait_reads_only_what_the_page_cache_holds(tmp_path):
     """The engine's read-or-encode choice asks whether a record would come from memory: a record
     just written is read at once; one whose pages the kernel dropped is "not in memory" (never a
     wait for the disk), and an ordinary read brings it back."""
-    from lazy_rag.engine.chunk_tiers import NOT_IN_MEMORY
 
     store = ChunkStore(tmp_path, "fp")
     kv = kv_of(1, tokens=300)
@@ -328,3 +329,41 @@ def test_read_nowait_reads_only_what_the_page_cache_holds(tmp_path):
     cold = ChunkStore(tmp_path, "fp")
     assert cold.read_nowait("a", [1]) == (None, NOT_IN_MEMORY)
     assert cold.read("a", [1])[1] is None and same(cold.read_nowait("a", [1])[0], kv)
+
+
+def fixed_kv(tokens: int = 3) -> ChunkKV:
+    k = (torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).reshape(2, 3, 2, 4) - 20) / 8
+    return ChunkKV(k[:, :tokens], -k[:, :tokens] * 0.5)
+
+
+# sha256 of a segment holding two fixed records (below), written by the store as of format 2: an
+# index written before a change to the record code must read back, so its bytes never change
+PINNED_SEGMENTS = {
+    "float32": (1360, "b4d3ccfabeea45dc6bb67287e8b1dfc7c3c4351f6bb2ded642219948e39372ed"),
+    "bfloat16": (1040, "8c1a82f878669be3fc8e87874a672d4ec5c8d859d60dd69bc5f49d7c6dcd13a4"),
+    "fp8": (1352, "adda129c31106cb9ce134b7a38fc46e1fd766471b45ab674a6e7232f93889020"),
+    "prefix_and_wrapper_slots": (1488, "7c8f0cc764be7b874b9d85936ae75c9e3a99432c5e4e6840715a2c9c230321b3"),
+}
+
+
+@pytest.mark.parametrize("case,kw", [("float32", {}), ("bfloat16", {"kv_dtype": torch.bfloat16}),
+                                     ("fp8", {"kv_dtype": torch.float8_e4m3fn}),
+                                     ("prefix_and_wrapper_slots", {"shared_prefix_ids": (7, 8), "vocab_rows": 100})])
+def test_the_record_bytes_on_disk_are_pinned(tmp_path, case, kw):
+    """The same records, byte for byte, in a segment and in the replicas' shared folder (one
+    record a file): both are ``kv_record``'s format."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from lazy_rag.server.scaleout.shared_store import share_index_store
+
+    store = ChunkStore(tmp_path / "index", "fp-1", **kw)
+    store.write("doc.md#0", [1, 2, 3, 150], fixed_kv())
+    store.write("doc.md#1", [4, 5], fixed_kv(tokens=2))
+    data = (tmp_path / "index" / "kv" / segment_name(1)).read_bytes()
+    assert (len(data), hashlib.sha256(data).hexdigest()) == PINNED_SEGMENTS[case]
+    assert store.read("doc.md#1", [4, 5])[1] is None
+    shared = share_index_store(SimpleNamespace(store=ChunkStore(tmp_path / "other", "fp-1", **kw),
+                                               path=tmp_path / "other"), tmp_path / "shared")
+    span = shared.write_back("doc.md#0", [1, 2, 3, 150], fixed_kv())
+    assert shared.shared_path("doc.md#0").read_bytes() == data[:span]

@@ -11,12 +11,12 @@ def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, 
                     keep: bool = False) -> float:
     """Sequential write bandwidth of ``folder``'s disk in GB/s: ``nbytes`` written through the page
     cache in ``block``-sized writes, the final fsync included. ``start_writeback``: each block's
-    writeback is started as it is written, as the KV store's appends do (``store.start_writeback``);
+    writeback is started as it is written, as the KV store's appends do (``file_writes.start_writeback``);
     without it the kernel holds the blocks dirty until its own flusher or the fsync writes them
     (on the 2-core CPU machine that measured 1.1-1.5x lower, and far noisier). ``keep``: the
     probe's file (``folder``/.write_probe) is left for the caller to delete, its blocks held."""
-    from ..store import _pwrite_all
-    from ..store import start_writeback as start
+    from ..file_writes import pwrite_all
+    from ..file_writes import start_writeback as start
 
     path = Path(folder) / ".write_probe"
     buf = os.urandom(block)
@@ -25,7 +25,7 @@ def write_bandwidth(folder: Path, nbytes: int = 2 << 30, block: int = 64 << 20, 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for i in range(n):
-            _pwrite_all(fd, [buf], i * block)  # as the store appends: short writes resumed
+            pwrite_all(fd, [buf], i * block)  # as the store appends: short writes resumed
             if start_writeback:
                 start(fd, i * block, block)
         os.fsync(fd)

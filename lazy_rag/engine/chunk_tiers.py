@@ -38,13 +38,10 @@ from ..lru import ByteLRU
 from ..kernels import FP8, dequantize_rows
 from ..kernels.rope import RopeTable
 from ..segments import token_ids_key
-from ..store import ChunkKV, ChunkStore
+from ..chunk_kv import NOT_IN_MEMORY, ChunkKV, ChunkKVStore
 from .page_pool import PagePool
 
 log = logging.getLogger(__name__)
-# ``why`` of a store's ``read_nowait`` for a record that is intact as far as it knows but would be
-# read from the disk (not in the page cache)
-NOT_IN_MEMORY = "not in memory"
 
 
 def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "") -> tuple:
@@ -120,7 +117,7 @@ class ChunkTiers:
         return self._stream
 
     def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None,
-              store: ChunkStore | None, kv_dtype: torch.dtype | None = None, chooser=None,
+              store: ChunkKVStore | None, kv_dtype: torch.dtype | None = None, chooser=None,
               batch_tokens: int = 0) -> tuple[ChunkKV | None, str | None]:
         """(KV on the host, "host" or "disk"; in the format it was stored or encoded in, which
         ``place`` converts to the pool's), or (None, None) when the chunk must be encoded, or
@@ -180,7 +177,7 @@ class ChunkTiers:
         return kv, "disk"
 
     def keep(self, key, kv: ChunkKV, token_ids: Sequence[int], chunk_id: str | None,
-             store: ChunkStore | None, wait: bool = True) -> ChunkKV:
+             store: ChunkKVStore | None, wait: bool = True) -> ChunkKV:
         """Freshly encoded KV: into the host tier, and written back to the request's store.
         ``wait=False``: the host copy may still be in flight when this returns (``to_host``),
         unless the store write needs its bytes."""

@@ -24,7 +24,7 @@ from ..errors import LazyRagError, RequestFailedError
 from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
                         resolve_recovery)
 from ..sampling import TextAssembler, sample_next
-from ..store import ChunkKV
+from ..chunk_kv import ChunkKV
 from .chunk_tiers import ChunkTiers, chunk_key
 from .config import EngineConfig
 from .kv_planner import KVPlanner

@@ -41,7 +41,7 @@ from ..architecture import ModelParts
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
-from ..store import ChunkKV
+from ..chunk_kv import ChunkKV
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
 from .page_pool import PagePool
 from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,

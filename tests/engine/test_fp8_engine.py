@@ -31,7 +31,8 @@ from lazy_rag.errors import LazyRagError
 from lazy_rag.kernels import FP8, dequantize_rows
 from lazy_rag.kernels.kv_quant import fake_quantize
 from lazy_rag.oracle import teacher_forced_logits
-from lazy_rag.store import ChunkKV, ChunkStore
+from lazy_rag.chunk_kv import ChunkKV
+from lazy_rag.store import ChunkStore
 from tiny_models import tiny_model
 
 
@@ -178,8 +179,7 @@ def test_encode_chunks_quantize_is_the_stores_rule(tmp_path, llm):
     store = ChunkStore(tmp_path, "fp", kv_dtype=FP8)
     for i, (p, q) in enumerate(zip(plain, quant)):
         assert q.quantized and not p.quantized
-        record = [b"".join(bytes(memoryview(x).cast("B")) for x in store.encode_parts(f"c{i}", ids[i], kv))
-                  for kv in (p, q)]
+        record = [store.pack(f"c{i}", ids[i], kv).body_bytes() for kv in (p, q)]
         assert record[0] == record[1]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lazy_rag import Chunk, ChunkSource, LazyLLM
-from lazy_rag.engine.chunk_tiers import NOT_IN_MEMORY
+from lazy_rag.chunk_kv import NOT_IN_MEMORY
 from lazy_rag.engine.read_or_encode import ReadOrEncode
 from tests.tiny_models import tiny_model
 

@@ -13,7 +13,8 @@ import torch
 
 from lazy_rag.server.scaleout.shared_store import (SHARED_DIR_NAME, TEMP_PREFIX, SharedChunkStore,
                                                    share_index_store, sweep_temporary)
-from lazy_rag.store import ChunkKV, ChunkStore
+from lazy_rag.chunk_kv import ChunkKV
+from lazy_rag.store import ChunkStore
 
 FINGERPRINT = "test-model-fingerprint"
 CHUNKS = 12

@@ -30,14 +30,13 @@ import hashlib
 import logging
 import os
 import time
-import zlib
 from pathlib import Path
 
-import torch
-
+from ...chunk_kv import NOT_IN_MEMORY, ChunkKV
 from ...errors import LazyRagError
-from ...store import (NOT_IN_MEMORY, RECORD_HEADER, RECORD_MAGIC, ChunkKV, ChunkStore, _fsync_dir, _pwrite_all,
-                       body_crc, body_length)
+from ...file_writes import fsync_dir, pwrite_all
+from ...kv_record import RECORD_HEADER, first_byte_cached, read_body, read_header
+from ...store import ChunkStore
 from ...tempfiles import create_temp
 
 log = logging.getLogger("lazy_rag.server.scaleout")
@@ -76,34 +75,21 @@ class SharedChunkStore(ChunkStore):
         except OSError as e:
             return None, f"unreadable ({e.strerror})"
         try:
-            if nowait:
-                try:
-                    os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-                except BlockingIOError:
-                    return None, NOT_IN_MEMORY
-                except (OSError, AttributeError):  # no RWF_NOWAIT here: an ordinary read
-                    pass
+            if nowait and first_byte_cached(fd, 0) is False:
+                return None, NOT_IN_MEMORY
             head = os.pread(fd, RECORD_HEADER.size, 0)
             if len(head) < RECORD_HEADER.size:
                 return None, "unreadable (truncated)"
-            magic, crc, length = RECORD_HEADER.unpack(head)
-            if magic != RECORD_MAGIC or length != os.fstat(fd).st_size - RECORD_HEADER.size:
+            header = read_header(head)
+            if header is None or header[1] != os.fstat(fd).st_size - RECORD_HEADER.size:
                 return None, "unreadable (not a KV record)"
-            buf = torch.empty(length, dtype=torch.uint8, pin_memory=pin)
-            view = memoryview(buf.numpy())
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [view[got:]], RECORD_HEADER.size + got)
-                if n <= 0:
-                    return None, "unreadable (truncated)"
-                got += n
+            crc, length = header
+            buf, why = read_body(fd, RECORD_HEADER.size, length, crc, pin=pin)
         except OSError as e:
             return None, f"unreadable ({e.strerror})"
         finally:
             os.close(fd)
-        if zlib.crc32(view) != crc:
-            return None, "checksum mismatch (corrupt)"
-        return self.decode(chunk_id, token_ids, buf, tensor_crcs)
+        return (None, why) if buf is None else self.unpack(chunk_id, token_ids, buf, tensor_crcs)
 
     def in_memory(self, chunk_id: str) -> bool | None:
         if self.location(chunk_id) is not None:
@@ -113,12 +99,7 @@ class SharedChunkStore(ChunkStore):
         except OSError:
             return None
         try:
-            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-            return True
-        except BlockingIOError:
-            return False
-        except (OSError, AttributeError):
-            return None
+            return first_byte_cached(fd, 0)
         finally:
             os.close(fd)
 
@@ -135,21 +116,20 @@ class SharedChunkStore(ChunkStore):
     def write_back(self, chunk_id: str, token_ids, kv: ChunkKV) -> int:
         """Write the KV this replica encoded to the shared folder (never to the index); returns
         the bytes written (0 when the folder cannot be written: the KV is served from memory)."""
-        body = self.encode_parts(chunk_id, token_ids, kv)
-        length = body_length(body)
+        record = self.pack(chunk_id, token_ids, kv)
         path = self.shared_path(chunk_id)
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = create_temp(path.parent, prefix=TEMP_PREFIX)
             try:
-                _pwrite_all(fd, [RECORD_HEADER.pack(RECORD_MAGIC, body_crc(body), length), *body], 0)
+                pwrite_all(fd, record.parts(), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
             tmp = None
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError as e:
             log.warning("Could not write the KV of chunk %s to the replicas' shared folder %s (%s); it is "
                         "served from memory and encoded again where it is missing.", chunk_id, self.shared_dir,
@@ -161,7 +141,7 @@ class SharedChunkStore(ChunkStore):
                     os.unlink(tmp)
                 except OSError:
                     pass
-        return RECORD_HEADER.size + length
+        return record.span
 
 
 def sweep_temporary(shared_dir: Path, older_than_s: float = STALE_TEMP_S) -> int:
