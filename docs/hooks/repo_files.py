@@ -57,21 +57,30 @@ def _target(link: str, from_repo_path: str) -> tuple[str, str] | None:
 
 
 def _map_links(markdown: str, fn) -> str:
-    """Apply fn(target) -> new target to every inline link outside code blocks and code spans."""
-    out, fenced = [], False
-    for line in markdown.splitlines(keepends=True):
-        if _FENCE.match(line):
-            fenced = not fenced
-            out.append(line)
-            continue
-        if fenced:
-            out.append(line)
-            continue
-        parts = line.split("`")
+    """Apply fn(target) -> new target to every inline link outside code blocks and code spans
+    (a code span may run over several lines of a paragraph, never past a blank line)."""
+    out, block, fenced = [], [], False
+
+    def flush():
+        parts = "".join(block).split("`")
         for i in range(0, len(parts), 2):  # even parts are outside code spans
             parts[i] = _LINK.sub(lambda m: m.group(1) + m.group(2) + fn(m.group(3)) + m.group(4) + m.group(5),
                                  parts[i])
         out.append("`".join(parts))
+        block.clear()
+
+    for line in markdown.splitlines(keepends=True):
+        if _FENCE.match(line) or fenced:
+            flush()
+            if _FENCE.match(line):
+                fenced = not fenced
+            out.append(line)
+        elif not line.strip():
+            flush()
+            out.append(line)
+        else:
+            block.append(line)
+    flush()
     return "".join(out)
 
 
