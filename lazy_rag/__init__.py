@@ -1,13 +1,20 @@
 """lazy-rag: RAG over cached, position-free chunk KV with lazy RoPE."""
+from importlib import import_module
 
-from .version import __version__  # noqa: E402
+from .version import __version__
+from .errors import LazyRagError
+from .requests import MODES, ChunkSource, GenerationResult
 
-from .errors import LazyRagError  # noqa: E402
-from .requests import MODES, ChunkSource, GenerationResult  # noqa: E402
-from .llm import LazyLLM  # noqa: E402
-from .segments import Chunk  # noqa: E402
-from .chat import build_rag_segments  # noqa: E402
-from .index import LazyIndex, QueryResult  # noqa: E402
+# Exported lazily: these pull in torch and transformers (seconds), which `lazy-rag --help`, an
+# argument error or `lazy-rag models` never need.
+_EXPORTS = {"LazyLLM": "llm", "Chunk": "segments", "build_rag_segments": "chat", "LazyIndex": "index",
+            "QueryResult": "index"}
 
 __all__ = ["LazyLLM", "LazyIndex", "Chunk", "ChunkSource", "MODES", "GenerationResult", "QueryResult",
            "build_rag_segments", "LazyRagError", "__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,12 +8,15 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from .errors import LazyRagError
 from .requests import MODES
+from .threads import ENV as THREADS_ENV
+from .version import __version__
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RAG over cached, position-free chunk KV (LazyAttention).")
@@ -28,6 +31,32 @@ RECOVERY_HELP = ("Default quality recovery of queries: epicN (recompute each chu
                  "most), apeT or apeTsS (attention temperature, scale); join with +, e.g. epic8+prophet20.")
 
 
+THREADS_HELP = (f"CPU threads for torch (default: ${THREADS_ENV}, else the physical cores this process may use; "
+                "lower it on a machine shared with other work).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"lazy-rag {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                      help="Print the version and exit.")):
+    """RAG over cached, position-free chunk KV (LazyAttention)."""
+
+
+def _threads(threads: Optional[int]) -> int:
+    """Set torch's threads (``lazy_rag.threads``) before any model loads; a bad $LAZY_RAG_THREADS is an error."""
+    from .threads import configure_threads
+
+    try:
+        return configure_threads(threads)
+    except LazyRagError as e:
+        _fail(e)
+
+
 def _fail(e: Exception) -> None:
     err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code=2)
@@ -38,15 +67,15 @@ def _quiet_libraries() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # read when transformers is imported (importing it here would cost seconds of every command)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for name in ("transformers", "sentence_transformers", "httpx"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
+    if "transformers" in sys.modules:  # imported already (by a script or a test): it read the variable then
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    except Exception:
-        pass
 
 
 def _human(n: float) -> str:
@@ -63,8 +92,8 @@ def index(
     out_dir: Path = typer.Option(..., "--out", "-o", help="Index folder (created or updated)."),
     model: str = typer.Option("smollm2", help="Bundled name, HF folder, .gguf file or hub id."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (CUDA when present)."),
-    chunk_size: int = typer.Option(256, help="Chunk size in model tokens."),
-    chunk_overlap: int = typer.Option(32, help="Overlap between chunks in tokens."),
+    chunk_size: int = typer.Option(256, min=1, help="Chunk size in model tokens."),
+    chunk_overlap: int = typer.Option(32, min=0, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32 (fp32), bfloat16 (bf16), "
                                               "float16 (fp16), or fp8 (e4m3 with a scale per token and KV head: half "
@@ -85,10 +114,12 @@ def index(
     dry_run: bool = typer.Option(False, "--dry-run", help="Estimate chunks, tokens, disk bytes and time (from a sample "
                                                           "of the files and timed probes on this machine); write "
                                                           "nothing."),
+    threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES (an index of an older
     lazy-rag in --out is converted in place, keeping its KV)."""
     _quiet_libraries()
+    _threads(threads)
     from .index import LazyIndex
 
     if dry_run:
@@ -157,30 +188,34 @@ def query(
     index_dir: Path = typer.Argument(..., help="An index folder made by `lazy-rag index`."),
     question: str = typer.Argument(..., help="The question to answer."),
     mode: str = typer.Option("lazy", help=f"KV reuse mode: {', '.join(MODES)}."),
-    top_k: int = typer.Option(4, help="Chunks to retrieve."),
-    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(4, min=1, help="Chunks to retrieve."),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     model: Optional[str] = typer.Option(None, help="Override the model recorded in the index."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     recovery: Optional[str] = typer.Option(None, help="Override the index's quality recovery (e.g. prophet20, "
                                                       "epic16, ape0.8, none); see `lazy-rag index --help`."),
     boundary_recompute: Optional[int] = typer.Option(None, help="Short for --recovery epicN."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with answer, sources, stats."),
+    threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
 ):
     """Answer QUESTION from the index, streaming the answer, then sources and TTFT."""
+    if mode not in MODES:
+        _fail(LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}."))
     _quiet_libraries()
     from .index import LazyIndex
     from .llm import LazyLLM
 
-    if mode not in MODES:
-        _fail(LazyRagError(f"Unknown mode {mode!r}; choose one of {', '.join(MODES)}."))
+    n_threads = _threads(threads)
     try:
         llm = LazyLLM.from_pretrained(model, device=device) if model else None
         idx = LazyIndex.load(index_dir, llm=llm, device=device)
         if as_json:
             res = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                             boundary_recompute=boundary_recompute, recovery=recovery)
-            print(json.dumps(res.as_dict(), ensure_ascii=False))
+            answer = res.as_dict()
+            answer["stats"]["threads"] = n_threads
+            print(json.dumps(answer, ensure_ascii=False))
             return
         sources, stream = idx.query(question, top_k=top_k, mode=mode, max_new_tokens=max_new_tokens,
                                     temperature=temperature, stream=True, boundary_recompute=boundary_recompute,
@@ -192,14 +227,16 @@ def query(
         _fail(e)
     stats = stream.result.stats
     table = Table(title="Sources", show_lines=False)
-    table.add_column("#"), table.add_column("score"), table.add_column("source"), table.add_column("chunk")
+    # fold, not cut: a file name or chunk id with its end replaced by "…" cannot be found again
+    table.add_column("#"), table.add_column("score")
+    table.add_column("source", overflow="fold"), table.add_column("chunk", overflow="fold")
     for i, s in enumerate(sources, 1):
         table.add_row(str(i), f"{s.score:.3f}", s.source, s.chunk_id)
     out.print(table)
     how = f"{mode}+{stats.recovery}" if stats.recovery else mode
     out.print(f"TTFT {stats.ttft_ms:.0f} ms ({how}) | prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} "
               f"from cache, {stats.computed_tokens} computed | {stats.new_tokens} new tokens, "
-              f"{stats.decode_tokens_per_s:.1f} tok/s")
+              f"{stats.decode_tokens_per_s:.1f} tok/s | {n_threads} thread{'s' if n_threads > 1 else ''}")
 
 
 @app.command()
@@ -210,14 +247,14 @@ def serve(
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network "
                                                "(set --api-key then)."),
-    port: int = typer.Option(8000, help="TCP port."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, envvar="LAZY_RAG_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on /v1/*."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the model's)."),
     mode: str = typer.Option("lazy", help=f"Default KV reuse mode ({', '.join(MODES)}); a request's 'mode' overrides it."),
-    max_queue: int = typer.Option(64, help="Requests in the engine at once; more are refused with 429 + Retry-After."),
+    max_queue: int = typer.Option(64, min=1, help="Requests in the engine at once; more are refused with 429 + Retry-After."),
     max_body_bytes: int = typer.Option(4 << 20, help="Largest request body (413 above)."),
-    max_tokens: int = typer.Option(256, help="Tokens to generate when a request names no max_tokens."),
+    max_tokens: int = typer.Option(256, min=1, help="Tokens to generate when a request names no max_tokens."),
     drain_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM."),
     log_prompts: bool = typer.Option(False, help="Write prompt text to the log (off: only sizes and timings)."),
     engine_process: bool = typer.Option(True, help="Run the engine in its own process (the server's process "
@@ -246,6 +283,7 @@ def serve(
                                                              "send them in 'documents': the engine (every replica's) "
                                                              "encodes them before serving, so their first requests "
                                                              "read cached KV."),
+    threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP + " The engine process uses the same."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
     /metrics and a web page at /, over cached chunk KV; with --replicas / --ray-address, on Ray
@@ -254,6 +292,8 @@ def serve(
     logging.getLogger("lazy_rag.server").setLevel(logging.INFO)
     scale_out = any(v is not None for v in (replicas, ray_address, min_replicas, max_replicas))
     try:
+        _check_port_free(host, port)  # before the model loads: a taken port is said at once
+        _threads(threads)
         from .server import EngineSpec, ServerSettings, create_app
         from .server.run import run_app
         from .server.warm import read_warm_documents
@@ -279,6 +319,28 @@ def serve(
               + (f" over {len(idx.records)} chunks of {index_dir}" if idx is not None else ""),
               markup=False, highlight=False)
     run_app(app, host=host, port=port, drain_timeout=drain_timeout)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise an error naming the fix when ``host:port`` cannot be bound (taken, or no such address).
+    The socket is closed again: uvicorn binds it once the model is loaded."""
+    import socket
+
+    if port == 0:  # any free port
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LazyRagError(f"--host {host!r} is not an address of this machine ({e.strerror}); use 127.0.0.1, "
+                           "0.0.0.0 or one of its addresses.") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise LazyRagError(f"Cannot serve on {host}:{port}: {e.strerror}. Another process probably listens "
+                               f"there (`ss -ltnp 'sport = :{port}'` names it): stop it, or pick another --port.") from None
 
 
 def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
@@ -408,22 +470,39 @@ def compile_(
 
 
 @app.command()
-def models():
-    """List the bundled offline models, whether their packages are installed, and their bundled
-    chunk wrappers (on by default for indexes built with that model)."""
-    from .models import BUNDLED, _package_dir, install_command
+def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List the bundled offline models (short name and checkpoint), whether their packages are
+    installed, their bundled chunk wrappers (on by default for indexes built with that model) and
+    the command that installs the missing ones."""
+    from .models import BUNDLED, DEFAULT_MODEL, install_command, is_installed
     from .wrapper import ChunkWrapper, bundled_path
 
-    t = Table("name", "model", "installed", "chunk wrapper", "install with")
+    rows = []
     for name, m in BUNDLED.items():
-        ok = all(_package_dir(mod) is not None for mod, _ in m.parts)
         path = bundled_path(name)
-        wrapper = "-"
-        if path is not None:
-            w = ChunkWrapper.load(path, name=name)
-            wrapper = f"{w.header}+{w.trailer} slots, {w.recipe.get('steps', '?')} steps ({w.digest})"
-        t.add_row(name, m.description, "yes" if ok else "no", wrapper, "" if ok else install_command(name))
+        w = ChunkWrapper.load(path, name=name) if path is not None else None
+        rows.append({"name": name, "model": m.model, "weights": m.weights, "bytes": m.size,
+                     "default": name == DEFAULT_MODEL, "installed": is_installed(name),
+                     "chunk_wrapper": None if w is None else {"header": w.header, "trailer": w.trailer,
+                                                               "steps": w.recipe.get("steps"), "digest": w.digest},
+                     "install": install_command(name)})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    # nothing cut at 80 columns (the width of a pipe or a log file): names on their own line of a cell
+    t = Table(box=box.SIMPLE_HEAD)
+    t.add_column("name", no_wrap=True), t.add_column("model", no_wrap=True), t.add_column("installed")
+    t.add_column("chunk wrapper", overflow="fold")
+    for r in rows:
+        w = r["chunk_wrapper"]
+        t.add_row(r["name"] + ("\n(default)" if r["default"] else ""), f"{r['model']}\n{r['weights']}, {_human(r['bytes'])}",
+                  "yes" if r["installed"] else "no",
+                  "-" if w is None else f"{w['header']}+{w['trailer']} slots, {w['steps'] or '?'} steps")
     out.print(t)
+    # the commands below the table, one line each: a command folded into a table cell cannot be copied
+    for r in rows:
+        if not r["installed"]:
+            out.print(f"Install {r['name']} with:  {r['install']}", markup=False, highlight=False)
 
 
 @app.command()
@@ -553,8 +632,7 @@ def eval_squad(
     plot: bool = typer.Option(True, help="Write a PNG of F1 - full against TTFT."),
     name: Optional[str] = typer.Option(None, help="File name stem of the outputs (default: from the settings)."),
     progress: str = typer.Option("auto", help="auto (a bar on a terminal, else lines), bar, lines or none."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (1 avoids oversubscription on a "
-                                                     "machine shared with other work; default: torch's)."),
+    threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
     checkpoint: Optional[Path] = typer.Option(None, help="Answers so far, rewritten after every batch (default: "
                                                          "WORK_DIR/checkpoints/<run signature>.json); removed once "
                                                          "the results are written."),
@@ -563,10 +641,7 @@ def eval_squad(
 ):
     """Quality of KV reuse (and recovery options) against full re-encoding, with paired intervals."""
     _quiet_libraries()
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    _threads(threads)
     from .quality import EvalOptions, run_eval, write_report
     from .quality.report import markdown_tables
 

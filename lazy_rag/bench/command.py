@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 
 from ..errors import LazyRagError
-from .driver import SYSTEMS
-from .defaults import PRESETS, both, defaults_for, preset_values
+from .defaults import PRESETS, SYSTEMS, both, defaults_for, preset_values
 from .random_models import ARCHITECTURES
 from .records import load_records
-from .workload import WorkloadSpec
 
 RESULTS_DIR = Path("benchmarks/results")
 
@@ -80,6 +78,7 @@ def run_command(*, preset=None, model=None, random_weights=None, device="auto", 
                 results_dir=RESULTS_DIR, plots=True, as_json=False, progress="auto") -> list[dict]:
     from .runner import (BenchConfig, load_llm, parse_budgets, parse_rates, parse_shared_chunks, parse_systems,
                          run_bench, summary_table)
+    from .workload import WorkloadSpec
 
     o = resolve_options(device, preset, model=model, random_weights=random_weights, docs=docs, doc_tokens=doc_tokens,
                         k=k, question_tokens=question_tokens, output_tokens=output_tokens, requests=requests,

@@ -4,7 +4,10 @@ workloads of ``--preset``, per device too."""
 from __future__ import annotations
 
 from ..errors import LazyRagError
-from .driver import SYSTEMS
+from ..requests import MODES
+
+# what `lazy-rag bench` can run: the engine in each mode, and plain transformers (``driver``)
+SYSTEMS = MODES + ("transformers",)
 
 # options whose default is the same on every device (listed here so that a preset can set them and
 # an explicit option can still override a preset: the command line leaves them at None)

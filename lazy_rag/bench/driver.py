@@ -19,9 +19,6 @@ import numpy as np
 import torch
 from transformers.generation import BaseStreamer
 
-ENGINE_MODES = ("lazy", "block", "prefix", "full")
-SYSTEMS = ENGINE_MODES + ("transformers",)
-
 
 @dataclass
 class RequestTiming:

@@ -26,7 +26,8 @@ from ..engine import EngineConfig
 from ..engine.config import SHARED_CHUNKS
 from ..engine.chunk_tiers import ChunkTiers
 from ..errors import LazyRagError
-from .driver import SYSTEMS, run_engine, run_transformers, summarize_timings
+from .defaults import SYSTEMS
+from .driver import run_engine, run_transformers, summarize_timings
 from .metrics import cache_metrics, gib, latency_summary, throughput
 from .progress import make_progress
 from .records import environment, format_table, write_records

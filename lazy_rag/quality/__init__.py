@@ -14,7 +14,16 @@ One module per job:
 - ``evaluate``    one run: settings x configurations x questions, then the statistics
 - ``report``      JSON records, per-question answers, the QUALITY.md section, a plot
 """
-from .evaluate import EvalOptions, EvalRun, precompute_retrieval, run_eval
-from .report import write_report
+from importlib import import_module
 
-__all__ = ["EvalOptions", "EvalRun", "precompute_retrieval", "run_eval", "write_report"]
+# Exported lazily: `lazy-rag` reads the prompt names (``prompts``) for its --help, and ``evaluate``
+# pulls in torch and transformers.
+_EXPORTS = {"EvalOptions": "evaluate", "EvalRun": "evaluate", "precompute_retrieval": "evaluate",
+            "run_eval": "evaluate", "write_report": "report"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,6 +22,7 @@ import signal
 import time
 
 from ..errors import LazyRagError, RequestFailedError
+from ..threads import configure_threads
 
 log = logging.getLogger("lazy_rag.server.engine")
 
@@ -42,6 +43,7 @@ def main(conn, spec) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s [lazy-rag engine] %(name)s: %(message)s")
     try:
+        configure_threads()  # the count the server's command chose ($LAZY_RAG_THREADS), before any torch work
         llm, index = spec.load(retrieve=False)
         engine = llm.engine  # allocates the KV pool: a model that does not fit fails here, not later
         info = {"model_name": llm.model_name, "context_window": llm.context_window, "device": str(llm.device),
