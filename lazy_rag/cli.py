@@ -45,6 +45,9 @@ def _version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                       help="Print the version and exit.")):
     """RAG over cached, position-free chunk KV (LazyAttention)."""
+    from .threads import prefer_passive_waits
+
+    prefer_passive_waits()  # before any command imports torch
 
 
 def _threads(threads: Optional[int]) -> int:

@@ -1,12 +1,12 @@
-"""How many CPU threads torch uses: ``--threads``, else ``$LAZY_RAG_THREADS``, else the physical
-cores this process may run on.
+"""How torch uses the CPU's cores: ``--threads``, else ``$LAZY_RAG_THREADS``, else the physical
+cores this process may run on; one inter-op thread; OpenMP threads that sleep when idle.
 
-Why not torch's default: torch starts one intra-op thread per logical CPU and as many inter-op
-threads again. On a machine where another process also computes, or with hyper-threads, those
-threads outnumber the cores and spin at every parallel region's barrier waiting for a thread that
-is not running: decode then slows by ~10x (issue 65 measured 1.5 tok/s at load 3 against 11.6 with
-one thread). One thread per physical core, and one inter-op thread (lazy-rag runs no parallel
-graph of ops), avoids that; ``--threads`` lowers it further on a machine shared with other work.
+Why not torch's defaults: torch starts one intra-op thread per logical CPU (hyper-threads
+included) and as many inter-op threads again (lazy-rag runs no parallel graph of ops), and
+libgomp's idle threads spin at every parallel region's barrier. When another process holds a
+core, a spinning thread burns the time slice the thread it waits for needs. On 2 cores at load
+~8 (benchmarks/cpu_threads.py), 2 threads decoded 0.4 tok/s where one thread decoded 2.1-2.5 and
+2 threads with OMP_WAIT_POLICY=PASSIVE (idle threads sleep) 2.2.
 """
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ from pathlib import Path
 from .errors import LazyRagError
 
 ENV = "LAZY_RAG_THREADS"
+
+
+def prefer_passive_waits() -> None:
+    """Idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``), unless the
+    variable is set already. libgomp reads it once, when torch loads it: call this before torch
+    is imported (the command line does, first thing); later it changes nothing in this process
+    but still reaches the processes it starts."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _cgroup_cpu_limit() -> int | None:

@@ -108,3 +108,13 @@ def test_serve_on_a_taken_port_fails_at_once_naming_the_fix():
         res = CliRunner().invoke(app, ["serve", "--port", str(port)])
     assert res.exit_code == 2
     assert f"Cannot serve on 127.0.0.1:{port}" in res.output and "another --port" in res.output
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_commands_make_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch, preset):
+    if preset is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+    assert CliRunner().invoke(app, ["models", "--json"]).exit_code == 0
+    assert os.environ["OMP_WAIT_POLICY"] == (preset or "PASSIVE")
