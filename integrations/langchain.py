@@ -29,9 +29,10 @@ from langchain_core.outputs import (ChatGeneration, ChatGenerationChunk, ChatRes
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.utils import AddableDict
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from lazy_rag.errors import LazyRagError
+from lazy_rag.models import canonical_name as _canonical
 
 from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
 
@@ -42,6 +43,17 @@ _LAST = {"chunk_position": "last"} if "chunk_position" in AIMessageChunk.model_f
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 
 
+# LangChain's names for the options, as ChatOpenAI takes them (``max_tokens``, ``model``), beside
+# lazy-rag's own; a keyword that is neither is refused (a misspelt option must not pass unnoticed)
+_MODEL_CONFIG = ConfigDict(arbitrary_types_allowed=True, extra="forbid", populate_by_name=True,
+                           protected_namespaces=())
+_MAX_TOKENS = dict(default=256, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
+                   description="Most tokens generated per call (max_tokens is the same).")
+_MODEL = dict(default=None, alias="model", description="The model: a bundled name, an HF folder or a .gguf file, "
+                                                       "loaded when neither llm= nor index= is given; else the "
+                                                       "name of the one they hold.")
+
+
 class _LazyRAGModel(RuntimeBacked):
     """Fields and plumbing shared by the two model classes (a plain mixin: no pydantic fields)."""
 
@@ -49,11 +61,23 @@ class _LazyRAGModel(RuntimeBacked):
 
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
-        self._runtime = LazyRuntime(llm=self.llm, index=self.index)
+        llm = self.llm
+        if llm is None and self.index is None and self.model_name:
+            from lazy_rag import LazyLLM
+
+            llm = LazyLLM.from_pretrained(self.model_name)
+        self._runtime = LazyRuntime(llm=llm, index=self.index)
+        loaded = self._runtime.llm.model_name
+        if self.model_name is None:
+            self.model_name = loaded
+        elif (self.llm is not None or self.index is not None) and loaded and \
+                _canonical(self.model_name) != _canonical(loaded):
+            raise LazyRagError(f"model={self.model_name!r}, but the {'index' if self.index is not None else 'llm'} "
+                               f"given holds {loaded!r}: drop model= or pass the matching one.")
 
     @property
     def _identifying_params(self) -> dict:
-        return {"model_name": self._runtime.llm.model_name, "mode": self.mode, "max_new_tokens": self.max_new_tokens,
+        return {"model_name": self.model_name, "mode": self.mode, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p}
 
     def _gen(self, stop, kwargs: dict) -> dict:
@@ -68,11 +92,12 @@ class LazyRAGLLM(_LazyRAGModel, LLM):
     """A lazy-rag model as a LangChain text-completion ``LLM``: ``LazyRAGLLM(index=lazy_index)``
     or ``LazyRAGLLM(llm=lazy_llm)``. The prompt is used as-is unless ``apply_chat_template``."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-    llm: Any = Field(default=None, exclude=True, description="A LazyLLM (or give index=).")
+    model_config = _MODEL_CONFIG
+    llm: Any = Field(default=None, exclude=True, description="A LazyLLM (or give index= or model=).")
     index: Any = Field(default=None, exclude=True, description="A LazyIndex whose chunks are reused.")
+    model_name: Optional[str] = Field(**_MODEL)
     mode: str = "lazy"
-    max_new_tokens: int = 256
+    max_new_tokens: int = Field(**_MAX_TOKENS)
     temperature: float = 0.0
     top_p: float = 1.0
     apply_chat_template: bool = False
@@ -133,11 +158,12 @@ def _usage(stats: dict) -> dict:
 class ChatLazyRAG(_LazyRAGModel, BaseChatModel):
     """A lazy-rag model as a LangChain chat model; messages go through the model's chat template."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-    llm: Any = Field(default=None, exclude=True, description="A LazyLLM (or give index=).")
+    model_config = _MODEL_CONFIG
+    llm: Any = Field(default=None, exclude=True, description="A LazyLLM (or give index= or model=).")
     index: Any = Field(default=None, exclude=True, description="A LazyIndex whose chunks are reused.")
+    model_name: Optional[str] = Field(**_MODEL)
     mode: str = "lazy"
-    max_new_tokens: int = 256
+    max_new_tokens: int = Field(**_MAX_TOKENS)
     temperature: float = 0.0
     top_p: float = 1.0
     _runtime: LazyRuntime = PrivateAttr()
@@ -153,7 +179,7 @@ class ChatLazyRAG(_LazyRAGModel, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         result, stats = self._runtime.run(self._plan(self._prompt(messages), kwargs), **self._gen(stop, kwargs))
-        meta = {"finish_reason": result.finish_reason, "model_name": self._runtime.llm.model_name, "lazy_rag": stats}
+        meta = {"finish_reason": result.finish_reason, "model_name": self.model_name, "lazy_rag": stats}
         msg = AIMessage(content=result.text, response_metadata=meta, usage_metadata=_usage(stats))
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)])
 
@@ -165,8 +191,7 @@ class ChatLazyRAG(_LazyRAGModel, BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        meta = {"finish_reason": s.result.finish_reason, "model_name": self._runtime.llm.model_name,
-                "lazy_rag": s.stats}
+        meta = {"finish_reason": s.result.finish_reason, "model_name": self.model_name, "lazy_rag": s.stats}
         yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=meta,
                                                          usage_metadata=_usage(s.stats), **_LAST))
 

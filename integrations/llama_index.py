@@ -40,7 +40,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -48,6 +48,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
+from pydantic import AliasChoices
 
 from lazy_rag.errors import LazyRagError
 
@@ -64,16 +65,24 @@ class LazyRAGLLM(RuntimeBacked, CustomLLM):
 
     Extra kwargs of ``complete``/``chat``: ``chunk_ids`` (search only these chunks),
     ``reuse=False`` (compute everything), and generation options (``max_new_tokens``, ``mode``...).
+    ``model="qwen2.5-0.5b"`` (a bundled name, an HF folder or a .gguf file) loads the model when
+    neither ``llm`` nor ``index`` is given. A keyword that is no option is refused.
     """
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", populate_by_name=True)
     mode: str = Field(default="lazy", description="lazy | block | prefix | full")
-    max_new_tokens: int = Field(default=256, description="Most tokens generated per call.")
+    max_new_tokens: int = Field(default=256, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
+                                description="Most tokens generated per call (max_tokens is the same).")
     temperature: float = Field(default=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0)
     context_window: int | None = Field(default=None, description="Defaults to the model's.")
     _runtime: LazyRuntime = PrivateAttr()
 
-    def __init__(self, llm=None, index=None, **kwargs: Any) -> None:
+    def __init__(self, llm=None, index=None, model: str | None = None, **kwargs: Any) -> None:
+        if llm is None and index is None and model:
+            from lazy_rag import LazyLLM
+
+            llm = LazyLLM.from_pretrained(model)
         runtime = LazyRuntime(llm=llm, index=index)
         kwargs.setdefault("messages_to_prompt",
                           lambda messages: runtime.chat_prompt([(m.role.value, m.content or "") for m in messages]))

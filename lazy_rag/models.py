@@ -66,6 +66,12 @@ ALIASES = {
 DEFAULT_MODEL = "smollm2"
 
 
+def canonical_name(name_or_path: str) -> str:
+    """A bundled model's short name for any of its names (``Qwen2.5-Coder-0.5B-Instruct`` ->
+    ``qwen2.5-0.5b``); anything else (a folder, a file, a hub id) lower-cased as given."""
+    return ALIASES.get(name_or_path.lower(), name_or_path.lower())
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LAZY_RAG_CACHE", Path.home() / ".cache" / "lazy-rag"))
 
@@ -183,7 +189,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
 def resolve_model_path(name_or_path: str) -> Path | str:
     """Bundled name -> cached HF folder; GGUF file -> cached HF folder; otherwise as given."""
-    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    key = canonical_name(name_or_path)
     if key in BUNDLED:
         gguf = bundled_gguf(key)
         return _convert_gguf(gguf, cache_dir() / "models" / f"{key}-{_file_key(gguf)}")

@@ -119,3 +119,19 @@ def test_rag_chain_exact_streaming_and_composition(smollm2, index):
 
 async def _collect(runnable, inp):
     return [c async for c in runnable.astream(inp)]
+
+
+def test_langchain_names_for_options_and_misspelt_keywords(smollm2, index):
+    """ChatOpenAI's names work (max_tokens, model); a keyword that is no option is refused, not ignored."""
+    from pydantic import ValidationError
+
+    chat = ChatLazyRAG(index=index, max_tokens=3)
+    assert chat.max_new_tokens == 3 and chat.model_name == smollm2.model_name
+    reply = chat.invoke(f"Context:\n{index.by_id['bakery'].text}\nWhen does it open?")
+    assert reply.usage_metadata["output_tokens"] <= 3 and reply.response_metadata["model_name"] == "smollm2"
+    assert LazyRAGLLM(llm=smollm2, max_new_tokens=2).max_new_tokens == 2  # lazy-rag's own name too
+    assert ChatLazyRAG(llm=smollm2, model="SmolLM2-135M-Instruct").model_name == "SmolLM2-135M-Instruct"
+    with pytest.raises(ValidationError, match="max_tokns"):
+        ChatLazyRAG(index=index, max_tokns=5)
+    with pytest.raises(Exception, match="model='qwen2.5-0.5b', but the index given holds 'smollm2'"):
+        ChatLazyRAG(index=index, model="qwen2.5-0.5b")

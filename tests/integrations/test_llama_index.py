@@ -188,3 +188,13 @@ def test_retriever_over_lazy_index_and_registered_chunks(smollm2, corpus):
     n = len(smollm2.tokenizer(note, add_special_tokens=False).input_ids) + wrapper.slots
     assert cid == "ferry" and first["chunk_ids"] == second["chunk_ids"] == ["ferry"]
     assert second["cached_tokens"] == n and second["chunk_sources"] == {"pool": 1}
+
+
+def test_llama_index_takes_max_tokens_and_refuses_misspelt_keywords(smollm2):
+    from pydantic import ValidationError
+
+    llm = LazyRAGLLM(llm=smollm2, max_tokens=2)
+    assert llm.max_new_tokens == 2 and llm.metadata.num_output == 2
+    assert llm.complete("Say hello.").additional_kwargs["lazy_rag"]["new_tokens"] <= 2
+    with pytest.raises(ValidationError, match="max_tokns"):
+        LazyRAGLLM(llm=smollm2, max_tokns=5)
