@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from .kv_quant import FP8
 from .page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, rope_mode_code, use_triton
 from .reference import block_gather_rotate_ref, refuse_slot_pos

@@ -36,9 +36,8 @@ paged_attention.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from . import compiler_setup
 from .page_table import interpreting
 

@@ -14,9 +14,8 @@ Pool layout: ``k, v [num_layers, num_pages, num_kv_heads, page_size, head_dim]``
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from .kv_quant import check_scales, quant_scale, quantize
 from .page_table import interpreting, use_triton
 from .reference import copy_rotate_run_ref

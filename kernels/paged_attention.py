@@ -86,9 +86,8 @@ import functools
 import math
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from .kv_quant import check_scales
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .rope import cos_sin

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from .triton_import import triton
 from . import paged_attention, prefill_runs
 from .decode import copy_into
 from .page_table import DEFAULT_ROPE_MODE, PageTable, use_triton

@@ -48,9 +48,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
 from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,

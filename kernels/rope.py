@@ -24,8 +24,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_import import tl, triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -46,9 +46,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_import import tl, triton
 from .decode import copy_into, lazy_decode
 from .page_table import PageTable, interpreting, use_triton
 from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_count

@@ -21,8 +21,8 @@ is NaN): new_v_pages zero-fills, and every writer stores quantised, finite value
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_import import tl, triton
 
 
 def keys_major(v_pages: torch.Tensor) -> bool:

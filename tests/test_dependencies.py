@@ -89,3 +89,35 @@ def test_importing_an_adapter_without_its_framework_raises_one_clear_import_erro
     assert rc == 0, out
     assert ("message: The LangChain integration (lazy_rag.integrations.langchain) needs the package langchain-core, "
             "which is not installed; install it with: pip install langchain-core") in out, out
+
+
+
+TINY_GENERATE = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    from lazy_rag import Chunk, LazyLLM, build_rag_segments
+    from lazy_rag.errors import LazyRagError
+    from lazy_rag.models import load_tokenizer
+    from tiny_models import tiny_model
+    tok = load_tokenizer("smollm2")
+    llm = LazyLLM(tiny_model("llama"), tok)
+    segments = build_rag_segments(tok, "Who built it?", [Chunk("The tower was built by Agnes Thorold.")])
+    for mode in ("lazy", "block", "full"):
+        print(mode, len(llm.generate(segments, max_new_tokens=2, mode=mode).token_ids))
+    print("triton imported:", "triton" in sys.modules)
+    os.environ["TRITON_INTERPRET"] = "1"  # an engine made now runs the kernels in Triton's interpreter
+    try:
+        LazyLLM(tiny_model("llama"), tok).generate(segments, max_new_tokens=2, mode="block")
+    except LazyRagError as e:  # the request fails with its cause named; the engine goes on
+        print("interpreter:", e)
+""")
+
+
+def test_the_cpu_runtime_runs_without_triton_and_its_interpreter_says_what_to_install():
+    """A CPU-only install has no Triton (~1 GB): the kernels import, and every call runs its torch
+    reference; asking for Triton's interpreter there names the package."""
+    rc, out = run_hidden(["triton"], TINY_GENERATE, str(ROOT / "tests"), env={"TRITON_INTERPRET": "0"})
+    assert rc == 0, out
+    assert "lazy 2" in out and "block 2" in out and "full 2" in out and "triton imported: False" in out, out
+    assert "interpreter: " in out and "needs the package triton: pip install 'triton>=3.2'" in out, out
+    assert "unset TRITON_INTERPRET" in out and "Traceback" not in out, out

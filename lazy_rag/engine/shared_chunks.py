@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from ..kernels.triton_import import triton
 from ..kernels import PageTable
 from ..kernels.shared_chunks import FIELDS, SharedChunks, group_pairs
 from .page_table import runs_rows
