@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, AsyncIterator, Iterator, Optional
 
 from lazy_rag.deps import require
@@ -29,12 +30,14 @@ from langchain_core.outputs import (ChatGeneration, ChatGenerationChunk, ChatRes
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.utils import AddableDict
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from lazy_rag.errors import LazyRagError
 from lazy_rag.models import canonical_name as _canonical
 
 from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
+from .tool_calls import parse_tool_call, plan_tools
 
 __all__ = ["LazyRAGLLM", "ChatLazyRAG", "LazyRAGRetriever", "LazyRAGChain"]
 
@@ -149,6 +152,14 @@ def _message_text(m: BaseMessage) -> str:
     return text() if callable(text) else text
 
 
+def _turn_text(m: BaseMessage) -> str:
+    """A message as the chat template gets it: an assistant's tool calls as the JSON it wrote."""
+    calls = getattr(m, "tool_calls", None)
+    if calls:
+        return "\n".join(json.dumps({"name": c["name"], "arguments": c["args"]}) for c in calls)
+    return _message_text(m)
+
+
 def _usage(stats: dict) -> dict:
     return {"input_tokens": stats["prompt_tokens"], "output_tokens": stats["new_tokens"],
             "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
@@ -172,19 +183,50 @@ class ChatLazyRAG(_LazyRAGModel, BaseChatModel):
     def _llm_type(self) -> str:
         return "lazy-rag-chat"
 
-    def _prompt(self, messages: list[BaseMessage]) -> str:
-        return self._runtime.chat_prompt(
-            [(getattr(m, "role", None) or _ROLES.get(m.type, m.type), _message_text(m)) for m in messages])
+    def bind_tools(self, tools, *, tool_choice=None, **kwargs: Any):
+        """Tools (pydantic models, functions, LangChain tools or OpenAI function dicts) the model may
+        call: its answer is constrained to a JSON call of one of them (``tool_choice`` "any" /
+        "required" / a name), or a call or text ("auto", the default). Calls come back in
+        ``AIMessage.tool_calls``; ``with_structured_output(Schema)`` works through this."""
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice, **kwargs)
+
+    def _prompt(self, messages: list[BaseMessage], system_note: str | None = None) -> str:
+        turns = [(getattr(m, "role", None) or _ROLES.get(m.type, m.type), _turn_text(m)) for m in messages]
+        if system_note:  # the tools, told in the system message (merged into the caller's, if any)
+            if turns and turns[0][0] == "system":
+                turns[0] = ("system", f"{turns[0][1]}\n\n{system_note}")
+            else:
+                turns.insert(0, ("system", system_note))
+        return self._runtime.chat_prompt(turns)
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
-        result, stats = self._runtime.run(self._plan(self._prompt(messages), kwargs), **self._gen(stop, kwargs))
+        tools = plan_tools(kwargs.pop("tools", None), kwargs.pop("tool_choice", None))
+        kwargs.pop("ls_structured_output_format", None)  # LangChain's tracing note of with_structured_output
+        if tools is not None:
+            kwargs["output_format"] = tools.output_format
+        prompt = self._prompt(messages, tools.system_note if tools else None)
+        result, stats = self._runtime.run(self._plan(prompt, kwargs), **self._gen(stop, kwargs))
         meta = {"finish_reason": result.finish_reason, "model_name": self.model_name, "lazy_rag": stats}
-        msg = AIMessage(content=result.text, response_metadata=meta, usage_metadata=_usage(stats))
+        call = parse_tool_call(result.text, tools) if tools is not None else None
+        if call is not None:
+            meta["finish_reason"] = "tool_calls"
+            msg = AIMessage(content="", tool_calls=[{"name": call["name"], "args": call["arguments"], "id": call["id"],
+                                                     "type": "tool_call"}],
+                            response_metadata=meta, usage_metadata=_usage(stats))
+        else:
+            msg = AIMessage(content=result.text, response_metadata=meta, usage_metadata=_usage(stats))
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)])
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        if kwargs.get("tools"):  # a call is known only whole: one chunk with the finished message
+            message = self._generate(messages, stop, run_manager, **kwargs).generations[0].message
+            yield ChatGenerationChunk(message=AIMessageChunk(content=message.content, tool_call_chunks=[
+                {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i}
+                for i, c in enumerate(message.tool_calls)], response_metadata=message.response_metadata,
+                usage_metadata=message.usage_metadata, **_LAST))
+            return
         s = self._runtime.stream(self._plan(self._prompt(messages), kwargs), **self._gen(stop, kwargs))
         for piece in s:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))

@@ -8,10 +8,10 @@ from .requests import MODES, ChunkSource, GenerationResult
 # Exported lazily: these pull in torch and transformers (seconds), which `lazy-rag --help`, an
 # argument error or `lazy-rag models` never need.
 _EXPORTS = {"LazyLLM": "llm", "Chunk": "segments", "build_rag_segments": "chat", "LazyIndex": "index",
-            "QueryResult": "index"}
+            "QueryResult": "index", "OutputFormat": "structured"}
 
 __all__ = ["LazyLLM", "LazyIndex", "Chunk", "ChunkSource", "MODES", "GenerationResult", "QueryResult",
-           "build_rag_segments", "LazyRagError", "__version__"]
+           "OutputFormat", "build_rag_segments", "LazyRagError", "__version__"]
 
 
 def __getattr__(name):

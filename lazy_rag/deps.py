@@ -22,6 +22,7 @@ KNOWN = {
     "fastapi": ("fastapi", "The server (`lazy-rag serve`)", None),
     "uvicorn": ("uvicorn", "The server (`lazy-rag serve`)", None),
     "prometheus_client": ("prometheus-client", "The server's /metrics (`lazy-rag serve`)", None),
+    "llguidance": ("llguidance", "Structured outputs (a JSON schema, JSON mode, a regex or a grammar)", None),
 }
 
 

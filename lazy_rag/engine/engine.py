@@ -24,6 +24,7 @@ from ..errors import LazyRagError, RequestFailedError
 from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
                         resolve_recovery)
 from ..sampling import TextAssembler, sample_next
+from ..structured import GrammarMatcher, OutputFormat
 from ..chunk_kv import ChunkKV
 from .chunk_tiers import ChunkTiers, chunk_key
 from .config import EngineConfig
@@ -46,6 +47,7 @@ class RequestHandle:
     first_token_time: float = 0.0
     first_logits: torch.Tensor | None = None
     score: object = None
+    grammar: GrammarMatcher | None = None  # the output format's state (structured outputs)
     result: GenerationResult | None = None
     error: RequestFailedError | None = None  # set when this request failed (the others go on)
 
@@ -85,7 +87,7 @@ class Engine:
                source: ChunkSource | None = None, boundary_recompute: int = 0,
                recovery: Recovery | str | None = None, output_first_logits: bool = False,
                score_rows: int = 0, score_fn=None, cache_salt: str = "",
-               tenant: str | None = None) -> RequestHandle:
+               tenant: str | None = None, output_format: OutputFormat | None = None) -> RequestHandle:
         """Queue one request. ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
         ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
@@ -99,7 +101,9 @@ class Engine:
         sent, not an index's) and of its prompt pages in prefix mode is cached under this salt,
         found only by requests with the same salt (a server gives each tenant its own).
         ``tenant``: waiting requests are admitted tenant by tenant (the tenant with the fewest
-        running requests first), so that one tenant's flood cannot hold the others back."""
+        running requests first), so that one tenant's flood cannot hold the others back.
+        ``output_format``: every token must keep the output inside it (``OutputFormat``: a JSON
+        schema, any JSON object, a regex or a Lark grammar), enforced while sampling."""
         params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
         source = source or self.host.default_source
         recovery = resolve_recovery(recovery, boundary_recompute)
@@ -119,6 +123,9 @@ class Engine:
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(seed if seed is not None else torch.seed())
             handle = RequestHandle(seq, TextAssembler(self.host.tokenizer, list(params.stop)), gen, t0)
+            if output_format is not None:
+                handle.grammar = GrammarMatcher(output_format, self.host.tokenizer, self.host.parts.vocab_rows,
+                                                self.host.eos_ids)
             self.handles[seq.id] = handle
             self.scheduler.add(seq)
         return handle
@@ -154,7 +161,8 @@ class Engine:
             # greedy rows need only their argmax: move [B] ids to the host, not [B, vocab] logits
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
             # timers below are exact.
-            if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output) for s in seqs):
+            if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output)
+                   and self.handles[s.id].grammar is None for s in seqs):
                 rows, toks = [None] * len(seqs), out.argmax(-1).tolist()
             else:
                 rows, toks = out.cpu(), [None] * len(seqs)
@@ -383,6 +391,8 @@ class Engine:
         p = seq.params
         if not seq.output and not h.ttft_ms and seq.keep_first_logits:
             h.first_logits = logits.clone()
+        if h.grammar is not None:
+            logits = h.grammar.mask(logits)
         if tok is None:
             tok = sample_next(logits, p.temperature, p.top_p, h.generator)
         if not seq.output and not h.ttft_ms:
@@ -390,11 +400,13 @@ class Engine:
             h.ttft_ms = (h.first_token_time - h.t0) * 1e3
         if tok in self.host.eos_ids:
             return self._finish(seq, "stop")
+        if h.grammar is not None:
+            h.grammar.advance(tok)
         seq.output.append(tok)
         piece = h.text.push(seq.output)
         if piece:
             h.pieces.append(piece)
-        if h.text.stopped:
+        if h.text.stopped or (h.grammar is not None and h.grammar.finished):
             return self._finish(seq, "stop")
         if len(seq.output) >= p.max_new_tokens:
             return self._finish(seq, "length")
