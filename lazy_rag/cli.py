@@ -252,7 +252,23 @@ def serve(
                                                "(set --api-key then)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, envvar="LAZY_RAG_API_KEY", show_envvar=True,
-                                          help="Require 'Authorization: Bearer KEY' on /v1/*."),
+                                          help="Require 'Authorization: Bearer KEY' on /v1/* (one tenant)."),
+    api_keys: Optional[Path] = typer.Option(None, help="A JSON file of tenants and their API keys ({\"tenants\": "
+                                            "{\"NAME\": {\"keys\": [...], limits...}}}, docs/serving.md): each "
+                                            "tenant's documents are cached apart and it has its own limits. "
+                                            "LAZY_RAG_API_KEYS=\"NAME=KEY,...\" in the environment does the same."),
+    tenant_max_in_flight: Optional[int] = typer.Option(None, help="Requests a tenant may have in flight (more: 429); "
+                                                                  "default: half of --max-queue with several "
+                                                                  "tenants, all of it with one."),
+    tenant_tokens_per_minute: Optional[int] = typer.Option(None, help="Prompt and generated tokens a tenant may use "
+                                                                      "per minute (more: 429 + Retry-After); "
+                                                                      "default: no limit."),
+    tenant_max_document_bytes: Optional[int] = typer.Option(None, help="Bytes of documents a tenant may send in one "
+                                                                       "request (more: 413); default: only "
+                                                                       "--max-body-bytes."),
+    max_documents: int = typer.Option(256, help="Documents in one request (more: 400)."),
+    engine_restarts: int = typer.Option(5, help="Times in a row a dead engine process is restarted (waiting 1, 2, "
+                                                "4... s) before the server gives up and answers 503; 0: never."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the model's)."),
     mode: str = typer.Option("lazy", help=f"Default KV reuse mode ({', '.join(MODES)}); a request's 'mode' overrides it."),
     max_queue: int = typer.Option(64, min=1, help="Requests in the engine at once; more are refused with 429 + Retry-After."),
@@ -304,18 +320,28 @@ def serve(
         spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir),
                           warm_documents=read_warm_documents(warm_documents) if warm_documents else ())
         name = served_model_name or spec.model_name
-        settings = ServerSettings(model_name=name, api_key=api_key or None, max_queue=max_queue,
+        import os
+
+        from .server.engine_process import RestartPolicy
+        from .server.tenants import Tenants
+
+        tenants = Tenants.configured(api_keys, api_key or None, os.environ)
+        settings = ServerSettings(model_name=name, tenants=tenants, max_queue=max_queue,
                                   max_body_bytes=max_body_bytes, default_max_tokens=max_tokens, default_mode=mode,
-                                  log_prompts=log_prompts, engine_process=engine_process)
+                                  log_prompts=log_prompts, engine_process=engine_process,
+                                  tenant_max_in_flight=tenant_max_in_flight,
+                                  tenant_tokens_per_minute=tenant_tokens_per_minute,
+                                  tenant_max_document_bytes=tenant_max_document_bytes, max_documents=max_documents,
+                                  engine_restart=RestartPolicy(attempts=engine_restarts))
         if scale_out:
-            _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
-                            gpus_per_replica, routing, kv_share, drain_timeout, ingress_replicas)
+            _serve_replicas(spec, settings, host, port, tenants.required, replicas, ray_address, min_replicas,
+                            max_replicas, gpus_per_replica, routing, kv_share, drain_timeout, ingress_replicas)
             return
         app = create_app(spec, None, settings)  # loads the model (in the engine process) and the index
     except LazyRagError as e:
         _fail(e)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
+    if host not in ("127.0.0.1", "localhost", "::1") and not tenants.required:
+        err.print(f"warning: serving on {host} without --api-key(s): anyone who can reach this port can use the model.",
                   markup=False, highlight=False)
     idx = app.state.server.index
     err.print(f"Serving {name} on http://{host}:{port} (OpenAI API at /v1, web page at /)"
@@ -346,7 +372,7 @@ def _check_port_free(host: str, port: int) -> None:
                                f"there (`ss -ltnp 'sport = :{port}'` names it): stop it, or pick another --port.") from None
 
 
-def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, min_replicas, max_replicas,
+def _serve_replicas(spec, settings, host, port, keyed, replicas, ray_address, min_replicas, max_replicas,
                     gpus_per_replica, routing, kv_share, drain_timeout, ingress_replicas) -> None:
     """`lazy-rag serve --replicas N` / `--ray-address ADDR`: the same app on Ray Serve."""
     from .server.ray_app import check_spec, serve_replicas
@@ -356,8 +382,8 @@ def _serve_replicas(spec, settings, host, port, api_key, replicas, ray_address, 
                               max_replicas=max_replicas, gpus_per_replica=gpus_per_replica, routing=routing,
                               kv_share=None if kv_share is None else str(kv_share), drain_timeout_s=drain_timeout,
                               ingress_replicas=ingress_replicas)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        err.print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model.",
+    if host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        err.print(f"warning: serving on {host} without --api-key(s): anyone who can reach this port can use the model.",
                   markup=False, highlight=False)
     check_spec(spec)  # an unknown model or a folder that is no index: said before any Ray work
     where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import json
 import logging
 import time
@@ -26,14 +25,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import LazyRagError
 from ..requests import MODES
+from ..segments import Chunk
 from .driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
-from .engine_process import ProcessDriver
+from .engine_process import ProcessDriver, RestartPolicy
 from .engine_spec import EngineSpec
 from .limits import BodySizeLimit
 from .metrics import RequestCounter, ServerMetrics
 from .prompts import PromptBuilder
 from .protocol import APIError, GenerationRequest, bad, parse_chat, parse_completion
+from .quotas import Quotas
 from .remote_model import RemoteModel
+from .tenants import ANONYMOUS, Tenant, TenantLimits, Tenants
+from .tokens import document_salt
+from .warm import PublicDocuments
 
 log = logging.getLogger("lazy_rag.server")
 STATIC = Path(__file__).parent / "static"
@@ -41,9 +45,16 @@ STATIC = Path(__file__).parent / "static"
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """``api_key``: required as ``Authorization: Bearer`` on /v1/* when set. ``max_queue``:
+    """``api_key``: required as ``Authorization: Bearer`` on /v1/* when set (one tenant).
+    ``tenants``: API keys of several tenants instead (``Tenants``: each tenant's documents are
+    cached apart, under its own salt, and it has its own limits). ``tenant_max_in_flight``,
+    ``tenant_tokens_per_minute``, ``tenant_max_document_bytes``: every tenant's limits where the
+    keys file sets none (``TenantLimits``); requests in flight default to all of ``max_queue``
+    with one tenant and half of it with several, so that no tenant can fill the queue alone.
+    ``max_documents``: documents in one request (more: 400). ``max_queue``:
     requests in the engine at once (more get 429). ``max_body_bytes``: larger bodies get 413.
-    ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text.
+    ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text (never the
+    documents). ``engine_restart``: how a dead engine process is replaced (``RestartPolicy``).
     ``engine_process``: run the engine in its own process (``ProcessDriver``), else in a thread
     of the server's process. On by default. Measured on the 2-core CPU machine (BENCHMARKS.md,
     "Server"; benchmarks/server_load.py --compare-drivers): the two are equal within the
@@ -56,12 +67,18 @@ class ServerSettings:
 
     model_name: str = "lazy-rag"
     api_key: str | None = None
+    tenants: Tenants | None = None
+    tenant_max_in_flight: int | None = None
+    tenant_tokens_per_minute: int | None = None
+    tenant_max_document_bytes: int | None = None
+    max_documents: int = 256
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 256
     default_mode: str = "lazy"
     log_prompts: bool = False
     engine_process: bool = True
+    engine_restart: RestartPolicy = RestartPolicy()
 
     def __post_init__(self):
         if self.default_mode not in MODES:
@@ -70,6 +87,23 @@ class ServerSettings:
             raise LazyRagError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}.")
         if self.default_max_tokens < 1:
             raise LazyRagError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}.")
+        if self.max_documents < 1:
+            raise LazyRagError(f"max_documents must be at least 1, got {self.max_documents}.")
+        if self.api_key and self.tenants is not None and self.tenants.required:
+            raise LazyRagError("Give either api_key (one key) or tenants (several), not both.")
+        self.tenant_defaults  # checks the tenant limits
+
+    def key_table(self) -> Tenants:
+        """The API keys: ``tenants``, else ``api_key`` as one tenant, else none."""
+        if self.tenants is not None:
+            return self.tenants
+        return Tenants.single(self.api_key) if self.api_key else Tenants.open()
+
+    @property
+    def tenant_defaults(self) -> TenantLimits:
+        several = self.tenants is not None and len(self.tenants) > 1
+        in_flight = self.tenant_max_in_flight or (max(1, self.max_queue // 2) if several else None)
+        return TenantLimits(in_flight, self.tenant_tokens_per_minute, self.tenant_max_document_bytes)
 
 
 class LazyRagServer:
@@ -86,6 +120,10 @@ class LazyRagServer:
         self.settings = settings or ServerSettings()
         self.driver, self.llm, self.index, tokenizer = open_engine(model, index, self.settings)
         self.builder = PromptBuilder(tokenizer, self.index)
+        spec = model if isinstance(model, EngineSpec) else getattr(model, "spec", None)  # Ray Serve's engines
+        self.public_documents = PublicDocuments(tokenizer, spec.warm_documents if isinstance(spec, EngineSpec) else ())
+        self.tenants = self.settings.key_table()
+        self.quotas = Quotas(self.settings.tenant_defaults)
         self.metrics = ServerMetrics(self.driver)
         self.started = int(time.time())
 
@@ -98,16 +136,19 @@ class LazyRagServer:
         self.driver.draining = True
         self.metrics.draining.set(1)
 
-    def check_auth(self, request: Request) -> None:
-        key = self.settings.api_key
-        if not key:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' (the server's "
-                                "--api-key or LAZY_RAG_API_KEY).", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+    def check_auth(self, request: Request) -> Tenant:
+        """The request's tenant, by its API key (the anonymous tenant when the server has none);
+        kept in ``request.state.tenant``."""
+        tenant = ANONYMOUS
+        if self.tenants.required:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            tenant = self.tenants.find(token.strip()) if scheme.lower() == "bearer" else None
+            if tenant is None:
+                raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' (a key of the "
+                                    "server's --api-key, --api-keys file or LAZY_RAG_API_KEYS).",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        request.state.tenant = tenant
+        return tenant
 
     def info(self) -> dict:
         return {"model": self.settings.model_name, "modes": list(MODES), "default_mode": self.settings.default_mode,
@@ -117,21 +158,52 @@ class LazyRagServer:
                                                           "chunks": len(self.index.records)}}
 
     # -- generation -------------------------------------------------------------------------------
-    async def admit(self, req: GenerationRequest):
-        """Build the prompt and hand it to the engine. Returns (prepared prompt, ticket)."""
+    async def admit(self, req: GenerationRequest, tenant: Tenant = ANONYMOUS):
+        """Check the tenant's limits, build the prompt and hand it to the engine. Returns
+        (prepared prompt, ticket). The tenant's documents are cached under its salt."""
         if req.model != self.settings.model_name:
             raise APIError(404, f"The model {req.model!r} is not served here; this server serves "
                                 f"{self.settings.model_name!r} (GET /v1/models).", param="model",
                            code="model_not_found")
+        if len(req.documents) > self.settings.max_documents:
+            raise bad(f"The request has {len(req.documents)} documents; this server takes at most "
+                      f"{self.settings.max_documents} (--max-documents). Join short ones, or send fewer.", "documents")
         mode = req.mode or self.settings.default_mode
+        max_new = req.sampling.max_tokens or self.settings.default_max_tokens
+        try:
+            lease = self.quotas.admit(tenant, sum(len(d.chunk_text.encode("utf-8", "surrogatepass"))
+                                                  for d in req.documents))
+        except APIError as e:
+            self.metrics.tenant_refused.labels(tenant.name, e.code).inc()
+            raise
+        try:
+            prepared, ticket = await self._prepare_and_submit(req, tenant, mode, max_new, lease)
+        except BaseException:
+            lease.cancel()
+            raise
+        lease.started(ticket)
+        return prepared, ticket
+
+    async def _prepare_and_submit(self, req: GenerationRequest, tenant: Tenant, mode: str, max_new: int, lease):
         s = req.sampling
         try:
-            # retrieval embeds the question and span matching tokenizes: off the event loop
-            prepared = await asyncio.to_thread(self.builder.build, req, mode)
+            # retrieval embeds the question and span matching tokenizes: off the event loop (the
+            # worker thread sees the tenant's salt for the documents' token cache)
+            salt = document_salt.set(tenant.cache_salt)
+            try:
+                prepared = await asyncio.to_thread(self.builder.build, req, mode)
+            finally:
+                document_salt.reset(salt)
+            prepared.segments = self.public_documents.mark(prepared.segments)
+            try:
+                lease.reserve_tokens(prompt_tokens(prepared.segments) + max_new)
+            except APIError as e:
+                self.metrics.tenant_refused.labels(tenant.name, e.code).inc()
+                raise
             ticket = await self.driver.submit(prepared.segments, uses_index=prepared.uses_index, mode=mode,
-                                              max_new_tokens=s.max_tokens or self.settings.default_max_tokens,
-                                              temperature=s.temperature, top_p=s.top_p, stop=list(s.stop),
-                                              seed=s.seed, recovery=prepared.recovery)
+                                              max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
+                                              stop=list(s.stop), seed=s.seed, recovery=prepared.recovery,
+                                              cache_salt=tenant.cache_salt, tenant=tenant.name)
             return prepared, ticket
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
@@ -144,13 +216,14 @@ class LazyRagServer:
         except LazyRagError as e:  # a bad request the runtime found (too long, bad recovery, ...)
             raise bad(str(e)) from None
 
-    def finished(self, req: GenerationRequest, rid: str, result) -> None:
+    def finished(self, req: GenerationRequest, rid: str, result, tenant: Tenant = ANONYMOUS) -> None:
         st = result.stats
-        self.metrics.observe(st)
+        self.metrics.observe(st, tenant.name)
+        # the messages or prompt with --log-prompts, never the documents (nor their sizes per document)
         text = f" prompt={req.messages or req.prompt!r}" if self.settings.log_prompts else ""
-        log.info("%s %s mode=%s prompt_tokens=%d cached=%d new=%d ttft_ms=%.1f total_ms=%.1f finish=%s%s", rid,
-                 req.kind, st.mode, st.prompt_tokens, st.cached_tokens, st.new_tokens, st.ttft_ms, st.total_ms,
-                 result.finish_reason, text)
+        log.info("%s %s tenant=%s mode=%s prompt_tokens=%d cached=%d new=%d ttft_ms=%.1f total_ms=%.1f finish=%s%s",
+                 rid, req.kind, tenant.name, st.mode, st.prompt_tokens, st.cached_tokens, st.new_tokens, st.ttft_ms,
+                 st.total_ms, result.finish_reason, text)
 
 
 def open_engine(model, index, settings: ServerSettings):
@@ -169,7 +242,7 @@ def open_engine(model, index, settings: ServerSettings):
         # the builder's own tokenizer: the engine decodes with the original during steps
         return EngineDriver(model.engine, settings.max_queue, source), model, index, copy.deepcopy(model.tokenizer)
     spec = model if isinstance(model, EngineSpec) else EngineSpec.from_llm(model, index)
-    driver = ProcessDriver(spec, settings.max_queue)
+    driver = ProcessDriver(spec, settings.max_queue, settings.engine_restart)
     try:
         if isinstance(model, EngineSpec):  # this process loads no weights: the tokenizer and the index only
             remote = RemoteModel(spec.load_tokenizer(), driver.info)
@@ -183,7 +256,7 @@ def open_engine(model, index, settings: ServerSettings):
 
 
 def unavailable(e: EngineUnavailableError) -> APIError:
-    return APIError(503, str(e), type="server_error", code="engine_unavailable")
+    return APIError(503, str(e), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 
 
 def failed(e: LazyRagError) -> APIError:
@@ -193,6 +266,11 @@ def failed(e: LazyRagError) -> APIError:
     if isinstance(e, ClientGoneError):  # nobody reads this answer; 499 as nginx logs it, for the metrics
         return APIError(499, str(e), type="server_error", code="client_closed_request")
     return APIError(500, str(e), type="server_error", code="request_failed")
+
+
+def prompt_tokens(segments) -> int:
+    """Tokens of a prompt whose segments are token ids (``PromptBuilder.build``'s)."""
+    return sum(len(seg.content) if isinstance(seg, Chunk) else len(seg) for seg in segments)
 
 
 def usage(result) -> dict:
@@ -267,7 +345,8 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         if server.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not server.driver.alive:
-            return JSONResponse({"status": "engine_unavailable"}, status_code=503)
+            status = "engine_restarting" if server.driver.restarting else "engine_unavailable"
+            return JSONResponse({"status": status}, status_code=503)
         return {"status": "ready", "model": server.settings.model_name}
 
     @app.get("/metrics")
@@ -300,10 +379,11 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
     async def respond(request: Request, req: GenerationRequest, obj: str, prefix: str):
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        prepared, ticket = await server.admit(req)
+        tenant = request.state.tenant
+        prepared, ticket = await server.admit(req, tenant)
         head = {"id": rid, "object": obj, "created": created, "model": server.settings.model_name}
         if req.stream:
-            return StreamingResponse(stream(req, rid, head, prepared, ticket), media_type="text/event-stream",
+            return StreamingResponse(stream(req, rid, head, prepared, ticket, tenant), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watch = asyncio.create_task(cancel_on_disconnect(request, ticket))
         try:
@@ -313,7 +393,7 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         finally:
             watch.cancel()
         result = ticket.result
-        server.finished(req, rid, result)
+        server.finished(req, rid, result, tenant)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": result.finish_reason, "logprobs": None}
@@ -332,7 +412,7 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
                 return
             await asyncio.sleep(0.25)
 
-    async def stream(req: GenerationRequest, rid: str, head: dict, prepared, ticket):
+    async def stream(req: GenerationRequest, rid: str, head: dict, prepared, ticket, tenant: Tenant):
         chunk = {**head, "object": f"{head['object']}.chunk"} if req.kind == "chat" else dict(head)
 
         def choice(piece: str | None, finish: str | None) -> dict:
@@ -352,7 +432,7 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
             yield "data: [DONE]\n\n"
             return
         result = ticket.result
-        server.finished(req, rid, result)
+        server.finished(req, rid, result, tenant)
         last = {**chunk, "choices": [choice(None, result.finish_reason)], "lazy_rag": lazy_rag_extra(result, prepared)}
         if req.rag_top_k:
             last["sources"] = prepared.sources

@@ -96,9 +96,19 @@ class Driver:
         raise NotImplementedError
 
     @property
+    def restarting(self) -> bool:
+        """True while a dead engine is being replaced (``alive`` is False meanwhile)."""
+        return False
+
+    @property
     def engine_pid(self) -> int | None:
         """The engine's process id when it runs in its own process."""
         return None
+
+    def unavailable_reason(self) -> str:
+        """What a request refused because the engine is not ``alive`` is told."""
+        return ("The engine is not running (see the server log); this server cannot answer until it is restarted. "
+                "Send the request to another replica.")
 
     def stats(self) -> dict:
         """The engine's counters (``Engine.stats``)."""
@@ -114,8 +124,7 @@ class Driver:
         if self.draining:
             raise DrainingError("The server is shutting down; send the request to another replica or retry later.")
         if not self.alive:
-            raise EngineUnavailableError("The engine is not running (see the server log); this server cannot "
-                                         "answer until it is restarted. Send the request to another replica.")
+            raise EngineUnavailableError(self.unavailable_reason())
         if in_flight >= self.max_queue:
             raise QueueFullError(f"The server is busy: {in_flight} requests are in flight and the limit "
                                  f"(--max-queue) is {self.max_queue}. Retry after a moment.")

@@ -32,6 +32,10 @@ class EngineCollector:
         g = GaugeMetricFamily("lazy_rag_engine_up", "1 while the engine runs (0: its process died; /ready is 503).")
         g.add_metric([], int(self.driver.alive))
         yield g
+        c = CounterMetricFamily("lazy_rag_engine_restarts", "Engine processes started after the first (each one "
+                                "replacing one that died).")
+        c.add_metric([], getattr(self.driver, "restarts", 0))
+        yield c
         g = GaugeMetricFamily("lazy_rag_queue_depth", "Requests admitted and not finished (waiting or running).")
         g.add_metric([], self.driver.in_flight)
         yield g
@@ -98,10 +102,16 @@ class ServerMetrics:
                                      "the request (chunks encoded for it not counted).", registry=r)
         self.generated_tokens = Counter("lazy_rag_generated_tokens", "Tokens generated.", registry=r)
         self.draining = Gauge("lazy_rag_draining", "1 while the server drains before exiting.", registry=r)
+        # by tenant name (the operator's, from the API keys), never by key; no label carries request text
+        self.tenant_tokens = Counter("lazy_rag_tenant_tokens", "Prompt and generated tokens of finished requests, "
+                                     "by tenant.", ["tenant"], registry=r)
+        self.tenant_refused = Counter("lazy_rag_tenant_refused_requests", "Requests refused for a tenant's limits "
+                                      "(429, 413), by tenant and limit.", ["tenant", "limit"], registry=r)
         r.register(EngineCollector(driver))
 
-    def observe(self, stats) -> None:
+    def observe(self, stats, tenant: str) -> None:
         """A finished request's ``GenerationStats``."""
+        self.tenant_tokens.labels(tenant).inc(stats.prompt_tokens + stats.new_tokens)
         self.ttft.observe(stats.ttft_ms / 1e3)
         self.latency.observe(stats.total_ms / 1e3)
         self.prompt_tokens.inc(stats.prompt_tokens)

@@ -21,6 +21,7 @@ from ..engine import EngineConfig
 from ..errors import LazyRagError
 from .app import ServerSettings
 from .engine_spec import EngineSpec
+from .tenants import Tenants
 from .scaleout import require_ray
 from .warm import read_warm_documents
 
@@ -29,8 +30,9 @@ log = logging.getLogger("lazy_rag.server")
 # app_builder's arguments: name -> (type, where it goes)
 _SPEC_ARGS = {"model": str, "device": str, "dtype": str, "index_dir": str}
 _WARM_ARGS = {"warm_documents": str}  # a file's path; its documents go into the EngineSpec
-_SETTINGS_ARGS = {"served_model_name": str, "api_key": str, "max_queue": int, "max_body_bytes": int,
-                  "max_tokens": int, "mode": str, "log_prompts": bool}
+_SETTINGS_ARGS = {"served_model_name": str, "api_key": str, "api_keys": str, "max_queue": int, "max_body_bytes": int,
+                  "max_tokens": int, "mode": str, "log_prompts": bool, "tenant_max_in_flight": int,
+                  "tenant_tokens_per_minute": int, "tenant_max_document_bytes": int, "max_documents": int}
 _OPTION_ARGS = {"replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
                 "gpus_per_replica": float, "cpus_per_replica": float, "ingress_replicas": int, "routing": str,
                 "load_factor": float, "imbalance_threshold": int, "kv_share": str}
@@ -54,8 +56,10 @@ def _convert(name: str, value, kind):
 def app_builder(args: dict):
     """The Serve application from ``serve run``'s ``key=value`` arguments or a config file's
     ``args``: model, device, dtype, index_dir, warm_documents (a file's path); served_model_name,
-    api_key (default: the ``LAZY_RAG_API_KEY`` environment variable), max_queue, max_body_bytes,
-    max_tokens, mode, log_prompts; replicas, min_replicas, max_replicas, target_ongoing_requests,
+    api_key (default: the ``LAZY_RAG_API_KEY`` environment variable), api_keys (a tenants' keys
+    file; default: ``LAZY_RAG_API_KEYS``), tenant_max_in_flight, tenant_tokens_per_minute,
+    tenant_max_document_bytes, max_documents, max_queue, max_body_bytes, max_tokens, mode,
+    log_prompts; replicas, min_replicas, max_replicas, target_ongoing_requests,
     gpus_per_replica, cpus_per_replica, ingress_replicas, routing, load_factor,
     imbalance_threshold, kv_share; kv_bytes, host_bytes, max_num_seqs, kv_dtype (the engine)."""
     known = {**_SPEC_ARGS, **_WARM_ARGS, **_SETTINGS_ARGS, **_OPTION_ARGS, **_ENGINE_ARGS}
@@ -68,11 +72,13 @@ def app_builder(args: dict):
     warm = read_warm_documents(given["warm_documents"]) if given.get("warm_documents") else ()
     spec = EngineSpec(**{k: v for k, v in given.items() if k in _SPEC_ARGS}, engine_config=engine,
                       warm_documents=warm)
-    settings = ServerSettings(model_name=given.get("served_model_name") or spec.model_name,
-                              api_key=given.get("api_key") or os.environ.get("LAZY_RAG_API_KEY") or None,
-                              max_queue=given.get("max_queue", 64), max_body_bytes=given.get("max_body_bytes", 4 << 20),
+    tenants = Tenants.configured(given.get("api_keys"), given.get("api_key") or os.environ.get("LAZY_RAG_API_KEY"),
+                                 os.environ)
+    limits = {k: given[k] for k in ("tenant_max_in_flight", "tenant_tokens_per_minute", "tenant_max_document_bytes",
+                                    "max_documents", "max_queue", "max_body_bytes", "log_prompts") if k in given}
+    settings = ServerSettings(model_name=given.get("served_model_name") or spec.model_name, tenants=tenants,
                               default_max_tokens=given.get("max_tokens", 256), default_mode=given.get("mode", "lazy"),
-                              log_prompts=given.get("log_prompts", False))
+                              **limits)
     from .scaleout.application import ScaleOutOptions, build_application
 
     return build_application(spec, settings, ScaleOutOptions(**{k: v for k, v in given.items() if k in _OPTION_ARGS}))

@@ -9,6 +9,7 @@ the prompt's first segment with the tokenizer's BOS, a chunk's text without spec
 from __future__ import annotations
 
 import hashlib
+from contextvars import ContextVar
 from typing import Sequence
 
 import numpy as np
@@ -20,10 +21,16 @@ from ..segments import Chunk, Segment, tokenize_text
 DEFAULT_CACHE_BYTES = 64 << 20
 _ENTRY_OVERHEAD = 200  # the key, the array header and the LRU's bookkeeping, roughly
 
+# The cache salt of the tenant whose prompt is being built: a document's ids are remembered per
+# tenant, so that one tenant's document is not tokenized faster for having been sent by another.
+# Set by the server around a prompt's build (a worker thread of ``asyncio.to_thread`` sees it).
+document_salt: ContextVar[str] = ContextVar("document_salt", default="")
+
 
 class DocumentTokens:
-    """Token ids of chunk texts (no specials) by the SHA-256 of the text, bounded by bytes (LRU).
-    Not thread-safe for the tokenizer: callers hold their tokenizer's lock."""
+    """Token ids of chunk texts (no specials) by the SHA-256 of the text and the requesting
+    tenant's salt (``document_salt``), bounded by bytes (LRU). Not thread-safe for the
+    tokenizer: callers hold their tokenizer's lock."""
 
     def __init__(self, tokenizer, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer = tokenizer
@@ -32,7 +39,7 @@ class DocumentTokens:
 
     def ids(self, text: str) -> list[int]:
         # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 refuses
-        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        key = hashlib.sha256(document_salt.get().encode() + b"\0" + text.encode("utf-8", "surrogatepass")).digest()
         found = self._lru.get(key)
         if found is not None:
             self.hits += 1

@@ -58,8 +58,11 @@ def assert_clean_503(r):
 
 
 def test_engine_process_death_gives_503_without_traceback(start_server, smollm2, caplog):
+    """With restarts off (restarts: test_supervision)."""
+    from lazy_rag.server.engine_process import RestartPolicy
+
     caplog.set_level(logging.WARNING)
-    s = start_server(smollm2, engine_process=True)
+    s = start_server(smollm2, engine_process=True, engine_restart=RestartPolicy(attempts=0))
     assert HTTP.get(s.base_url + "/ready").status_code == 200
     long = {"model": s.model, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 400, "temperature": 0}
     whole = []  # a non-streamed request in flight when the engine dies
