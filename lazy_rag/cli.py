@@ -254,7 +254,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="LAZY_RAG_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on /v1/* (one tenant)."),
     api_keys: Optional[Path] = typer.Option(None, help="A JSON file of tenants and their API keys ({\"tenants\": "
-                                            "{\"NAME\": {\"keys\": [...], limits...}}}, docs/serving.md): each "
+                                            "{\"NAME\": {\"keys\": [...], limits...}}}, docs/server.md): each "
                                             "tenant's documents are cached apart and it has its own limits. "
                                             "LAZY_RAG_API_KEYS=\"NAME=KEY,...\" in the environment does the same."),
     tenant_max_in_flight: Optional[int] = typer.Option(None, help="Requests a tenant may have in flight (more: 429); "
