@@ -5,6 +5,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # the engine's encode calibration is kept per machine in ~/.cache/lazy-rag: tests measure their
 # own (tests/engine/test_read_or_encode.py points it at a temporary file)
 os.environ.setdefault("LAZY_RAG_CALIBRATION", "off")
+# OpenMP threads that spin while idle starve the other test worker (and anything else) on a small
+# machine: passive waits, read once when torch loads its OpenMP runtime, so before the import below
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
