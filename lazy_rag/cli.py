@@ -267,6 +267,8 @@ def serve(
                                                                        "request (more: 413); default: only "
                                                                        "--max-body-bytes."),
     max_documents: int = typer.Option(256, help="Documents in one request (more: 400)."),
+    client_timeout: float = typer.Option(30.0, help="Seconds a client has to send a request's headers, and then its "
+                                                    "body (more: 408 and the connection closed)."),
     engine_restarts: int = typer.Option(5, help="Times in a row a dead engine process is restarted (waiting 1, 2, "
                                                 "4... s) before the server gives up and answers 503; 0: never."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the model's)."),
@@ -332,6 +334,7 @@ def serve(
                                   tenant_max_in_flight=tenant_max_in_flight,
                                   tenant_tokens_per_minute=tenant_tokens_per_minute,
                                   tenant_max_document_bytes=tenant_max_document_bytes, max_documents=max_documents,
+                                  client_timeout_s=client_timeout,
                                   engine_restart=RestartPolicy(attempts=engine_restarts))
         if scale_out:
             _serve_replicas(spec, settings, host, port, tenants.required, replicas, ray_address, min_replicas,

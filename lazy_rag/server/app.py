@@ -29,7 +29,7 @@ from ..segments import Chunk
 from .driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
 from .engine_process import ProcessDriver, RestartPolicy
 from .engine_spec import EngineSpec
-from .limits import BodySizeLimit
+from .limits import BodyLimits
 from .metrics import RequestCounter, ServerMetrics
 from .prompts import PromptBuilder
 from .protocol import APIError, GenerationRequest, bad, parse_chat, parse_completion
@@ -53,6 +53,8 @@ class ServerSettings:
     with one tenant and half of it with several, so that no tenant can fill the queue alone.
     ``max_documents``: documents in one request (more: 400). ``max_queue``:
     requests in the engine at once (more get 429). ``max_body_bytes``: larger bodies get 413.
+    ``client_timeout_s``: a request's headers, and then its body, must arrive within this many
+    seconds (else 408: a slow client holds only its own connection).
     ``default_max_tokens``: when a request names none. ``log_prompts``: log prompt text (never the
     documents). ``engine_restart``: how a dead engine process is replaced (``RestartPolicy``).
     ``engine_process``: run the engine in its own process (``ProcessDriver``), else in a thread
@@ -74,6 +76,7 @@ class ServerSettings:
     max_documents: int = 256
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
+    client_timeout_s: float = 30.0
     default_max_tokens: int = 256
     default_mode: str = "lazy"
     log_prompts: bool = False
@@ -87,6 +90,8 @@ class ServerSettings:
             raise LazyRagError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}.")
         if self.default_max_tokens < 1:
             raise LazyRagError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}.")
+        if not self.client_timeout_s > 0:
+            raise LazyRagError(f"client_timeout_s must be positive, got {self.client_timeout_s}.")
         if self.max_documents < 1:
             raise LazyRagError(f"max_documents must be at least 1, got {self.max_documents}.")
         if self.api_key and self.tenants is not None and self.tenants.required:
@@ -306,7 +311,8 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
 
     app = FastAPI(title="lazy-rag", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(BodySizeLimit, max_bytes=server.settings.max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=server.settings.max_body_bytes,
+                       timeout_s=server.settings.client_timeout_s)
 
     # outermost: counts every answer, the limit's 413s included
     app.add_middleware(RequestCounter, counter=server.metrics.requests)
@@ -334,6 +340,8 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad(f"The request body is not valid JSON ({e}).") from None
+        except RecursionError:
+            raise bad("The request body nests JSON arrays or objects too deeply.") from None
 
     # -- health ---------------------------------------------------------------------------------
     @app.get("/health")

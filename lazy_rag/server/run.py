@@ -4,11 +4,13 @@ seconds, then the engine process is stopped and the process exits 0 (a second Ct
 once)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import uvicorn
 
 from .app import ServerSettings, create_app
+from .limits import HeaderDeadline
 
 log = logging.getLogger("lazy_rag.server")
 
@@ -41,11 +43,19 @@ def serve(model, index=None, settings: ServerSettings | None = None, host: str =
     run_app(create_app(model, index, settings), host, port, drain_timeout, log_level)
 
 
+def uvicorn_config(app, **options) -> uvicorn.Config:
+    """uvicorn's configuration for an app from ``create_app``: its HTTP protocol with a deadline
+    on request headers (``limits.HeaderDeadline``, the settings' ``client_timeout_s``), no access
+    log (the app logs each request without its text), no Server header."""
+    timeout = app.state.server.settings.client_timeout_s
+    return uvicorn.Config(app, http=functools.partial(HeaderDeadline, header_timeout_s=timeout), access_log=False,
+                          server_header=False, **options)
+
+
 def run_app(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
             log_level: str = "info") -> None:
     """Serve an app from ``create_app`` until SIGTERM/SIGINT (then drain)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
-                            access_log=False, server_header=False)
+    config = uvicorn_config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
     try:
         DrainingServer(config, app.state.server.start_draining).run()
     finally:  # the lifespan's shutdown stops the engine; not when uvicorn never started (port taken)

@@ -34,8 +34,9 @@ class RunningServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self.uvicorn = uvicorn.Server(config)
+        from lazy_rag.server.run import uvicorn_config
+
+        self.uvicorn = uvicorn.Server(uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
