@@ -208,7 +208,8 @@ class LazyRagServer:
             ticket = await self.driver.submit(prepared.segments, uses_index=prepared.uses_index, mode=mode,
                                               max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
                                               stop=list(s.stop), seed=s.seed, recovery=prepared.recovery,
-                                              cache_salt=tenant.cache_salt, tenant=tenant.name)
+                                              cache_salt=tenant.cache_salt, tenant=tenant.name,
+                                              output_format=req.output_format)
             return prepared, ticket
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})

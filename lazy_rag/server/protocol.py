@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidRequestError
 from ..requests import MODES
+from ..structured import OutputFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -71,6 +73,7 @@ class GenerationRequest:
     rag_top_k: int | None = None
     mode: str | None = None
     recovery: str | None = None
+    output_format: OutputFormat | None = None  # response_format: JSON mode or a JSON schema
     extra: dict = field(default_factory=dict)
 
 
@@ -89,8 +92,6 @@ _REFUSED = [
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
     ("presence_penalty", lambda v: v in (None, 0, 0.0), "presence_penalty is not supported (leave it 0)"),
     ("frequency_penalty", lambda v: v in (None, 0, 0.0), "frequency_penalty is not supported (leave it 0)"),
-    ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-     "response_format other than text (JSON mode, schemas) is not supported"),
 ]
 
 
@@ -201,6 +202,33 @@ def _lazy_rag_fields(body: dict) -> dict:
     return {"mode": mode, "recovery": recovery, "rag_top_k": top_k}
 
 
+def _response_format(body: dict) -> OutputFormat | None:
+    """OpenAI's ``response_format``: ``text`` (the default), ``json_object`` (JSON mode: any JSON
+    object) or ``json_schema`` (``{"json_schema": {"name", "schema", "strict"?}}``), enforced token by
+    token (``lazy_rag.structured``)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat.json()
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("'response_format.json_schema.schema' must be a JSON schema object, as in "
+                      "{\"type\": \"json_schema\", \"json_schema\": {\"name\": \"answer\", \"schema\": {...}}}.",
+                      "response_format")
+        try:
+            fmt = OutputFormat.json(spec["schema"])
+            fmt.grammar()  # a schema that cannot be enforced: said now, as a 400
+        except InvalidRequestError as e:
+            raise bad(f"'response_format': {e}", "response_format") from None
+        return fmt
+    raise bad("'response_format.type' must be text, json_object or json_schema.", "response_format")
+
+
 def _common(body: Any) -> dict:
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.")
@@ -217,7 +245,8 @@ def _common(body: Any) -> dict:
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object.", "stream_options")
     return {"model": model, "stream": stream, "include_usage": bool(opts.get("include_usage")),
-            "sampling": _sampling(body), "documents": _documents(body), **_lazy_rag_fields(body)}
+            "sampling": _sampling(body), "documents": _documents(body), "output_format": _response_format(body),
+            **_lazy_rag_fields(body)}
 
 
 def parse_chat(body: Any) -> GenerationRequest:

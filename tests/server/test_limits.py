@@ -88,7 +88,8 @@ BAD = [
     ({"documents": "text"}, "documents"),
     ({"rag": {"top_k": 0}}, "rag"),
     ({"rag": {"top_k": 2}}, "rag"),           # this server has no index
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
 ]
 

@@ -165,3 +165,21 @@ def test_models_health_ready_metrics(served, client, no_server_errors):
     ok = [line for line in text.splitlines()
           if line.startswith('lazy_rag_http_requests_total{endpoint="/v1/chat/completions",status="200"}')]
     assert ok and float(ok[0].split()[-1]) >= 1
+
+
+def test_response_format_json_schema_and_json_mode_through_the_openai_client(served, client, no_server_errors):
+    """OpenAI's response_format: the answer parses and follows the schema (enforced while sampling)."""
+    import json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["year", "lit"],
+              "properties": {"year": {"type": "integer", "minimum": 1000, "maximum": 2100}, "lit": {"type": "boolean"}}}
+    messages = [{"role": "user", "content": QUESTION + " Answer as JSON."}]
+    r = client.chat.completions.create(model=served.model, messages=messages, max_tokens=24, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "answer", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop" and set(obj) == {"year", "lit"} and 1000 <= obj["year"] <= 2100
+    r = client.chat.completions.create(model=served.model, messages=messages, max_tokens=24, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+
