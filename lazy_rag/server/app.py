@@ -27,6 +27,7 @@ from ..errors import LazyRagError
 from ..requests import MODES
 from ..segments import Chunk
 from .driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
+from .embeddings import EmbeddingService, parse_embeddings
 from .engine_process import ProcessDriver, RestartPolicy
 from .engine_spec import EngineSpec
 from .limits import BodyLimits
@@ -125,6 +126,7 @@ class LazyRagServer:
         self.settings = settings or ServerSettings()
         self.driver, self.llm, self.index, tokenizer = open_engine(model, index, self.settings)
         self.builder = PromptBuilder(tokenizer, self.index)
+        self.embeddings = EmbeddingService(self.index, self.builder.embedder_lock)
         spec = model if isinstance(model, EngineSpec) else getattr(model, "spec", None)  # Ray Serve's engines
         self.public_documents = PublicDocuments(tokenizer, spec.warm_documents if isinstance(spec, EngineSpec) else ())
         self.tenants = self.settings.key_table()
@@ -373,6 +375,12 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         return {"object": "list", "data": [{"id": server.settings.model_name, "object": "model",
                                             "created": server.started, "owned_by": "lazy-rag",
                                             "max_model_len": server.llm.context_window}]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        texts, fmt = parse_embeddings(await read_json(request),
+                                      (server.embeddings.name, server.settings.model_name))
+        return await asyncio.to_thread(server.embeddings.embed, texts, fmt)
 
     # -- generation -----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")

@@ -70,7 +70,7 @@ class PromptBuilder:
     def __init__(self, tokenizer, index=None):
         self.tokenizer, self.index = tokenizer, index
         self._lock = threading.Lock()           # the tokenizer is not safe to share between threads
-        self._embedder_lock = threading.Lock()  # the embedder's tokenizer is not thread-safe either
+        self.embedder_lock = threading.Lock()  # the embedder's tokenizer is not thread-safe either
         self.documents = DocumentTokens(tokenizer)
         self.matcher = None
         if index is not None:
@@ -109,7 +109,7 @@ class PromptBuilder:
         question = req.messages[-1][1]
         system = [c for r, c in req.messages if r == "system"]
         try:
-            with self._embedder_lock:
+            with self.embedder_lock:
                 found = self.index.retrieve(question, req.rag_top_k)
             segs = self.index.segments(question, found, system[-1] if system else None)
         except LazyRagError as e:

@@ -183,3 +183,21 @@ def test_response_format_json_schema_and_json_mode_through_the_openai_client(ser
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")
 
+
+def test_embeddings_through_the_openai_client_equal_the_index_embedder(served, client, corpus_index,
+                                                                      no_server_errors):
+    """/v1/embeddings with the official client (which asks for base64) and with floats over plain HTTP."""
+    import numpy as np
+
+    texts = ["When does the bakery open?", "The lighthouse was completed in 1871."]
+    r = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    got = np.array([d.embedding for d in r.data], dtype=np.float32)
+    np.testing.assert_allclose(got, corpus_index.embedder.encode(texts), atol=1e-5)
+    assert r.model == "all-MiniLM-L6-v2" and r.usage.prompt_tokens > len(texts)
+    plain = HTTP.post(served.base_url + "/v1/embeddings", json={"model": served.model, "input": texts[0]}).json()
+    np.testing.assert_allclose(plain["data"][0]["embedding"], got[0], atol=1e-5)
+    r = HTTP.post(served.base_url + "/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = HTTP.post(served.base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [1, 2]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
