@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from lazy_rag import LazyIndex, LazyLLM  # noqa: E402
 from lazy_rag.embedder import Embedder  # noqa: E402
 from lazy_rag.errors import LazyIndexError  # noqa: E402
+from lazy_rag.index import build as index_build  # noqa: E402
 from lazy_rag.index import verify_index  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
@@ -75,9 +76,9 @@ def main() -> None:
                 f.truncate(0)
                 f.write(b"\0" * max(free - leave, 0))
             counts["trials"] += 1
-            check = LazyIndex._check_free_space
+            check = index_build.check_free_space
             if t % 2:
-                LazyIndex._check_free_space = staticmethod(lambda *args: None)
+                index_build.check_free_space = lambda *args, **kw: None
             try:
                 LazyIndex.build([src], out, llm=llm, embedder=emb, **OPTS)
                 counts["succeeded"] += 1
@@ -89,7 +90,7 @@ def main() -> None:
                 counts["other_error"] += 1
                 print(f"trial {t}: {type(e).__name__}: {e}", file=sys.stderr)
             finally:
-                LazyIndex._check_free_space = check
+                index_build.check_free_space = check
             (mnt / "ballast").unlink()
             LazyIndex.load(out, llm=llm, embedder=emb)
             report = verify_index(out)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .chunking import TokenChunker, discover_files, read_text
+from .chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files, read_text
 from .kv_record import kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
@@ -79,7 +79,7 @@ def embed_rate(embedder, texts: list[str]) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
-def estimate_build(sources, out: Path, llm, *, chunk_size: int = 256, chunk_overlap: int = 32,
+def estimate_build(sources, out: Path, llm, *, chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP,
                    kv_dtype: str = "auto", wrapper_slots: int = 0, embedder=None, seed: int = 0) -> dict:
     """The estimate as a flat dict (see the module docstring)."""
     files, skipped = discover_files(sources)

@@ -73,10 +73,15 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
     return text, None
 
 
+# the default chunk size and overlap, in model tokens (an index's, the CLI's, the integrations')
+CHUNK_SIZE = 256
+CHUNK_OVERLAP = 32
+
+
 class TokenChunker:
     """Sentence-aware splitting sized in the model's own tokens (llama-index's SentenceSplitter)."""
 
-    def __init__(self, tokenizer, chunk_size: int = 256, chunk_overlap: int = 32):
+    def __init__(self, tokenizer, chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
         if chunk_size < 16:
             raise LazyRagError(f"chunk_size must be at least 16 tokens, got {chunk_size}.")
         if not 0 <= chunk_overlap < chunk_size:

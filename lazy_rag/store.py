@@ -28,7 +28,6 @@ of it has them copied to the current segment and is deleted once the commit is d
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -43,13 +42,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from .chunk_kv import NOT_IN_MEMORY, ChunkKV
 from .errors import LazyIndexError
 from .file_writes import fsync_dir, pwrite_all, start_writeback
-from .kv_record import (RECORD_HEADER, TENSOR_NAMES, PackedRecord, first_byte_cached, pack, read_body, read_header,
-                        record_metadata, tensor_crc, unpack)
+from .kv_record import (RECORD_HEADER, PackedRecord, first_byte_cached, pack, read_body, read_header, record_metadata,
+                        unpack)
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
@@ -104,14 +102,6 @@ class KVLocation:
 
 def segment_name(seg: int) -> str:
     return f"seg-{seg:06d}.kvseg"
-
-
-def format1_file_name(chunk_id: str) -> str:
-    """The KV file of ``chunk_id`` in a format-1 index (one file per chunk): the id itself when it
-    is a plain name, else its hash (no id could name a path outside the KV folder)."""
-    if re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", chunk_id):
-        return f"{chunk_id}.safetensors"
-    return f"id-{hashlib.sha256(chunk_id.encode()).hexdigest()[:40]}.safetensors"
 
 
 # -- the database ----------------------------------------------------------------------------------
@@ -491,7 +481,9 @@ class ChunkStore:
         db = self.db
         return None if db is None else db.kv_location(chunk_id)
 
-    def _meta_key(self, token_ids) -> str:
+    def tokens_key(self, token_ids) -> str:
+        """What a record of this store says of its token ids (``kv_record``'s ``tokens``): a hash
+        of them (a wrapper's slots left out) after the shared prefix's."""
         if self.vocab_rows is not None:
             token_ids = [t for t in token_ids if t < self.vocab_rows]
         key = token_ids_key(token_ids)
@@ -573,7 +565,7 @@ class ChunkStore:
     def unpack(self, chunk_id: str, token_ids, body, tensor_crcs: bool = True) -> tuple[ChunkKV | None, str | None]:
         """The KV of a record body (bytes, or a uint8 tensor whose views the tensors become) if it
         is this chunk's, for these token ids and this store's fingerprint (``kv_record.unpack``)."""
-        return unpack(body, chunk_id=chunk_id, tokens_key=self._meta_key(token_ids), fingerprint=self.fingerprint_id,
+        return unpack(body, chunk_id=chunk_id, tokens_key=self.tokens_key(token_ids), fingerprint=self.fingerprint_id,
                       tensor_crcs=tensor_crcs)
 
     # -- writing ------------------------------------------------------------------------------
@@ -581,7 +573,7 @@ class ChunkStore:
         """One chunk's record in this store's dtype (``kv_record.pack``): the costly, lock-free part
         of ``write``. A build runs it for several chunks at once on a thread pool and hands the
         result to ``write`` in place of the KV."""
-        return pack(kv, chunk_id=chunk_id, tokens_key=self._meta_key(token_ids), fingerprint=self.fingerprint_id,
+        return pack(kv, chunk_id=chunk_id, tokens_key=self.tokens_key(token_ids), fingerprint=self.fingerprint_id,
                     dtype=self.kv_dtype)
 
     def write(self, chunk_id: str, token_ids, kv: "ChunkKV | PackedRecord") -> int:
@@ -834,7 +826,7 @@ class ChunkStore:
         ``token_ids`` the last record in this folder's segments that holds its KV (its chunk id,
         this fingerprint, these token ids), whatever the table says, so that KV the damaged table
         lost track of is reused; ``read`` checks each before it is. Returns how many were found."""
-        want = {cid: self._meta_key(ids) for cid, ids in token_ids.items()}
+        want = {cid: self.tokens_key(ids) for cid, ids in token_ids.items()}
         found = {}
         for cid, loc, meta, _ in self.scan():
             if want.get(cid) == meta.get("tokens") and meta.get("fingerprint") == self.fingerprint_id:
@@ -842,31 +834,6 @@ class ChunkStore:
         with self._lock:
             self._staged.update(found)
         return len(found)
-
-    def import_format1(self, kv_dir: Path, token_ids: dict) -> int:
-        """Stage the KV of a format-1 index (``kv*/<chunk id>.safetensors``, one file per chunk) as
-        records of this build, for the chunks named in ``token_ids`` whose file is intact and
-        matches their token ids and this store's fingerprint. Returns how many were copied."""
-        n = 0
-        for cid, ids in token_ids.items():
-            path = Path(kv_dir) / format1_file_name(cid)
-            if self.staged_location(cid) is not None:  # copied by an interrupted conversion already
-                continue
-            if not path.is_file():
-                continue
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
-                    tensors = {name: f.get_tensor(name) for name in f.keys()}
-            except Exception:  # truncated or garbled: the chunk is encoded again
-                continue
-            if meta.get("fingerprint") != self.fingerprint_id or meta.get("tokens") != self._meta_key(ids) \
-                    or not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES) \
-                    or any(meta.get(f"{name}_crc32") != tensor_crc(t) for name, t in tensors.items()):
-                continue
-            self.write_record(cid, self.pack(cid, ids, ChunkKV.from_tensors(tensors)))
-            n += 1
-        return n
 
     def close(self) -> None:
         with self._lock:

@@ -64,7 +64,7 @@ def test_an_fp8_build_that_fits_its_values_but_not_their_scales_is_refused(tmp_p
     head_dim 32, ~1.5% at 128), as the store writes them."""
     import shutil
 
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as index_mod
 
     plain = LazyIndex.from_texts(TEXTS, tmp_path / "bf16", llm=llm, split=False, vectors=False, progress=False)
     tokens = sum(len(r.token_ids) for r in plain.records)

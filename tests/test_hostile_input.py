@@ -112,7 +112,7 @@ def test_a_file_written_after_it_was_read_is_named_and_the_next_run_reindexes_it
     tower = src / "tower.md"
     tower.write_text(FIRST)
     (src / "other.md").write_text("The Kestrel Street Bakery opened in 1923.")
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as index_mod
 
     real_read, read = index_mod.read_text, []
 
@@ -151,7 +151,7 @@ def test_a_file_deleted_between_discovery_and_reading_is_named_and_the_rest_inde
     src.mkdir()
     (src / "a.md").write_text(FIRST)
     (src / "b.md").write_text("The Kestrel Street Bakery opened in 1923.")
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as index_mod
 
     real_read = index_mod.read_text
 

@@ -18,7 +18,8 @@ from lazy_rag.embedder import Embedder
 from lazy_rag.errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from lazy_rag.index import describe_index, verify_index
 from lazy_rag.index_lock import writer_lock
-from lazy_rag.store import ChunkStore, IndexDB, format1_file_name
+from lazy_rag.index.format1 import format1_file_name
+from lazy_rag.store import ChunkStore, IndexDB
 from helpers import index_settings, index_sql
 from tiny_models import tiny_model
 
@@ -66,7 +67,7 @@ def cached_tokens(index, chunk_ids):
 def test_a_build_embeds_on_its_llms_accelerator(tmp_path, smollm2, monkeypatch):
     """The default embedder of a build goes where the LLM is when that is a GPU (on the host's cores
     it was the slowest stage of a GPU build), and stays on the CPU otherwise."""
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as build_mod
     from lazy_rag.embedder import build_device
 
     assert build_device(torch.device("cuda", 1)) == "cuda:1" and build_device("cuda") == "cuda"
@@ -80,7 +81,7 @@ def test_a_build_embeds_on_its_llms_accelerator(tmp_path, smollm2, monkeypatch):
         made.append(device)
         raise Made
 
-    monkeypatch.setattr(index_mod, "Embedder", embedder)
+    monkeypatch.setattr(build_mod, "Embedder", embedder)
     with pytest.raises(Made):
         LazyIndex.from_texts(["some text"], tmp_path / "a", llm=smollm2, progress=False)
     monkeypatch.setattr(type(smollm2), "device", property(lambda self: torch.device("cuda", 0)))
@@ -224,17 +225,17 @@ def test_a_loaded_index_reads_its_generation_while_a_build_commits_the_next(buil
     old = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     old_ids, old_gen = list(old.by_id), old.manifest["generation"]
     (corpus / "bakery.md").write_text("Kestrel Street Bakery sells rye bread on Sundays only.\n")
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as build_mod
 
     at_commit, go_on = threading.Event(), threading.Event()
-    real_commit = index_mod.LazyIndex._commit  # bound to the class
+    real_commit = build_mod.commit
 
-    def paused_commit(cls, *a, **k):  # the build has appended its KV and waits at its commit
+    def paused_commit(*a, **k):  # the build has appended its KV and waits at its commit
         at_commit.set()
         assert go_on.wait(120)
         return real_commit(*a, **k)
 
-    monkeypatch.setattr(index_mod.LazyIndex, "_commit", classmethod(paused_commit))
+    monkeypatch.setattr(build_mod, "commit", paused_commit)
     built_new = {}
     builder = threading.Thread(target=lambda: built_new.update(index=LazyIndex.build(
         [corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16, progress=False)[0]))
@@ -398,14 +399,17 @@ def test_query_reads_the_index_store_into_the_pool(built, smollm2, embedder):
 
 
 def test_an_index_without_vectors_needs_no_embedder_and_names_chunks_by_id(tmp_path, smollm2, monkeypatch):
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as build_mod
+    import lazy_rag.index.format1 as format1_mod
+    import lazy_rag.index.lazy_index as lazy_index_mod
     import lazy_rag.vector_index as vector_index_mod
 
     def no_embedder(*a, **k):
         raise AssertionError("an index without vectors must not load an embedder")
 
-    monkeypatch.setattr(index_mod, "Embedder", no_embedder)
-    monkeypatch.setattr(index_mod, "_faiss", no_embedder)
+    monkeypatch.setattr(build_mod, "Embedder", no_embedder)
+    monkeypatch.setattr(lazy_index_mod, "Embedder", no_embedder)
+    monkeypatch.setattr(format1_mod, "faiss", no_embedder)
     monkeypatch.setattr(vector_index_mod, "_faiss", no_embedder)
     docs = ["Alpha is the first letter.", "Omega is the last letter."]
     index = LazyIndex.from_texts(docs, tmp_path / "t", llm=smollm2, ids=["a", "z"], split=False, progress=False,
@@ -449,7 +453,7 @@ def write_format1(index, out: Path, generation: int = 3) -> None:
         assert why is None
         save_file({"k": kv.k, "v": kv.v}, str(kv_dir / format1_file_name(r.id)),
                   metadata={"k_crc32": tensor_crc(kv.k), "v_crc32": tensor_crc(kv.v), "format": "1",
-                            "tokens": index.store._meta_key(r.token_ids), "fingerprint": index.store.fingerprint_id,
+                            "tokens": index.store.tokens_key(r.token_ids), "fingerprint": index.store.fingerprint_id,
                             "dtype": str(kv.k.dtype).removeprefix("torch.")})
     shutil.copy(index.path / m["wrapper_file"], out / m["wrapper_file"])
     manifest = {k: m[k] for k in ("lazy_rag_version", "model", "kv_dtype", "embedder", "chunking", "shared_prefix",
@@ -522,7 +526,7 @@ def test_whole_texts_are_tokenized_in_batches_exactly_as_one_by_one(tokenizer):
     backend where it pads and truncates nothing; the ids are those of one call per text."""
     import copy
 
-    from lazy_rag.index import _token_ids_batched
+    from lazy_rag.index.build import _token_ids_batched
 
     texts = ["", " leading space", "Ünïcode — and émoji 🚀\n\ttabs", "a" * 700, "The bakery opens at 7 a.m."] * 3
     one_by_one = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]

@@ -289,9 +289,9 @@ def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2
             raise OSError(errno.ENOSPC, "No space left on device", str(self.kv_dir))
         return real_write(self, chunk_id, token_ids, kv)
 
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.commit as commit_mod
 
-    real_atomic = index_mod._atomic_write_bytes
+    real_atomic = commit_mod.atomic_write_bytes
 
     def full_at_vectors(path, data):  # inside the commit, after the new rows were written
         if path.name.startswith("vectors-"):
@@ -301,7 +301,7 @@ def test_a_full_disk_leaves_the_previous_index_and_no_debris(index_copy, smollm2
     if where == "kv":
         monkeypatch.setattr(ChunkStore, "write", full_after_one)
     else:
-        monkeypatch.setattr(index_mod, "_atomic_write_bytes", full_at_vectors)
+        monkeypatch.setattr(commit_mod, "atomic_write_bytes", full_at_vectors)
     with pytest.raises(LazyIndexError, match="disk is full.*previous index is unchanged.*removed"):
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     assert sorted(p.name for p in out.rglob("*") if not sidecar(p)) == names_before
@@ -314,7 +314,7 @@ def test_a_build_that_cannot_fit_is_refused_before_writing(tmp_path, smollm2, em
     src = tmp_path / "docs"
     src.mkdir()
     (src / "a.md").write_text(DOCS["lighthouse.md"])
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as index_mod
 
     monkeypatch.setattr(index_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(LazyIndexError, match=r"needs .* GiB, but .* has 0.00 GiB free.*--kv-dtype bf16"):
@@ -497,26 +497,26 @@ def test_a_build_whose_kv_was_all_checkpointed_fits_the_encode_costs_after_its_c
     """The encode calibration runs beside the KV writes; a build with nothing left to encode (a
     killed build checkpointed every chunk's KV) has no writes to hide it behind and fits it once,
     after its commit; a build that encodes fits it once, inside its pipeline."""
-    import lazy_rag.index as index_mod
+    import lazy_rag.index.build as build_mod
     import lazy_rag.store as store_mod
 
     src, out = index_copy
     monkeypatch.setattr(store_mod, "CHECKPOINT_BYTES", 1)  # a checkpoint after every record
     monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_S", 0.0)
     fits = []
-    monkeypatch.setattr(index_mod, "_keep_encode_calibration",
+    monkeypatch.setattr(build_mod, "_keep_encode_calibration",
                         lambda llm, report: fits.append("commit_s" in report.stages))
     (src / "new.md").write_text("A brand new document about the harbour wall, finished in 1899. " * 4)
-    real_commit = LazyIndex._commit.__func__
+    real_commit = build_mod.commit
 
-    def killed_at_commit(cls, *a, **kw):
+    def killed_at_commit(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(LazyIndex, "_commit", classmethod(killed_at_commit))
+    monkeypatch.setattr(build_mod, "commit", killed_at_commit)
     with pytest.raises(KeyboardInterrupt):
         LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0, progress=False)
     assert fits == [False]  # beside the writes, before the commit
-    monkeypatch.setattr(LazyIndex, "_commit", classmethod(real_commit))
+    monkeypatch.setattr(build_mod, "commit", real_commit)
     fits.clear()
     index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
                                  progress=False)
