@@ -1,18 +1,16 @@
 """What both adapters share: a ``LazyLLM`` (and optionally a ``LazyIndex``), a ``ChunkMatcher``
 over the chunks it knows, and per-call stats. Each adapter only translates its framework's types
 to ``complete(prompt)`` (transparent reuse by span matching) or ``answer(question, chunks)``
-(exact reuse by chunk ids).
+(exact reuse by chunk ids); the prompts are planned by ``lazy_rag.planning``.
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from lazy_rag.chat import DEFAULT_INSTRUCTION, build_rag_segments, render_messages
+from lazy_rag.chat import render_messages
 from lazy_rag.errors import LazyRagError
-from lazy_rag.requests import ChunkSource
-from lazy_rag.segments import Chunk, Segment
+from lazy_rag.planning import Plan, choose_recovery, plan_chunks, plan_prompt
 from lazy_rag.span_match import ChunkMatcher
 
 _DONE = object()
@@ -20,17 +18,6 @@ _DONE = object()
 GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute", "recovery",
                    "output_format")
 _ALIASES = {"max_tokens": "max_new_tokens"}
-
-
-@dataclass
-class Plan:
-    """A prompt ready for ``LazyLLM.generate``, and how its chunks were found."""
-
-    segments: list[Segment]
-    source: ChunkSource | None
-    chunk_ids: list[str] = field(default_factory=list)  # chunks served from KV, in prompt order
-    reuse: str = "span_match"  # or "chunk_ids" (exact path)
-    note: str | None = None
 
 
 class RunStream:
@@ -126,35 +113,13 @@ class LazyRuntime:
         if not reuse:
             return Plan([prompt], None, reuse="none")
         with self.llm.lock:
-            m = self.matcher.split(prompt, chunk_ids)
-        return Plan(m.segments, self.index.chunk_source if m.uses_index else None, m.chunk_ids, "span_match", m.note)
+            return plan_prompt(self.matcher, prompt, index=self.index, chunk_ids=chunk_ids)
 
     def plan_question(self, question: str, chunks: Sequence[tuple[str | None, str | None]],
                       system_prompt: str | None = None) -> Plan:
         """Exact path: the question over ``(chunk_id, text)`` pairs, assembled from token ids with
-        lazy-rag's RAG template (as ``LazyIndex.query``). A chunk id the index knows is served from
-        the store, unless ``text`` is given and differs from the indexed text; any other chunk is
-        encoded from its text by the LLM's cache."""
-        segs: list[Chunk] = []
-        ids: list[str] = []
-        uses_index = False
-        for cid, text in chunks:
-            rec = self.index.by_id.get(cid) if (self.index is not None and cid is not None) else None
-            if rec is not None and (text is None or text == rec.text):
-                segs.append(Chunk(rec.token_ids, chunk_id=rec.id))
-                uses_index = True
-            elif text:
-                segs.append(Chunk(text))
-            else:
-                raise LazyRagError(f"Chunk {cid!r} is not in the index and has no text.")
-            ids.append(cid if cid is not None else "")
-        prefix = self.index.manifest.get("shared_prefix") if self.index is not None else None
-        instruction = DEFAULT_INSTRUCTION
-        if self.index is not None:
-            system_prompt, instruction = self.index.prompt_settings(system_prompt)
-        segments = build_rag_segments(self.tokenizer, question, segs, system_prompt, instruction)
-        source = self.index.chunk_source if (uses_index or prefix) else None
-        return Plan(segments, source, ids, "chunk_ids")
+        lazy-rag's RAG template (as ``LazyIndex.query``; ``planning.plan_chunks``)."""
+        return plan_chunks(self.tokenizer, question, chunks, index=self.index, system_prompt=system_prompt)
 
     # -- running --------------------------------------------------------------------------------
     def generation_kwargs(self, kwargs: dict) -> dict:
@@ -165,7 +130,8 @@ class LazyRuntime:
             if k in GENERATION_KEYS and v is not None:
                 gen[k] = v
         if self.index is not None and "recovery" not in gen:  # the index's default recovery
-            gen["recovery"] = self.index.query_recovery(gen["mode"], None, gen.pop("boundary_recompute", None))
+            gen["recovery"] = choose_recovery(gen["mode"], None, gen.pop("boundary_recompute", None),
+                                              default=self.index.recovery)
         return gen
 
     def stream(self, plan: Plan, **kwargs) -> RunStream:

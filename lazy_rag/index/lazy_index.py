@@ -14,13 +14,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..chat import DEFAULT_INSTRUCTION, build_rag_segments
+from ..chat import DEFAULT_INSTRUCTION
 from ..embedder import Embedder
 from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import try_writer_lock
 from ..llm import LazyLLM
-from ..requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
-from ..segments import Chunk
+from ..planning import plan_chunks, plan_retrieval
+from ..requests import ChunkSource, Recovery, resolve_recovery
 from ..store import REPAIR_FIX, IndexDB
 from ..wrapper import ChunkWrapper
 from . import build as _build
@@ -271,15 +271,8 @@ class LazyIndex:
         """Prompt segments for ``question`` over the given chunks (Source objects or chunk ids),
         with the index's system prompt and instruction (a per-query ``system_prompt`` only where
         chunks were not encoded after a shared prefix)."""
-        system_prompt, instruction = self.prompt_settings(system_prompt)
-        chunks = []
-        for s in sources:
-            cid = s if isinstance(s, str) else s.chunk_id
-            rec = self.by_id.get(cid)
-            if rec is None:
-                raise LazyRagError(f"Unknown chunk id {cid!r} for the index at {self.path}.")
-            chunks.append(Chunk(rec.token_ids, chunk_id=rec.id))
-        return build_rag_segments(self.llm.tokenizer, question, chunks, system_prompt, instruction)
+        chunks = [(s if isinstance(s, str) else s.chunk_id, None) for s in sources]
+        return plan_chunks(self.llm.tokenizer, question, chunks, index=self, system_prompt=system_prompt).segments
 
     def prompt_settings(self, system_prompt: str | None = None) -> tuple[str | None, str]:
         """(system prompt, instruction) for a query: the index's, or a per-query system prompt
@@ -298,25 +291,17 @@ class LazyIndex:
         ``(sources, GenerationStream)`` pair whose stream yields text pieces.
         ``recovery`` / ``boundary_recompute`` override the index's default recovery for this query."""
         t0 = time.perf_counter()
-        sources = self.retrieve(question, top_k)
-        segs = self.segments(question, sources, system_prompt)
+        plan = plan_retrieval(self, question, top_k, system_prompt=system_prompt, mode=mode, recovery=recovery,
+                              boundary_recompute=boundary_recompute)
         retrieve_ms = (time.perf_counter() - t0) * 1e3
-        gen = self.llm.generate(segs, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                                top_p=top_p, stop=stop, stream=stream, seed=seed, source=self.chunk_source,
-                                recovery=self.query_recovery(mode, recovery, boundary_recompute))
+        gen = self.llm.generate(plan.segments, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                                top_p=top_p, stop=stop, stream=stream, seed=seed, source=plan.source,
+                                recovery=plan.recovery)
         if stream:
-            return sources, gen
+            return plan.retrieved, gen
         stats = gen.stats.as_dict()
         stats["retrieve_ms"] = retrieve_ms
-        return QueryResult(gen.text, sources, stats)
-
-    def query_recovery(self, mode: str, recovery=None, boundary_recompute: int | None = None) -> Recovery:
-        """The recovery of one query: the one it names, else the index's default where the mode
-        reuses chunks (full and prefix recompute everything anyway)."""
-        if recovery is None and boundary_recompute is None:
-            return self.recovery if mode in CHUNK_MODES else Recovery()
-        return resolve_recovery(recovery, boundary_recompute)
-
+        return QueryResult(gen.text, plan.retrieved, stats)
 
     def describe(self) -> dict:
         return describe_index(self.path)

@@ -7,6 +7,8 @@ served index's, and the retrieved sources. Three ways a request's documents beco
   keeps its KV by content hash in its bounded memory tiers, for any later position;
 - retrieval: ``rag`` retrieves for the last user message and prompts as ``lazy-rag query`` does.
 
+The plans are ``lazy_rag.planning``'s, as for ``LazyIndex.query`` and the framework adapters.
+
 Everything is tokenized here, in the HTTP process's worker threads, so the engine (often in its
 own process) takes token ids and never tokenizes; documents' ids are remembered by content.
 """
@@ -18,6 +20,7 @@ from typing import Sequence
 
 from ..chat import render_messages
 from ..errors import LazyRagError
+from ..planning import Plan, choose_recovery, plan_prompt, plan_retrieval
 from ..requests import Recovery
 from ..segments import Chunk, Segment
 from .protocol import APIError, Document, GenerationRequest, bad
@@ -34,9 +37,15 @@ class PreparedPrompt:
 
     segments: list[Segment]
     uses_index: bool = False
-    recovery: Recovery | str | None = None
+    recovery: Recovery | None = None
     sources: list[dict] = field(default_factory=list)   # retrieved chunks (rag), for the response
     matched_chunks: list[str] = field(default_factory=list)  # index chunks found in the prompt
+
+    @classmethod
+    def of(cls, plan: Plan) -> "PreparedPrompt":
+        sources = [s.as_dict() for s in plan.retrieved]
+        matched = list(plan.chunk_ids) if plan.reuse == "span_match" else []
+        return cls(plan.segments, plan.source is not None, plan.recovery, sources, matched)
 
 
 def document_segments(documents: Sequence[Document]) -> list[Segment]:
@@ -92,15 +101,13 @@ class PromptBuilder:
         if req.documents:
             segs = (chat_with_documents(tok, req.messages, req.documents) if req.kind == "chat"
                     else completion_with_documents(req.prompt, req.documents))
-            return PreparedPrompt(segs, False, req.recovery)
+            return PreparedPrompt.of(Plan(segs, recovery=choose_recovery(mode, req.recovery)))
         text = render_messages(tok, req.messages) if req.kind == "chat" else req.prompt
         if self.matcher is None:
-            return PreparedPrompt([text], False, req.recovery)
+            return PreparedPrompt.of(Plan([text], recovery=choose_recovery(mode, req.recovery)))
         with self._lock:
-            m = self.matcher.split(text)
-        recovery = req.recovery if req.recovery is not None else (
-            self.index.query_recovery(mode) if m.uses_index else None)
-        return PreparedPrompt(m.segments, m.uses_index, recovery, matched_chunks=list(m.chunk_ids))
+            plan = plan_prompt(self.matcher, text, index=self.index, mode=mode, recovery=req.recovery)
+        return PreparedPrompt.of(plan)
 
     def _retrieval(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
         if self.index is None:
@@ -108,12 +115,11 @@ class PromptBuilder:
                            param="rag")
         question = req.messages[-1][1]
         system = [c for r, c in req.messages if r == "system"]
+        recovery = choose_recovery(mode, req.recovery, default=self.index.recovery)  # its errors name no param
         try:
             with self.embedder_lock:
-                found = self.index.retrieve(question, req.rag_top_k)
-            segs = self.index.segments(question, found, system[-1] if system else None)
+                plan = plan_retrieval(self.index, question, req.rag_top_k, system_prompt=system[-1] if system else None,
+                                      mode=mode, recovery=recovery)
         except LazyRagError as e:
             raise bad(str(e), "rag") from None
-        sources = [{"chunk_id": s.chunk_id, "source": s.source, "score": round(s.score, 4), "text": s.text}
-                   for s in found]
-        return PreparedPrompt(segs, True, self.index.query_recovery(mode, req.recovery), sources)
+        return PreparedPrompt.of(plan)
