@@ -17,15 +17,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def validate_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
 class TextAssembler:
     """Turns generated ids into text pieces, cutting at stop strings.
 

@@ -58,8 +58,3 @@ def format_table(records: list[dict], columns: list[str]) -> str:
     lines += ["  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in records]
     return "\n".join(lines)
 
-
-def markdown_table(records: list[dict], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in records]
-    return "\n".join(lines)

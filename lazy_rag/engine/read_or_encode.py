@@ -115,9 +115,6 @@ class ReadOrEncode:
     def read_seconds(self, nbytes: int, cached: bool = False) -> float:
         return nbytes / (self.page_cache_bps if cached else self.disk_bps)
 
-    def encode_seconds(self, tokens: int) -> float:
-        return (self.forward_s or 0.0) + tokens * (self.token_s or 0.0)
-
     def should_encode(self, nbytes: int, tokens: int, batch_tokens: int = 0, cached: bool = False) -> bool:
         """Encode a chunk of ``tokens`` rather than read its ``nbytes`` of stored KV from the disk
         (``cached``: from the page cache)? ``batch_tokens``: tokens already in the forward that

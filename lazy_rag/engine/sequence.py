@@ -117,10 +117,6 @@ class Sequence:
         """Chunk tokens computed at query time: the boundary heads and the selected tokens."""
         return sum(min(span.skip, len(span.token_ids)) for span in self.layout.spans) + self.selected
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def __repr__(self) -> str:
         return f"Sequence(id={self.id}, mode={self.mode}, status={self.status.name}, out={len(self.output)})"
 
