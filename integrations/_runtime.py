@@ -16,7 +16,7 @@ from lazy_rag.span_match import ChunkMatcher
 _DONE = object()
 
 GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute", "recovery",
-                   "output_format")
+                   "output_format", "presence_penalty", "frequency_penalty")
 _ALIASES = {"max_tokens": "max_new_tokens"}
 
 

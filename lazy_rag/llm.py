@@ -100,19 +100,22 @@ class LazyLLM:
                  top_p: float = 1.0, stop: list[str] | str | None = None, stream: bool = False,
                  seed: int | None = None, source: ChunkSource | None = None, boundary_recompute: int = 0,
                  recovery: Recovery | str | None = None, output_first_logits: bool = False,
-                 output_format: OutputFormat | None = None):
+                 output_format: OutputFormat | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0):
         """Generate from a prompt of segments. Returns a ``GenerationResult``, or with
         ``stream=True`` a ``GenerationStream`` of text pieces (its ``.result`` set at the end).
         ``source``: where the chunks' KV is stored (``LazyIndex.chunk_source``).
         ``output_format``: the output must match it (``OutputFormat.json(schema)``, any JSON object
         with ``OutputFormat.json()``, a regex or a Lark grammar), enforced token by token.
+        ``presence_penalty`` / ``frequency_penalty``: OpenAI's, over the tokens generated.
         ``recovery``: quality recovery for the reused chunks, e.g. "prophet20" (``Recovery``);
         ``boundary_recompute=N`` is short for recovery "epicN" (lazy/block modes)."""
         engine = self.engine
         handle = engine.submit(segments, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, stop=stop, seed=seed, source=source,
                                boundary_recompute=boundary_recompute, recovery=recovery,
-                               output_first_logits=output_first_logits, output_format=output_format)
+                               output_first_logits=output_first_logits, output_format=output_format,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         out = GenerationStream(engine.pieces(handle), lambda: handle.result)
         if stream:
             return out

@@ -33,13 +33,17 @@ def check_mode(mode: str) -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature is 0; ``stop`` strings end the answer (not included)."""
+    """Greedy when temperature is 0; ``stop`` strings end the answer (not included).
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]): each token already
+    generated has its logit lowered by the first once and by the second per time it occurred."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,6 +58,13 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 SELECTORS = {"cacheblend": "kv_deviation", "prophet": "question_attention"}

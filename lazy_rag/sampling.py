@@ -17,6 +17,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def apply_penalties(logits: torch.Tensor, output: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the tokens generated so far: a token that
+    occurred c times loses ``frequency * c + presence`` from its logit (a copy is returned)."""
+    logits = logits.float().clone()
+    if output:
+        ids, counts = torch.tensor(output).unique(return_counts=True)
+        ids, counts = ids[ids < logits.numel()], counts[ids < logits.numel()]
+        logits[ids] -= frequency * counts.float() + presence
+    return logits
+
+
 class TextAssembler:
     """Turns generated ids into text pieces, cutting at stop strings.
 

@@ -102,3 +102,23 @@ def test_tool_choice_naming_no_tool_is_refused():
     with pytest.raises(InvalidRequestError, match="tool_choice 'g' names no tool given \\(f\\)"):
         plan_tools([tool], "g")
     assert plan_tools([tool], "none") is None
+
+
+def test_presence_and_frequency_penalties_follow_openai_definition(llm, segments):
+    """Each greedy token is the argmax of the logits after the penalties over the tokens before it
+    (the logits recomputed from the prompt and those tokens), and the options are range-checked."""
+    import torch
+
+    from lazy_rag.sampling import apply_penalties
+
+    shifted = apply_penalties(torch.zeros(10), [5, 5, 7], presence=0.5, frequency=1.0)
+    assert shifted[5] == -2.5 and shifted[7] == -1.5 and shifted[0] == 0
+    out = llm.generate(segments, max_new_tokens=6, presence_penalty=1.5, frequency_penalty=2.0).token_ids
+    plain = llm.generate(segments, max_new_tokens=6).token_ids
+    assert len(set(out)) >= len(set(plain))
+    for i, tok in enumerate(out):
+        logits = llm.next_token_logits(segments + [list(out[:i])] if i else segments)
+        assert int(apply_penalties(logits, list(out[:i]), 1.5, 2.0).argmax()) == tok
+    with pytest.raises(InvalidRequestError, match="presence_penalty must be in \\[-2, 2\\]"):
+        llm.generate(segments, max_new_tokens=2, presence_penalty=3)
+

@@ -23,7 +23,7 @@ from ..model_host import ModelHost
 from ..errors import LazyRagError, RequestFailedError
 from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
                         resolve_recovery)
-from ..sampling import TextAssembler, sample_next
+from ..sampling import TextAssembler, apply_penalties, sample_next
 from ..structured import GrammarMatcher, OutputFormat
 from ..chunk_kv import ChunkKV
 from .chunk_tiers import ChunkTiers, chunk_key
@@ -87,7 +87,8 @@ class Engine:
                source: ChunkSource | None = None, boundary_recompute: int = 0,
                recovery: Recovery | str | None = None, output_first_logits: bool = False,
                score_rows: int = 0, score_fn=None, cache_salt: str = "",
-               tenant: str | None = None, output_format: OutputFormat | None = None) -> RequestHandle:
+               tenant: str | None = None, output_format: OutputFormat | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> RequestHandle:
         """Queue one request. ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
         ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
@@ -104,7 +105,7 @@ class Engine:
         running requests first), so that one tenant's flood cannot hold the others back.
         ``output_format``: every token must keep the output inside it (``OutputFormat``: a JSON
         schema, any JSON object, a regex or a Lark grammar), enforced while sampling."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed, presence_penalty, frequency_penalty)
         source = source or self.host.default_source
         recovery = resolve_recovery(recovery, boundary_recompute)
         if recovery.any and mode not in CHUNK_MODES:
@@ -162,7 +163,7 @@ class Engine:
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
             # timers below are exact.
             if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output)
-                   and self.handles[s.id].grammar is None for s in seqs):
+                   and not s.params.penalised and self.handles[s.id].grammar is None for s in seqs):
                 rows, toks = [None] * len(seqs), out.argmax(-1).tolist()
             else:
                 rows, toks = out.cpu(), [None] * len(seqs)
@@ -391,6 +392,8 @@ class Engine:
         p = seq.params
         if not seq.output and not h.ttft_ms and seq.keep_first_logits:
             h.first_logits = logits.clone()
+        if p.penalised:
+            logits = apply_penalties(logits, seq.output, p.presence_penalty, p.frequency_penalty)
         if h.grammar is not None:
             logits = h.grammar.mask(logits)
         if tok is None:

@@ -211,7 +211,9 @@ class LazyRagServer:
                                               max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
                                               stop=list(s.stop), seed=s.seed, recovery=prepared.recovery,
                                               cache_salt=tenant.cache_salt, tenant=tenant.name,
-                                              output_format=req.output_format)
+                                              output_format=req.output_format,
+                                              presence_penalty=s.presence_penalty,
+                                              frequency_penalty=s.frequency_penalty)
             return prepared, ticket
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})

@@ -55,6 +55,8 @@ class Sampling:
     top_p: float
     stop: tuple[str, ...]
     seed: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,6 @@ _REFUSED = [
     ("echo", lambda v: not v, "echo is not supported"),
     ("suffix", lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
-    ("presence_penalty", lambda v: v in (None, 0, 0.0), "presence_penalty is not supported (leave it 0)"),
-    ("frequency_penalty", lambda v: v in (None, 0, 0.0), "frequency_penalty is not supported (leave it 0)"),
 ]
 
 
@@ -128,7 +128,9 @@ def _sampling(body: dict) -> Sampling:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise bad("'top_p' must be greater than 0 (use temperature 0 for greedy answers).", "top_p")
-    return Sampling(max_tokens, float(_number(body, "temperature", 1.0, 0.0, 2.0)), float(top_p), _stop(body), seed)
+    return Sampling(max_tokens, float(_number(body, "temperature", 1.0, 0.0, 2.0)), float(top_p), _stop(body), seed,
+                    float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+                    float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)))
 
 
 def _text_content(content: Any, where: str) -> str:

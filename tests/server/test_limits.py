@@ -90,7 +90,8 @@ BAD = [
     ({"rag": {"top_k": 2}}, "rag"),           # this server has no index
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "high"}, "frequency_penalty"),
 ]
 
 
