@@ -93,7 +93,8 @@ def _human(n: float) -> str:
 def index(
     sources: List[Path] = typer.Argument(..., help="Files or folders to index (.txt, .md)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Index folder (created or updated)."),
-    model: str = typer.Option("smollm2", help="Bundled name, HF folder, .gguf file or hub id."),
+    model: Optional[str] = typer.Option(None, help="Bundled name, HF folder, .gguf file or hub id (default: the "
+                                                   "model of the index in --out, else smollm2)."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (CUDA when present)."),
     chunk_size: int = typer.Option(256, min=1, help="Chunk size in model tokens."),
     chunk_overlap: int = typer.Option(32, min=0, help="Overlap between chunks in tokens."),
@@ -137,6 +138,11 @@ def index(
                                    drop_missing=drop_missing, wait_lock=wait_lock, wrapper=wrapper)
     except LazyRagError as e:
         _fail(e)
+    except KeyboardInterrupt:
+        err.print(f"\nInterrupted: {out_dir} is as it was before this run (a new index is not there yet), and "
+                  "the chunk KV encoded so far is kept beside it. Run the same `lazy-rag index` command again to "
+                  "resume: kept KV is not encoded again.", markup=False, highlight=False)
+        raise typer.Exit(code=130)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(rep.skipped.items())) or "none"
     out.print(f"Indexed {rep.files_indexed} file(s), {rep.files_unchanged} unchanged, {rep.files_removed} removed; "
               f"skipped: {skipped}.")
@@ -159,10 +165,11 @@ def index(
 def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper) -> None:
     from .build_estimate import estimate_build
     from .embedder import Embedder, build_device
+    from .index.build import model_for
     from .llm import LazyLLM
 
     try:
-        llm = LazyLLM.from_pretrained(model, device=device)
+        llm = LazyLLM.from_pretrained(model_for(out_dir, model), device=device)
         w = llm.host.resolve_wrapper(wrapper)  # a new index's ("auto": the model's bundled wrapper)
         est = estimate_build([str(s) for s in sources], out_dir, llm, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
                              kv_dtype=kv_dtype, wrapper_slots=w.slots if w is not None else 0,

@@ -118,3 +118,20 @@ def test_commands_make_idle_openmp_threads_sleep_unless_told_otherwise(monkeypat
         monkeypatch.setenv("OMP_WAIT_POLICY", preset)
     assert CliRunner().invoke(app, ["models", "--json"]).exit_code == 0
     assert os.environ["OMP_WAIT_POLICY"] == (preset or "PASSIVE")
+
+
+def test_ctrl_c_during_index_says_how_to_resume(monkeypatch, tmp_path):
+    from lazy_rag.index import LazyIndex
+
+    def interrupted(cls, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LazyIndex, "build", classmethod(interrupted))
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
+    before = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(app, ["index", str(tmp_path), "--out", str(tmp_path / "idx")])
+    finally:
+        torch.set_num_threads(before)
+    assert res.exit_code == 130
+    assert "Interrupted" in res.output and "Run the same `lazy-rag index` command again to resume" in res.output

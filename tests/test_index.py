@@ -534,3 +534,32 @@ def test_whole_texts_are_tokenized_in_batches_exactly_as_one_by_one(tokenizer):
     padded = copy.deepcopy(tokenizer)
     padded.backend_tokenizer.enable_padding(length=4096)   # the backend would pad: the tokenizer's call is taken
     assert list(_token_ids_batched(padded, texts, batch=4)) == one_by_one
+
+
+def test_ctrl_c_keeps_the_encoded_kv_and_the_next_build_resumes(corpus, tmp_path, smollm2, embedder, monkeypatch):
+    """Ctrl-C during a first build: no index yet, but the KV encoded before it is kept (checkpointed
+    as pending), and running the same build again encodes only the rest."""
+    import lazy_rag.store as store_mod
+
+    write = store_mod.ChunkStore.write
+    calls = []
+
+    def interrupted_after_two(self, *a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return write(self, *a, **k)
+
+    out = tmp_path / "idx"
+    with monkeypatch.context() as mp:
+        mp.setattr(store_mod.ChunkStore, "write", interrupted_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96, chunk_overlap=16,
+                            progress=False)
+    with pytest.raises(LazyIndexError, match="not a lazy-rag index.*interrupted"):
+        LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    index, report = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96,
+                                    chunk_overlap=16, progress=False)
+    assert report.chunks_added == len(index.records) > 2
+    assert report.chunks_encoded == report.chunks_added - 2  # the two written before Ctrl-C were kept
+    assert verify_index(out)["ok"]

@@ -93,6 +93,16 @@ def _cli_index_query_inspect(tmp_path):
     info = json.loads(res.output)
     assert info["chunks"] >= 3 and info["kv_bytes"] > 0 and info["fingerprint"]["id"]
     res = runner.invoke(app, ["query", str(tmp_path), "anything?"])
-    assert res.exit_code == 2 and "not a lazy-rag index" in res.output
+    assert res.exit_code == 2 and f"holds no lazy-rag index: build one with `lazy-rag index SOURCES --out " \
+        f"{tmp_path}`" in res.output.replace("\n", ""), res.output
+    res = runner.invoke(app, ["query", str(tmp_path / "gone"), "anything?"])
+    assert res.exit_code == 2 and "does not exist: build one with" in res.output.replace("\n", ""), res.output
+    # an update without --model loads the index's model, whatever the default
+    import lazy_rag.index.build as build
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(build, "DEFAULT_MODEL", "qwen2.5-0.5b")
+        assert build.model_for(out, None) == "smollm2" and build.model_for(tmp_path / "new", None) == "qwen2.5-0.5b"
+        assert build.model_for(out, "other") == "other"
     res = runner.invoke(app, ["index", str(tmp_path / "nothing"), "--out", str(out)])
     assert res.exit_code == 2 and "does not exist" in res.output

@@ -28,6 +28,7 @@ from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import writer_lock
 from ..kv_record import KV_DTYPE_NAMES, KV_DTYPES, kv_dtype_named
 from ..llm import LazyLLM
+from ..models import DEFAULT_MODEL
 from ..progress import Progress, resolved_style
 from ..requests import Recovery, resolve_recovery
 from ..segments import tokenize_text
@@ -36,8 +37,8 @@ from ..vector_index import VectorIndex
 from ..version import __version__
 from ..wrapper import ChunkWrapper
 from .commit import BuildRun, Previous, collect_garbage, commit, commit_rewrap
-from .folder import (FORMAT_VERSION, check_settings, kv_subdir, open_index_db, open_store, read_vectors,
-                     read_wrapper, remove_debris, save_wrapper, wrapper_file)
+from .folder import (FORMAT_VERSION, check_settings, indexed_model, kv_subdir, open_index_db, open_store,
+                     read_vectors, read_wrapper, remove_debris, save_wrapper, wrapper_file)
 from .format1 import import_kv
 from .table import ChunkRecord
 
@@ -54,7 +55,8 @@ class BuildOptions:
     fingerprint, ``chunk_size``/``chunk_overlap``/``split``, ``shared_prefix``, ``kv_dtype``,
     ``precompute_kv``, the wrapper; the prompt where ``shared_prefix``):
 
-    - ``model``: the model to load when no ``llm`` is given (``device``: where).
+    - ``model``: the model to load when no ``llm`` is given (``device``: where); None: an existing
+      index's model, else the default (``models.DEFAULT_MODEL``).
     - ``chunk_size``/``chunk_overlap``: in model tokens; ``split=False`` takes each text whole as
       one chunk whose id is the text's id (``from_texts``: frameworks' node ids).
     - ``shared_prefix``: every chunk is encoded after the prompt's fixed head (an attention sink),
@@ -82,7 +84,7 @@ class BuildOptions:
     - ``wait_lock``: seconds to wait for another writer of the folder.
     """
 
-    model: str = "smollm2"
+    model: str | None = None
     device: str = "auto"
     chunk_size: int = CHUNK_SIZE
     chunk_overlap: int = CHUNK_OVERLAP
@@ -388,8 +390,9 @@ def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: Build
             return _build_locked(docs, out, llm, embedder, options, run, report or BuildReport(), roots, unreadable)
         except BaseException as e:
             # whatever stopped it (a full disk, Ctrl-C): this run's appends and files go; the
-            # committed generation never referred to them
-            run.fail()
+            # committed generation never referred to them. After Ctrl-C the KV encoded so far is
+            # kept as pending: running the same build again resumes from it
+            run.fail(keep_encoded=isinstance(e, KeyboardInterrupt))
             if not isinstance(e, OSError):
                 raise
             why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
@@ -403,12 +406,18 @@ def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: Build
             run.close()
 
 
+def model_for(out: Path, model: str | None) -> str:
+    """The model a build into ``out`` loads: ``model``, else the index's there (an update keeps
+    its model), else the default."""
+    return model or indexed_model(Path(out)) or DEFAULT_MODEL
+
+
 def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun, report: BuildReport, roots,
                   unreadable) -> Built:
     t0 = time.perf_counter()
     if llm is None:
-        llm = LazyLLM.from_pretrained(o.model, device=o.device)
-        model_name = o.model
+        model_name = model_for(out, o.model)
+        llm = LazyLLM.from_pretrained(model_name, device=o.device)
     else:
         model_name = getattr(llm, "model_name", None)
     chunker = TokenChunker(llm.tokenizer, o.chunk_size, o.chunk_overlap) if o.split else None

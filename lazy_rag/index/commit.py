@@ -116,10 +116,19 @@ class BuildRun:
         self.new_files: list[Path] = []  # files this run created that only its commit refers to
         self.written: list = []          # chunk ids whose KV this run appended
 
-    def fail(self) -> None:
+    def fail(self, keep_encoded: bool = False) -> None:
+        """Undo this run's appends. ``keep_encoded`` (the user pressed Ctrl-C): first commit the KV
+        encoded so far as pending (``ChunkStore.checkpoint``), which the next build of the folder
+        reads instead of encoding it again; a checkpoint that fails leaves the last one."""
         if self.committed:
             return
         if self.store is not None:
+            if keep_encoded:
+                try:
+                    self.store.checkpoint()
+                except Exception as e:  # noqa: BLE001 - the interrupt is what the user sees
+                    log.warning("Could not keep the KV encoded before the interrupt (%s); the next build "
+                                "encodes it again.", e)
             self.store.end_build(committed=False)
         for p in self.new_files:
             p.unlink(missing_ok=True)

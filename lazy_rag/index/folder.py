@@ -102,8 +102,12 @@ def _refuse_folder(path: Path) -> None:
                 f"SOURCES --out {path}` with the sources it was built from (or index into a new folder).")
         raise LazyIndexError(f"{path} is not a loadable lazy-rag index: it has a {POINTER} but {DB_NAME} holds no "
                              "committed build (if a build was interrupted, run `lazy-rag index` again).")
-    hint = " (if a build was interrupted, run `lazy-rag index` again)" if (path / DB_NAME).exists() else ""
-    raise LazyIndexError(f"{path} is not a lazy-rag index: no committed {DB_NAME}{hint}.")
+    if (path / DB_NAME).exists():
+        raise LazyIndexError(f"{path} is not a lazy-rag index: no committed {DB_NAME} (if a build was "
+                             "interrupted, run `lazy-rag index` again).")
+    what = "does not exist" if not path.exists() else "holds no lazy-rag index"
+    raise LazyIndexError(f"{path} {what}: build one with `lazy-rag index SOURCES --out {path}` "
+                         "(or `LazyIndex.build(sources, out)`).")
 
 
 def open_index_db(path, snapshot: bool = True) -> tuple[IndexDB, dict]:
@@ -132,6 +136,22 @@ def latest_commit(path: Path):
     try:
         return db.setting("commit_id")
     except LazyIndexError:
+        return None
+    finally:
+        db.close()
+
+
+def indexed_model(path: Path) -> str | None:
+    """The model name the index at ``path`` was built with (None: no readable index there, or one
+    built from an in-memory model)."""
+    try:
+        db = IndexDB(path)
+    except (LazyIndexError, OSError):
+        return None
+    try:
+        model = db.setting("model")
+        return model.get("name") if isinstance(model, dict) else None
+    except (LazyIndexError, OSError):
         return None
     finally:
         db.close()
