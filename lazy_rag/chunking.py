@@ -76,10 +76,28 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
 # the default chunk size and overlap, in model tokens (an index's, the CLI's, the integrations')
 CHUNK_SIZE = 256
 CHUNK_OVERLAP = 32
+SECTION_CHARS = 1 << 16  # text handed to the sentence splitter at once (see sections)
+
+
+def sections(text: str, limit: int = SECTION_CHARS) -> list[str]:
+    """``text`` cut into pieces of at most ``limit`` characters, at the last paragraph break
+    (else line break, else space) before the limit; joined, they are ``text``. The sentence
+    splitter runs on each piece alone: NLTK's sentence tokenizer runs its regular expressions
+    under a 5 s limit, which a whole large file (a 20 MB text took ~40 s) exceeds."""
+    out, start = [], 0
+    while len(text) - start > limit:
+        window = text[start:start + limit]
+        cut = max(window.rfind("\n\n"), 0) or max(window.rfind("\n"), 0) or max(window.rfind(" "), 0) or limit
+        out.append(text[start:start + cut])
+        start += cut
+    out.append(text[start:])
+    return out
 
 
 class TokenChunker:
-    """Sentence-aware splitting sized in the model's own tokens (llama-index's SentenceSplitter)."""
+    """Sentence-aware splitting sized in the model's own tokens (llama-index's SentenceSplitter),
+    a section of the text at a time (``sections``): a chunk never spans two sections, and a text
+    shorter than one section is split as a whole."""
 
     def __init__(self, tokenizer, chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
         if chunk_size < 16:
@@ -91,6 +109,7 @@ class TokenChunker:
 
         self.tokenizer = tokenizer
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
+        self.section_chars = SECTION_CHARS
         self._splitter = SentenceSplitter(
             chunk_size=chunk_size, chunk_overlap=chunk_overlap,
             tokenizer=lambda s: tokenizer(s, add_special_tokens=False).input_ids,
@@ -99,8 +118,15 @@ class TokenChunker:
     def split(self, text: str) -> list[tuple[str, list[int]]]:
         """(chunk text, its token ids tokenized alone without BOS) for each chunk."""
         out = []
-        for piece in self._splitter.split_text(text):
-            ids = self.tokenizer(piece, add_special_tokens=False).input_ids
-            if ids:
-                out.append((piece, ids))
+        for section in sections(text, self.section_chars):
+            try:
+                pieces = self._splitter.split_text(section)
+            except TimeoutError:  # an OSError: it must not read as a disk failure
+                raise LazyRagError(f"Splitting {len(section)} characters of this text into sentences ran past NLTK's "
+                                   "time limit for a regular expression (a pathological line?); split the file into "
+                                   "smaller files.") from None
+            for piece in pieces:
+                ids = self.tokenizer(piece, add_special_tokens=False).input_ids
+                if ids:
+                    out.append((piece, ids))
         return out

@@ -215,6 +215,43 @@ def test_a_long_file_of_one_line_is_split_within_the_chunk_size(tmp_path, smollm
     assert verify_index(tmp_path / "idx")["ok"]
 
 
+def test_a_large_text_is_split_a_section_at_a_time(smollm2, monkeypatch):
+    """NLTK's sentence tokenizer runs each regular expression under a time limit (5 s), which a
+    20 MB file exceeded (a TimeoutError, an OSError, read as a disk failure). The chunker hands
+    the splitter a section at a time, cut at paragraph breaks. The time a scan takes grows with
+    the text it scans; here the limit is made one of length (8 KB) so that the test does not
+    depend on this machine's speed: the whole 16 KB text exceeds it, its 2 KB sections do not."""
+    import random
+
+    import nltk.redos
+
+    from lazy_rag.chunking import TokenChunker, sections
+    from lazy_rag.errors import LazyRagError
+
+    scan = nltk.redos.TimedPattern.finditer
+
+    def finditer(self, string, *args, **kwargs):
+        if len(string) > 8192:
+            raise TimeoutError("regular-expression match exceeded its time limit (a test's: 8 KB)")
+        return scan(self, string, *args, **kwargs)
+
+    monkeypatch.setattr(nltk.redos.TimedPattern, "finditer", finditer)
+    rng = random.Random(0)
+    words = "harbour lighthouse keeper tower lamp granite island ferry bakery morning bread".split()
+    text = "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + ". Then it rained."
+                       for _ in range(32))
+    assert "".join(sections(text, 2048)) == text and max(map(len, sections(text, 2048))) <= 2048
+    chunker = TokenChunker(smollm2.tokenizer, 256, 0)
+    chunker.section_chars = len(text)  # the whole text at once: what the build did
+    with pytest.raises(LazyRagError, match="time limit.*smaller files"):
+        chunker.split(text)
+    chunker.section_chars = 2048
+    parts = chunker.split(text)
+    assert all(0 < len(ids) <= 256 for _, ids in parts)
+    squeezed = "".join(text.split())
+    assert "".join("".join(p.split()) for p, _ in parts) == squeezed  # every character, in order, once
+
+
 # -- an index folder from an untrusted source ---------------------------------------------------------
 
 class Unpickled(AssertionError):
