@@ -50,6 +50,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from pydantic import AliasChoices
 
+from lazy_rag.chunking import CHUNK_OVERLAP, CHUNK_SIZE
 from lazy_rag.errors import LazyRagError
 
 from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
@@ -311,8 +312,8 @@ class LazyRAGQueryEngine(RetrieverQueryEngine):
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
-def nodes_from_documents(documents: Sequence[Document], llm, chunk_size: int = 256,
-                         chunk_overlap: int = 32) -> list[TextNode]:
+def nodes_from_documents(documents: Sequence[Document], llm, chunk_size: int = CHUNK_SIZE,
+                         chunk_overlap: int = CHUNK_OVERLAP) -> list[TextNode]:
     """Split with LlamaIndex's ``SentenceSplitter`` sized in the model's own tokens, with node ids
     derived from the document and the position (stable across runs, safe as file names)."""
     from llama_index.core.node_parser import SentenceSplitter
@@ -342,8 +343,8 @@ def index_from_nodes(nodes: Sequence[BaseNode], out, llm, **kwargs: Any):
                                 split=False, **kwargs)
 
 
-def index_from_documents(documents: Sequence[Document], out, llm, chunk_size: int = 256, chunk_overlap: int = 32,
-                         **kwargs: Any):
+def index_from_documents(documents: Sequence[Document], out, llm, chunk_size: int = CHUNK_SIZE,
+                         chunk_overlap: int = CHUNK_OVERLAP, **kwargs: Any):
     """Split documents into nodes and index them: returns ``(lazy_index, nodes)``; build a
     ``VectorStoreIndex(nodes, embed_model=LazyRAGEmbedding(...))`` over the same nodes."""
     nodes = nodes_from_documents(documents, llm, chunk_size, chunk_overlap)

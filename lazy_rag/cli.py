@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .chunking import CHUNK_OVERLAP, CHUNK_SIZE
 from .errors import LazyRagError
-from .requests import MODES
+from .requests import MODES, SamplingParams
 from .threads import ENV as THREADS_ENV
 from .version import __version__
 
@@ -96,8 +97,8 @@ def index(
     model: Optional[str] = typer.Option(None, help="Bundled name, HF folder, .gguf file or hub id (default: the "
                                                    "model of the index in --out, else smollm2)."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (CUDA when present)."),
-    chunk_size: int = typer.Option(256, min=1, help="Chunk size in model tokens."),
-    chunk_overlap: int = typer.Option(32, min=0, help="Overlap between chunks in tokens."),
+    chunk_size: int = typer.Option(CHUNK_SIZE, min=1, help="Chunk size in model tokens."),
+    chunk_overlap: int = typer.Option(CHUNK_OVERLAP, min=0, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32 (fp32), bfloat16 (bf16), "
                                               "float16 (fp16), or fp8 (e4m3 with a scale per token and KV head: half "
@@ -199,8 +200,8 @@ def query(
     question: str = typer.Argument(..., help="The question to answer."),
     mode: str = typer.Option("lazy", help=f"KV reuse mode: {', '.join(MODES)}."),
     top_k: int = typer.Option(4, min=1, help="Chunks to retrieve."),
-    max_new_tokens: int = typer.Option(128, min=1, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    max_new_tokens: int = typer.Option(SamplingParams.max_new_tokens, min=1, help="Most tokens to generate."),
+    temperature: float = typer.Option(SamplingParams.temperature, min=0.0, help="0 = greedy."),
     model: Optional[str] = typer.Option(None, help="Override the model recorded in the index."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto."),
     recovery: Optional[str] = typer.Option(None, help="Override the index's quality recovery (e.g. prophet20, "

@@ -46,6 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .bench.random_models import IdTokenizer
+from .chunking import CHUNK_SIZE
 from .errors import LazyRagError
 
 # the one-layer model's vocabulary: the steps' token ids are small, and the lm_head of a large
@@ -53,7 +54,7 @@ from .errors import LazyRagError
 COMPILE_VOCAB = 256
 # the steps' index: chunks of up to the default chunk size, as many as the longest context below
 # (and a build of three shorter ones)
-CHUNK_TOKENS, SHORT_CHUNK_TOKENS, NEW_TOKENS = 256, (131, 144, 157), 4
+CHUNK_TOKENS, SHORT_CHUNK_TOKENS, NEW_TOKENS = CHUNK_SIZE, (131, 144, 157), 4
 # a query's prompt: a head before its chunks (a chat template's, with the instruction) and a
 # question after them. Its new tokens pick the prefill kernel's tile and launch settings
 # (kernels.prefill.runs_rows, prefill_runs.default_tuning) and its context the split count of the

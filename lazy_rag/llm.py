@@ -11,7 +11,7 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .model_host import ModelHost
-from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery
+from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery, SamplingParams
 from .segments import Chunk, PromptLayout, Segment, chunk_token_ids
 from .structured import OutputFormat
 from .chunk_kv import ChunkKV
@@ -96,14 +96,17 @@ class LazyLLM:
         return self.host.prepare(segments, source, boundary_recompute, mode)
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(self, segments, max_new_tokens: int = 128, mode: str = "lazy", temperature: float = 0.0,
-                 top_p: float = 1.0, stop: list[str] | str | None = None, stream: bool = False,
-                 seed: int | None = None, source: ChunkSource | None = None, boundary_recompute: int = 0,
-                 recovery: Recovery | str | None = None, output_first_logits: bool = False,
-                 output_format: OutputFormat | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0):
+    def generate(self, segments, max_new_tokens: int | None = None, mode: str = "lazy",
+                 temperature: float | None = None, top_p: float | None = None, stop: list[str] | str | None = None,
+                 stream: bool = False, seed: int | None = None, source: ChunkSource | None = None,
+                 boundary_recompute: int = 0, recovery: Recovery | str | None = None,
+                 output_first_logits: bool = False, output_format: OutputFormat | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 sampling: SamplingParams | None = None):
         """Generate from a prompt of segments. Returns a ``GenerationResult``, or with
         ``stream=True`` a ``GenerationStream`` of text pieces (its ``.result`` set at the end).
+        ``sampling``: ``SamplingParams`` (default 128 new tokens, greedy); ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``stop``, ``seed`` and the penalties are shorthand for its fields.
         ``source``: where the chunks' KV is stored (``LazyIndex.chunk_source``).
         ``output_format``: the output must match it (``OutputFormat.json(schema)``, any JSON object
         with ``OutputFormat.json()``, a regex or a Lark grammar), enforced token by token.
@@ -111,11 +114,12 @@ class LazyLLM:
         ``recovery``: quality recovery for the reused chunks, e.g. "prophet20" (``Recovery``);
         ``boundary_recompute=N`` is short for recovery "epicN" (lazy/block modes)."""
         engine = self.engine
-        handle = engine.submit(segments, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p, stop=stop, seed=seed, source=source,
+        sampling = SamplingParams.of(sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                     stop=stop, seed=seed, presence_penalty=presence_penalty,
+                                     frequency_penalty=frequency_penalty)
+        handle = engine.submit(segments, mode=mode, sampling=sampling, source=source,
                                boundary_recompute=boundary_recompute, recovery=recovery,
-                               output_first_logits=output_first_logits, output_format=output_format,
-                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                               output_first_logits=output_first_logits, output_format=output_format)
         out = GenerationStream(engine.pieces(handle), lambda: handle.result)
         if stream:
             return out

@@ -9,6 +9,7 @@ Modes (same model, same sampling; only KV reuse and attention differ):
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -33,9 +34,14 @@ def check_mode(mode: str) -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature is 0; ``stop`` strings end the answer (not included).
-    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]): each token already
-    generated has its logit lowered by the first once and by the second per time it occurred."""
+    """How a request samples its answer: the one place these options and their defaults live.
+    ``LazyLLM.generate``, ``LazyIndex.query`` and ``Engine.submit`` take one (``sampling=``), and
+    their keywords of the same names are shorthand for it (``SamplingParams.of``).
+
+    Greedy when temperature is 0; ``stop`` strings end the answer (not included); ``seed``: the
+    sampler's (temperature > 0), None for a random one. ``presence_penalty`` /
+    ``frequency_penalty`` (OpenAI's, in [-2, 2]): each token already generated has its logit
+    lowered by the first once and by the second per time it occurred."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -65,6 +71,13 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
+
+    @classmethod
+    def of(cls, sampling: "SamplingParams | None" = None, **options) -> "SamplingParams":
+        """``sampling`` (None: the defaults) with the ``options`` given (not None) in place of its."""
+        given = {k: v for k, v in options.items() if v is not None}
+        base = sampling if sampling is not None else cls()
+        return dataclasses.replace(base, **given) if given else base
 
 
 SELECTORS = {"cacheblend": "kv_deviation", "prophet": "question_attention"}

@@ -64,6 +64,29 @@ def cached_tokens(index, chunk_ids):
     return sum(len(index.by_id[c].token_ids) + slots for c in chunk_ids)
 
 
+def test_build_options_are_the_one_place_of_each_option_and_its_default(tmp_path):
+    """Keywords are shorthand for BuildOptions' fields; a misspelt one is refused, naming the options."""
+    from lazy_rag.chunking import CHUNK_SIZE
+    from lazy_rag.index import BuildOptions
+
+    assert BuildOptions().chunk_size == CHUNK_SIZE
+    assert token_chunker_defaults() == (CHUNK_SIZE, BuildOptions().chunk_overlap)
+    base = BuildOptions(chunk_size=64, progress=False)
+    assert BuildOptions.of(base, chunk_overlap=8) == BuildOptions(chunk_size=64, chunk_overlap=8, progress=False)
+    assert BuildOptions.of(None) == BuildOptions()
+    with pytest.raises(TypeError, match="'chunk_sise'.*chunk_size"):
+        LazyIndex.from_texts(["a text"], tmp_path / "i", chunk_sise=64)
+
+
+def token_chunker_defaults() -> tuple:
+    import inspect
+
+    from lazy_rag.chunking import TokenChunker
+
+    params = inspect.signature(TokenChunker).parameters
+    return params["chunk_size"].default, params["chunk_overlap"].default
+
+
 def test_a_build_embeds_on_its_llms_accelerator(tmp_path, smollm2, monkeypatch):
     """The default embedder of a build goes where the LLM is when that is a GPU (on the host's cores
     it was the slowest stage of a GPU build), and stays on the CPU otherwise."""

@@ -82,14 +82,17 @@ class Engine:
         self.timers: Counter = Counter()
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, segments, mode: str = "lazy", max_new_tokens: int = 16, temperature: float = 0.0,
-               top_p: float = 1.0, stop: Seq[str] | str | None = None, seed: int | None = None,
+    def submit(self, segments, mode: str = "lazy", max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, stop: Seq[str] | str | None = None, seed: int | None = None,
                source: ChunkSource | None = None, boundary_recompute: int = 0,
                recovery: Recovery | str | None = None, output_first_logits: bool = False,
                score_rows: int = 0, score_fn=None, cache_salt: str = "",
                tenant: str | None = None, output_format: OutputFormat | None = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> RequestHandle:
-        """Queue one request. ``source``: where its chunks were encoded and stored (an index's
+               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+               sampling: SamplingParams | None = None) -> RequestHandle:
+        """Queue one request. ``sampling``: how it samples (``SamplingParams``; ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``stop``, ``seed`` and the penalties are shorthand for its
+        fields). ``source``: where its chunks were encoded and stored (an index's
         ``chunk_source``); default: chunks encoded on first use after the host's shared prefix.
         ``recovery``: training-free quality recovery for the reused chunks (``Recovery`` or its
         short name, e.g. "prophet20"); ``boundary_recompute=N`` is short for ``recovery="epicN"``.
@@ -105,7 +108,9 @@ class Engine:
         running requests first), so that one tenant's flood cannot hold the others back.
         ``output_format``: every token must keep the output inside it (``OutputFormat``: a JSON
         schema, any JSON object, a regex or a Lark grammar), enforced while sampling."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, stop, seed, presence_penalty, frequency_penalty)
+        params = SamplingParams.of(sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   stop=stop, seed=seed, presence_penalty=presence_penalty,
+                                   frequency_penalty=frequency_penalty)
         source = source or self.host.default_source
         recovery = resolve_recovery(recovery, boundary_recompute)
         if recovery.any and mode not in CHUNK_MODES:
@@ -114,15 +119,15 @@ class Engine:
         t0 = time.perf_counter()
         with self.lock:  # the tokenizer is not safe to share between threads
             layout = self.host.prepare(segments, source, recovery.boundary, mode)
-            self.host.check_request(layout, mode, max_new_tokens)
+            self.host.check_request(layout, mode, params.max_new_tokens)
             if score_rows:
                 self._check_score_rows(layout, score_rows, score_fn)
             seq = Sequence(layout, mode, params, source, keep_first_logits=output_first_logits, recovery=recovery,
                            score_rows=score_rows, score_fn=score_fn, cache_salt=cache_salt, tenant=tenant)
             gen = None
-            if temperature > 0:
+            if params.temperature > 0:
                 gen = torch.Generator(device="cpu")
-                gen.manual_seed(seed if seed is not None else torch.seed())
+                gen.manual_seed(params.seed if params.seed is not None else torch.seed())
             handle = RequestHandle(seq, TextAssembler(self.host.tokenizer, list(params.stop)), gen, t0)
             if output_format is not None:
                 handle.grammar = GrammarMatcher(output_format, self.host.tokenizer, self.host.parts.vocab_rows,

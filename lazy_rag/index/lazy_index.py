@@ -20,7 +20,7 @@ from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import try_writer_lock
 from ..llm import LazyLLM
 from ..planning import plan_chunks, plan_retrieval
-from ..requests import ChunkSource, Recovery, resolve_recovery
+from ..requests import ChunkSource, Recovery, SamplingParams, resolve_recovery
 from ..store import REPAIR_FIX, IndexDB
 from ..wrapper import ChunkWrapper
 from . import build as _build
@@ -283,20 +283,23 @@ class LazyIndex:
                                "per query. Rebuild the index with the new system prompt.")
         return (prompt["system_prompt"] if system_prompt is None else system_prompt), prompt["instruction"]
 
-    def query(self, question: str, top_k: int = 4, mode: str = "lazy", max_new_tokens: int = 128,
-              temperature: float = 0.0, top_p: float = 1.0, stop=None, stream: bool = False,
+    def query(self, question: str, top_k: int = 4, mode: str = "lazy", max_new_tokens: int | None = None,
+              temperature: float | None = None, top_p: float | None = None, stop=None, stream: bool = False,
               system_prompt: str | None = None, seed: int | None = None, boundary_recompute: int | None = None,
-              recovery: Recovery | str | None = None):
+              recovery: Recovery | str | None = None, sampling: SamplingParams | None = None):
         """Retrieve, assemble, generate. Returns a ``QueryResult``; with ``stream=True`` a
         ``(sources, GenerationStream)`` pair whose stream yields text pieces.
+        ``sampling``: ``SamplingParams``; ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``
+        and ``seed`` are shorthand for its fields.
         ``recovery`` / ``boundary_recompute`` override the index's default recovery for this query."""
         t0 = time.perf_counter()
         plan = plan_retrieval(self, question, top_k, system_prompt=system_prompt, mode=mode, recovery=recovery,
                               boundary_recompute=boundary_recompute)
         retrieve_ms = (time.perf_counter() - t0) * 1e3
-        gen = self.llm.generate(plan.segments, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                                top_p=top_p, stop=stop, stream=stream, seed=seed, source=plan.source,
-                                recovery=plan.recovery)
+        sampling = SamplingParams.of(sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                     stop=stop, seed=seed)
+        gen = self.llm.generate(plan.segments, mode=mode, stream=stream, source=plan.source, recovery=plan.recovery,
+                                sampling=sampling)
         if stream:
             return plan.retrieved, gen
         stats = gen.stats.as_dict()

@@ -9,7 +9,9 @@ import torch
 
 from tests.helpers import chunk_workload, small_llm
 from lazy_rag.engine import Engine, EngineConfig
+from lazy_rag.errors import InvalidRequestError
 from lazy_rag.oracle import greedy_block_diagonal, greedy_causal
+from lazy_rag.requests import SamplingParams
 from lazy_rag.segments import Chunk
 from tests.tiny_models import tiny_model
 
@@ -77,6 +79,23 @@ def test_stream_and_stop_strings(llm):
         want = llm.generate(segs, max_new_tokens=6, stop=stop)
         got = eng.generate([dict(segments=segs, max_new_tokens=6, stop=stop)])[0]
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+
+
+def test_sampling_params_are_the_one_set_of_sampling_options_and_defaults(llm):
+    """``sampling=SamplingParams(...)`` and its keyword shorthand give the same request, at every
+    layer; a keyword given beside ``sampling`` replaces that field; the defaults are
+    SamplingParams' (128 new tokens, greedy) in LazyLLM.generate and Engine.submit alike."""
+    segs, _ = workload(1, seed=6)[0]
+    sampling = SamplingParams(max_new_tokens=4, stop=("zz",))
+    by_params = llm.generate(segs, sampling=sampling)
+    assert by_params.token_ids == llm.generate(segs, max_new_tokens=4, stop="zz").token_ids
+    assert len(llm.generate(segs, sampling=sampling, max_new_tokens=2).token_ids) == 2
+    eng = engine(llm, num_pages=64, page_size=4)
+    assert eng.submit(segs).seq.params == SamplingParams() and SamplingParams().max_new_tokens == 128
+    assert eng.submit(segs, temperature=0.5, sampling=sampling).seq.params == \
+        SamplingParams(max_new_tokens=4, temperature=0.5, stop=("zz",))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        eng.submit(segs, max_new_tokens=0)
 
 
 @pytest.mark.parametrize("shared_chunks", ["off", "on"])
