@@ -37,7 +37,6 @@ from .protocol import APIError, GenerationRequest, bad, parse_chat, parse_comple
 from .quotas import Quotas
 from .remote_model import RemoteModel
 from .tenants import ANONYMOUS, Tenant, TenantLimits, Tenants
-from .tokens import document_salt
 from .warm import PublicDocuments
 
 log = logging.getLogger("lazy_rag.server")
@@ -194,13 +193,8 @@ class LazyRagServer:
     async def _prepare_and_submit(self, req: GenerationRequest, tenant: Tenant, mode: str, max_new: int, lease):
         s = req.sampling
         try:
-            # retrieval embeds the question and span matching tokenizes: off the event loop (the
-            # worker thread sees the tenant's salt for the documents' token cache)
-            salt = document_salt.set(tenant.cache_salt)
-            try:
-                prepared = await asyncio.to_thread(self.builder.build, req, mode)
-            finally:
-                document_salt.reset(salt)
+            # retrieval embeds the question and span matching tokenizes: off the event loop
+            prepared = await asyncio.to_thread(self.builder.build, req, mode, tenant.cache_salt)
             prepared.segments = self.public_documents.mark(prepared.segments)
             try:
                 lease.reserve_tokens(prompt_tokens(prepared.segments) + max_new)

@@ -88,12 +88,13 @@ class PromptBuilder:
             self.matcher = ChunkMatcher.from_index(index)
             self.matcher.tokenizer = tokenizer  # the same vocabulary; this builder's lock guards it
 
-    def build(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
+    def build(self, req: GenerationRequest, mode: str, salt: str = "") -> PreparedPrompt:
         """Blocking (retrieval embeds, span matching and tokenizing take milliseconds): call it
-        from a worker thread."""
+        from a worker thread. ``salt``: the requesting tenant's cache salt (its documents' token
+        ids are remembered apart from other tenants')."""
         prepared = self._retrieval(req, mode) if req.rag_top_k else self._plan(req, mode)
         with self._lock:
-            prepared.segments = tokenize_segments(self.tokenizer, prepared.segments, self.documents)
+            prepared.segments = tokenize_segments(self.tokenizer, prepared.segments, self.documents, salt)
         return prepared
 
     def _plan(self, req: GenerationRequest, mode: str) -> PreparedPrompt:

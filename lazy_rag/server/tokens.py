@@ -9,7 +9,6 @@ the prompt's first segment with the tokenizer's BOS, a chunk's text without spec
 from __future__ import annotations
 
 import hashlib
-from contextvars import ContextVar
 from typing import Sequence
 
 import numpy as np
@@ -21,25 +20,21 @@ from ..segments import Chunk, Segment, tokenize_text
 DEFAULT_CACHE_BYTES = 64 << 20
 _ENTRY_OVERHEAD = 200  # the key, the array header and the LRU's bookkeeping, roughly
 
-# The cache salt of the tenant whose prompt is being built: a document's ids are remembered per
-# tenant, so that one tenant's document is not tokenized faster for having been sent by another.
-# Set by the server around a prompt's build (a worker thread of ``asyncio.to_thread`` sees it).
-document_salt: ContextVar[str] = ContextVar("document_salt", default="")
-
 
 class DocumentTokens:
     """Token ids of chunk texts (no specials) by the SHA-256 of the text and the requesting
-    tenant's salt (``document_salt``), bounded by bytes (LRU). Not thread-safe for the
-    tokenizer: callers hold their tokenizer's lock."""
+    tenant's cache salt, bounded by bytes (LRU): one tenant's document is not tokenized faster
+    for having been sent by another. Not thread-safe for the tokenizer: callers hold their
+    tokenizer's lock."""
 
     def __init__(self, tokenizer, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer = tokenizer
         self._lru: ByteLRU[np.ndarray] = ByteLRU(max_bytes, lambda a: a.nbytes + _ENTRY_OVERHEAD)
         self.hits = self.misses = 0
 
-    def ids(self, text: str) -> list[int]:
+    def ids(self, text: str, salt: str = "") -> list[int]:
         # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 refuses
-        key = hashlib.sha256(document_salt.get().encode() + b"\0" + text.encode("utf-8", "surrogatepass")).digest()
+        key = hashlib.sha256(salt.encode() + b"\0" + text.encode("utf-8", "surrogatepass")).digest()
         found = self._lru.get(key)
         if found is not None:
             self.hits += 1
@@ -50,8 +45,8 @@ class DocumentTokens:
         return list(ids)
 
 
-def tokenize_segments(tokenizer, segments: Sequence[Segment], documents: DocumentTokens | None = None
-                      ) -> list[Segment]:
+def tokenize_segments(tokenizer, segments: Sequence[Segment], documents: DocumentTokens | None = None,
+                      salt: str = "") -> list[Segment]:
     """Text -> token ids (the first segment with BOS, as ``assemble`` does); ``Chunk`` texts ->
     ``Chunk`` of ids (through ``documents`` when given), keeping their ``chunk_id``; ids stay."""
     out: list[Segment] = []
@@ -59,7 +54,7 @@ def tokenize_segments(tokenizer, segments: Sequence[Segment], documents: Documen
         if isinstance(seg, str):
             out.append(tokenize_text(tokenizer, seg, first=(i == 0)))
         elif isinstance(seg, Chunk) and isinstance(seg.content, str):
-            ids = documents.ids(seg.content) if documents is not None else \
+            ids = documents.ids(seg.content, salt) if documents is not None else \
                 tokenizer(seg.content, add_special_tokens=False).input_ids
             out.append(Chunk(ids, seg.chunk_id))
         else:

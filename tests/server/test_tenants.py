@@ -249,3 +249,14 @@ def test_server_defaults_give_each_of_several_tenants_half_the_queue():
     assert ServerSettings(api_key="k").tenant_defaults.max_in_flight is None
     with pytest.raises(LazyRagError, match="positive integer"):
         ServerSettings(tenant_tokens_per_minute=0)
+
+
+def test_document_token_ids_are_remembered_per_tenant(llm):
+    """The HTTP process's token cache is keyed by the tenant's salt too: another tenant's
+    document is tokenized again (a hit there would be a faster answer, i.e. a timing signal)."""
+    from lazy_rag.server.tokens import DocumentTokens
+
+    cache = DocumentTokens(llm.tokenizer)
+    first = cache.ids("w1 w2 w3", "salt-a")
+    assert cache.ids("w1 w2 w3", "salt-b") == first and (cache.hits, cache.misses) == (0, 2)
+    assert cache.ids("w1 w2 w3", "salt-a") == first and (cache.hits, cache.misses) == (1, 2)
