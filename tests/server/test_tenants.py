@@ -10,12 +10,12 @@ import json
 import logging
 import random
 import time
-from statistics import median
 
 import httpx
 import pytest
 import torch
 
+from lazy_rag.bench.tenant_timing import summary, timing_trials
 from lazy_rag.errors import LazyRagError
 from lazy_rag.server import ServerSettings, create_app
 from lazy_rag.server.quotas import TokenBucket
@@ -59,49 +59,31 @@ def run(app, scenario):
         app.state.server.driver.close()
 
 
-def auc(negatives, positives) -> float:
-    """P(a negative's time > a positive's): the area under the ROC curve of the classifier
-    "slower than a threshold means a cold miss" (0.5: the times tell nothing)."""
-    return sum((n > p) + 0.5 * (n == p) for n in negatives for p in positives) / (len(negatives) * len(positives))
-
-
 def test_another_tenants_document_times_as_a_cold_miss_and_ones_own_repeat_as_a_hit(llm):
     """Tenant a sends 200 documents; then, in random order per document, tenant b sends it (the
     probe), b sends a fresh one (a cold miss), and a sends it again (its own repeat). The same
     classifier that tells a's repeats from cold misses (the salt is all that differs between a
-    repeat and a probe) must not tell b's probes from cold misses."""
+    repeat and a probe) must not tell b's probes from cold misses (``bench.tenant_timing``)."""
     rng = random.Random(0)
 
     def document():
         return " ".join(rng.choice(WORDS) for _ in range(250))
 
     async def scenario(ask, client):
-        for _ in range(3):  # warm-up: first steps, allocator
-            await ask("b", [document()])
-        sent = [document() for _ in range(200)]
-        for i in range(0, len(sent), 25):
-            assert (await ask("a", sent[i:i + 25]))[1].status_code == 200
-        times = {"probe": [], "cold": [], "own": []}
-        for doc in sent:
-            trial = [("probe", "b", doc), ("cold", "b", document()), ("own", "a", doc)]
-            rng.shuffle(trial)
-            for kind, tenant, text in trial:
-                seconds, r = await ask(tenant, [text])
-                assert r.status_code == 200, r.text
-                extra = r.json()["lazy_rag"]
-                assert extra["chunk_sources"] == ({"pool": 1} if kind == "own" else {"encoded": 1}), (kind, extra)
-                times[kind].append((seconds, extra["ttft_ms"]))
-        return times
+        async def timed(tenant, documents):
+            seconds, r = await ask(tenant, documents)
+            assert r.status_code == 200, r.text
+            return seconds, r.json()["lazy_rag"]
 
-    times = run(make_app(llm), scenario)
-    for i, clock in enumerate(("client", "server ttft_ms")):
-        probe, cold, own = ([t[i] for t in times[k]] for k in ("probe", "cold", "own"))
-        hit = auc(cold, own)
-        leak = auc(cold, probe)
-        print(f"{clock}: AUC cold vs own repeat {hit:.3f}, cold vs other tenant's probe {leak:.3f} (200 trials; "
-              f"medians: cold {median(cold):.4g}, probe {median(probe):.4g}, own {median(own):.4g})")
-        assert hit >= 0.8, f"{clock}: the classifier cannot tell hits from misses here (AUC {hit:.3f})"
-        assert max(leak, 1 - leak) <= 0.6, f"{clock}: another tenant's document times apart from a cold miss"
+        return await timing_trials(timed, document, 200, rng)
+
+    found = summary(run(make_app(llm), scenario))
+    for clock in ("client_s", "server_ttft_ms"):
+        f = found[clock]
+        print(f"{clock}: AUC cold vs own repeat {f['auc_own']}, cold vs other tenant's probe {f['auc_probe']} "
+              f"(200 trials; medians: cold {f['median_cold']}, probe {f['median_probe']}, own {f['median_own']})")
+        assert f["auc_own"] >= 0.8, f"{clock}: the classifier cannot tell hits from misses here: {f}"
+        assert max(f["auc_probe"], 1 - f["auc_probe"]) <= 0.6, f"{clock}: another tenant's document times apart: {f}"
 
 
 def test_tenants_without_keys_share_one_cache(llm):
