@@ -11,7 +11,8 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .model_host import ModelHost
-from .requests import ChunkSource, GenerationResult, GenerationStream, Recovery, SamplingParams
+from .engine.recovery import Recovery
+from .requests import ChunkSource, GenerationResult, GenerationStream, SamplingParams
 from .segments import Chunk, PromptLayout, Segment, chunk_token_ids
 from .structured import OutputFormat
 from .chunk_kv import ChunkKV

@@ -21,7 +21,8 @@ from typing import Sequence
 
 from .chat import DEFAULT_INSTRUCTION, build_rag_segments
 from .errors import LazyRagError
-from .requests import CHUNK_MODES, ChunkSource, Recovery, resolve_recovery
+from .engine.recovery import Recovery, resolve_recovery
+from .requests import CHUNK_MODES, ChunkSource
 from .segments import Chunk, Segment
 
 

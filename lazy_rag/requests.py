@@ -10,7 +10,6 @@ Modes (same model, same sampling; only KV reuse and attention differ):
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -78,115 +77,6 @@ class SamplingParams:
         given = {k: v for k, v in options.items() if v is not None}
         base = sampling if sampling is not None else cls()
         return dataclasses.replace(base, **given) if given else base
-
-
-SELECTORS = {"cacheblend": "kv_deviation", "prophet": "question_attention"}
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """Training-free recovery of answer quality for chunks encoded alone, applied at query time
-    (nothing stored changes; the shared pages are never written).
-
-    - ``boundary`` (EPIC): recompute the first N tokens of every chunk.
-    - ``select`` + ``ratio``: recompute the fraction ``ratio`` of all the prompt's cached chunk
-      tokens, chosen by ``select``: ``"kv_deviation"`` (CacheBlend: the tokens whose K/V at layer
-      ``select_layer`` deviate most from a full-attention pass over the prompt) or
-      ``"question_attention"`` (ProphetKV: the tokens the question attends to most, softmax
-      attention averaged over layers and heads, the question run against the reused KV).
-    - ``ape_temperature`` T and ``ape_scale`` S (APE): queries attend to the chunks' tokens as one
-      group whose log-sum-exp is T * logsumexp(s / T) + ln S (softmax(s / T) inside it), merged
-      with the other keys' group; T = S = 1 is plain attention.
-    Recomputed tokens attend to everything before them; every other chunk token stays zero-copy.
-    Short names (``Recovery.parse``): ``epic16``, ``cacheblend15`` / ``prophet20`` (percent of
-    the chunk tokens), ``ape0.8`` or ``ape0.8s1.2`` (T, S), joined with ``+``.
-    """
-
-    boundary: int = 0
-    select: str | None = None
-    ratio: float = 0.0
-    select_layer: int = 1
-    ape_temperature: float = 1.0
-    ape_scale: float = 1.0
-
-    def __post_init__(self):
-        if self.boundary < 0:
-            raise LazyRagError(f"Recovery boundary must be >= 0 tokens, got {self.boundary}.")
-        if self.select is not None and self.select not in SELECTORS.values():
-            raise LazyRagError(f"Unknown token selector {self.select!r}; choose one of "
-                               f"{', '.join(SELECTORS.values())}.")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise LazyRagError(f"Recovery ratio must be a fraction in [0, 1], got {self.ratio}.")
-        if self.ratio and self.select is None:
-            raise LazyRagError("A recompute ratio needs a selector: select='kv_deviation' or 'question_attention'.")
-        if self.select_layer < 0:
-            raise LazyRagError(f"select_layer must be >= 0, got {self.select_layer}.")
-        if not (self.ape_temperature > 0 and self.ape_scale > 0):
-            raise LazyRagError(f"APE temperature and scale must be > 0, got {self.ape_temperature}, {self.ape_scale}.")
-
-    @property
-    def selects(self) -> bool:
-        return self.select is not None and self.ratio > 0
-
-    @property
-    def ape(self) -> bool:
-        return self.ape_temperature != 1.0 or self.ape_scale != 1.0
-
-    @property
-    def any(self) -> bool:
-        return bool(self.boundary or self.selects or self.ape)
-
-    @classmethod
-    def parse(cls, text: "str | Recovery | None") -> "Recovery":
-        """``"epic16+prophet20"`` -> Recovery(boundary=16, select="question_attention", ratio=0.2)."""
-        if isinstance(text, Recovery):
-            return text
-        fields: dict = {}
-        for part in (text or "").split("+"):
-            part = part.strip()
-            if not part or part == "none":
-                continue
-            m = re.fullmatch(r"epic(\d+)", part)
-            if m:
-                fields["boundary"] = int(m.group(1))
-                continue
-            m = re.fullmatch(r"(cacheblend|prophet)(\d+(?:\.\d+)?)", part)
-            if m:
-                fields["select"] = SELECTORS[m.group(1)]
-                fields["ratio"] = float(m.group(2)) / 100
-                continue
-            m = re.fullmatch(r"ape(\d+(?:\.\d+)?)(?:s(\d+(?:\.\d+)?))?", part)
-            if m:
-                fields["ape_temperature"] = float(m.group(1))
-                fields["ape_scale"] = float(m.group(2) or 1.0)
-                continue
-            raise LazyRagError(f"Unknown recovery option {part!r} in {text!r}; use epicN (recompute each chunk's "
-                               "first N tokens), cacheblendP or prophetP (recompute P% of the chunk tokens), "
-                               "apeT or apeTsS (attention temperature / scale), joined with '+'.")
-        return cls(**fields)
-
-    def name(self) -> str:
-        """The short name ``parse`` reads back ("" for none)."""
-        parts = []
-        if self.boundary:
-            parts.append(f"epic{self.boundary}")
-        if self.selects:
-            short = {v: k for k, v in SELECTORS.items()}[self.select]
-            parts.append(f"{short}{self.ratio * 100:g}")
-        if self.ape:
-            parts.append(f"ape{self.ape_temperature:g}" + (f"s{self.ape_scale:g}" if self.ape_scale != 1.0 else ""))
-        return "+".join(parts)
-
-
-def resolve_recovery(recovery: "Recovery | str | None", boundary_recompute: int | None = 0) -> Recovery:
-    """One Recovery from a request's options (``boundary_recompute=N`` is short for "epicN")."""
-    recovery = Recovery.parse(recovery)
-    if boundary_recompute:
-        if recovery.boundary and recovery.boundary != boundary_recompute:
-            raise LazyRagError(f"boundary_recompute={boundary_recompute} disagrees with recovery "
-                               f"{recovery.name()!r}; give one of them.")
-        recovery = Recovery(**{**recovery.__dict__, "boundary": boundary_recompute})
-    return recovery
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from lazy_rag.quality.retrieval import load_retrieval, save_retrieval
 from lazy_rag.quality.scoring import clean_prediction, contains_answer, kl_divergence, normalize_answer, score_answer
 from lazy_rag.quality.statistics import PairedBootstrap
 from lazy_rag.quality.tasks import build_bridge_task, classify_bridge, open_items, place_gold, split_sentences
-from lazy_rag.requests import Recovery
+from lazy_rag.engine.recovery import Recovery
 from tests.helpers import squad_file
 
 

@@ -13,7 +13,7 @@ from lazy_rag import Chunk
 from lazy_rag.bench.random_models import IdTokenizer
 from lazy_rag.errors import LazyRagError
 from lazy_rag.oracle import ape_logits, block_diagonal_logits, causal_logits, visibility_mask
-from lazy_rag.requests import Recovery
+from lazy_rag.engine.recovery import Recovery
 from tiny_models import tiny_model
 
 
@@ -56,6 +56,20 @@ def test_names_parse_round_trip_and_bad_ones_are_refused():
     for bad in ("magic5", "prophet150", "ape0", "epic-3"):
         with pytest.raises(LazyRagError):
             Recovery.parse(bad)
+
+
+def test_a_method_is_one_row_that_the_quality_configurations_take_too():
+    """Each of engine.recovery.METHODS parses, names itself back, and is a configuration suffix of
+    the quality runs (``lazy+epic16``) setting its part of the Recovery."""
+    from lazy_rag.engine.recovery import METHODS
+    from lazy_rag.quality.configs import SUFFIXES, Config
+
+    examples = {"epic": "epic8", "prophet": "prophet12.5", "cacheblend": "cacheblend30", "ape": "ape0.7s1.1"}
+    assert set(examples) == set(METHODS)
+    for name, method in METHODS.items():
+        assert Recovery.parse(examples[name]).name() == examples[name]
+        assert (SUFFIXES[name].pattern, SUFFIXES[name].recovery) == (method.pattern, method.part)
+        assert Config.parse(f"lazy+{examples[name]}").generate_options == {"recovery": examples[name]}
 
 
 @pytest.mark.parametrize("selector", ["prophet", "cacheblend"])

@@ -6,14 +6,22 @@ tier and disk store below the pool, one key scheme), ``sequence`` (a request, a 
 runs of KV), ``kv_planner`` (where a request's KV lives, per mode), ``scheduler`` (queues,
 budget, preemption), ``page_table`` (runs -> the kernels' page table), ``model_runner`` (the one
 forward and its attention paths), ``cuda_graphs`` (captured decode steps), ``engine`` (submit /
-step / generate / stream / encode).
+step / generate / stream / encode), ``recovery`` (what a quality recovery is, and which chunk
+tokens a request recomputes).
 """
-from .config import EngineConfig
-from .engine import Engine, RequestHandle
-from .page_manager import PageManager
-from .page_pool import OutOfPages, PagePool
-from .scheduler import RequestTooLarge, Scheduler
-from .sequence import Sequence
+from importlib import import_module
+
+# Exported lazily: ``engine.recovery`` (a request's Recovery) is imported by light front ends that
+# never run the engine, which pulls in torch and the kernels
+_EXPORTS = {"Engine": "engine", "RequestHandle": "engine", "EngineConfig": "config", "PageManager": "page_manager",
+            "OutOfPages": "page_pool", "PagePool": "page_pool", "RequestTooLarge": "scheduler",
+            "Scheduler": "scheduler", "Sequence": "sequence"}
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle", "PagePool", "PageManager", "Scheduler", "Sequence",
            "OutOfPages", "RequestTooLarge"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

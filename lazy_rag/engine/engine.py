@@ -21,8 +21,7 @@ import torch
 
 from ..model_host import ModelHost
 from ..errors import LazyRagError, RequestFailedError
-from ..requests import (CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, Recovery, SamplingParams,
-                        resolve_recovery)
+from ..requests import CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, SamplingParams
 from ..sampling import TextAssembler, apply_penalties, sample_next
 from ..structured import GrammarMatcher, OutputFormat
 from ..chunk_kv import ChunkKV
@@ -32,6 +31,7 @@ from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
 from .page_manager import PageManager
 from .page_pool import PagePool
+from .recovery import Recovery, choose_recomputed, resolve_recovery
 from .scheduler import Scheduler
 from .sequence import EncodeJob, Run, Sequence, Status
 
@@ -230,15 +230,10 @@ class Engine:
             h.error = err
 
     def _select(self, seq: Sequence) -> None:
-        """Pick the chunk tokens this request recomputes (Recovery.select), before its prefill."""
+        """Recompute the chunk tokens this request's recovery chooses (``recovery.choose_recomputed``),
+        before its prefill."""
         t = time.perf_counter()
-        rec, candidates = seq.recovery, self.planner.recompute_candidates(seq)
-        if rec.select == "question_attention":
-            scores = self.runner.question_attention(seq, candidates)
-        else:
-            scores = self.runner.kv_deviation(seq, candidates, rec.select_layer)
-        top = torch.topk(scores, seq.recompute_budget).indices.tolist()
-        self.planner.recompute(seq, [candidates[j] for j in top])
+        self.planner.recompute(seq, choose_recomputed(seq, self.runner))
         self.timers["select_s"] += time.perf_counter() - t
 
     def abort(self, handle: RequestHandle) -> None:

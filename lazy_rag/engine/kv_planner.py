@@ -20,7 +20,8 @@ page boundary, so each contiguous stretch of a request's own tokens gets its own
 - ``full``:   one private run over everything.
 
 Selective recompute (``Recovery.select``): admission reserves pages for the tokens a selector
-will pick; once picked (``recompute``), lazy hides them in the shared chunk runs and computes
+will pick (how many: ``recovery.recompute_budget``; which: ``recovery.choose_recomputed``); once
+picked (``recompute``), lazy hides them in the shared chunk runs and computes
 them into one compact private run with explicit positions; block overwrites their copied slots.
 
 A chunk's KV comes from the first of: the pool, the host tier, the request's disk store, and
@@ -49,6 +50,7 @@ from .chunk_tiers import ChunkTiers, chunk_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
 from .read_or_encode import ReadOrEncode
+from .recovery import recompute_budget
 from .sequence import EncodeJob, Run, Sequence
 
 
@@ -365,21 +367,15 @@ class KVPlanner:
 
     # -- recovery: recomputing chunk tokens -----------------------------------------------------
     def _reserve_recompute(self, seq: Sequence) -> None:
-        """For a selector, fix how many tokens it recomputes and (lazy) reserve their compact
-        run's pages now, so that the selection can never run out of pages."""
-        rec = seq.recovery
-        if not rec.selects:
+        """For a selector, fix how many tokens it recomputes (``recovery.recompute_budget``) and
+        (lazy) reserve their compact run's pages now, so that the selection can never run out of pages."""
+        if not seq.recovery.selects:
             return
-        candidates = sum(span.cached_tokens for span in seq.layout.spans)
-        seq.recompute_budget = min(candidates, round(rec.ratio * candidates))
+        seq.recompute_budget = recompute_budget(seq)
         if seq.recompute_budget and seq.mode == "lazy":
             seq.recompute_pages = self.pm.allocate(self.pool.pages_for(seq.recompute_budget))
             seq.private += seq.recompute_pages
         seq.needs_selection = seq.recompute_budget > 0
-
-    def recompute_candidates(self, seq: Sequence) -> list[int]:
-        """Positions of the chunk tokens still read from cache (shared prefix excluded)."""
-        return [p for span in seq.layout.spans for p in range(span.start + span.skip, span.end)]
 
     def recompute(self, seq: Sequence, positions: list[int]) -> None:
         """Recompute these chunk tokens in this request's prefill, with attention to everything

@@ -11,8 +11,9 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from ..requests import ChunkSource, Recovery, SamplingParams
+from ..requests import ChunkSource, SamplingParams
 from ..segments import PromptLayout
+from .recovery import Recovery
 
 
 class Status(Enum):

@@ -30,7 +30,7 @@ from ..kv_record import KV_DTYPE_NAMES, KV_DTYPES, kv_dtype_named
 from ..llm import LazyLLM
 from ..models import DEFAULT_MODEL
 from ..progress import Progress, resolved_style
-from ..requests import Recovery, resolve_recovery
+from ..engine.recovery import Recovery, resolve_recovery
 from ..segments import tokenize_text
 from ..store import ChunkStore, IndexDB
 from ..vector_index import VectorIndex

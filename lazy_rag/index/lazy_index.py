@@ -20,7 +20,8 @@ from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import try_writer_lock
 from ..llm import LazyLLM
 from ..planning import plan_chunks, plan_retrieval
-from ..requests import ChunkSource, Recovery, SamplingParams, resolve_recovery
+from ..engine.recovery import Recovery, resolve_recovery
+from ..requests import ChunkSource, SamplingParams
 from ..store import REPAIR_FIX, IndexDB
 from ..wrapper import ChunkWrapper
 from . import build as _build

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import LazyRagError
-from ..requests import Recovery
+from ..engine.recovery import METHODS, Recovery
 from .runner import MODES, REUSE_MODES
 
 
@@ -33,14 +33,8 @@ SUFFIXES: dict[str, Suffix] = {
                       index=lambda m: {"wrapper": m.group(0).partition(":")[2] or "auto"}),
     "fp8": Suffix(r"fp8", "chunk KV stored in fp8 (e4m3, one scale per token and KV head; `lazy-rag index "
                   "--kv-dtype fp8`)", index=lambda m: {"kv_dtype": "fp8"}),
-    "epic": Suffix(r"epic\d+", "the first N tokens of every chunk recomputed at query time (EPIC)",
-                   recovery="boundary"),
-    "prophet": Suffix(r"prophet\d+(?:\.\d+)?", "P% of the chunk tokens, those the question attends to most, "
-                      "recomputed (ProphetKV)", recovery="select"),
-    "cacheblend": Suffix(r"cacheblend\d+(?:\.\d+)?", "P% of the chunk tokens, those whose KV deviates most, "
-                         "recomputed (CacheBlend)", recovery="select"),
-    "ape": Suffix(r"ape\d+(?:\.\d+)?(?:s\d+(?:\.\d+)?)?", "attention to the chunks at temperature T and "
-                  "scale S (APE)", recovery="ape"),
+    # the engine's recovery methods, each a part of its Recovery (engine.recovery.METHODS)
+    **{name: Suffix(m.pattern, m.help, recovery=m.part) for name, m in METHODS.items()},
 }
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 from ..chat import render_messages
 from ..errors import LazyRagError
 from ..planning import Plan, choose_recovery, plan_prompt, plan_retrieval
-from ..requests import Recovery
+from ..engine.recovery import Recovery
 from ..segments import Chunk, Segment
 from .protocol import APIError, Document, GenerationRequest, bad
 from .tokens import DocumentTokens, tokenize_segments
