@@ -109,7 +109,8 @@ def cmd_corpus(a) -> None:
 def cmd_prechunk(a) -> None:
     from transformers import AutoTokenizer
 
-    from lazy_rag.chunking import TokenChunker, discover_files, read_text
+    from lazy_rag.chunking import TokenChunker, discover_files
+    from lazy_rag.documents import read_text
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     chunker = TokenChunker(tok, a.chunk_size, a.chunk_overlap)
@@ -117,7 +118,7 @@ def cmd_prechunk(a) -> None:
     n = 0
     with gzip.open(a.out, "wt") as f:
         for path in files:
-            text, _ = read_text(path)
+            text = read_text(path).text
             for i, (piece, ids) in enumerate(chunker.split(text or "")):
                 f.write(json.dumps({"source": path.name, "ordinal": i, "text": piece, "tokens": len(ids)}) + "\n")
                 n += 1

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files, read_text
+from .chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
+from .documents import read_text
 from .kv_record import kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
@@ -80,8 +81,10 @@ def embed_rate(embedder, texts: list[str]) -> float:
 
 
 def estimate_build(sources, out: Path, llm, *, chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP,
-                   kv_dtype: str = "auto", wrapper_slots: int = 0, embedder=None, seed: int = 0) -> dict:
-    """The estimate as a flat dict (see the module docstring)."""
+                   kv_dtype: str = "auto", wrapper_slots: int = 0, embedder=None, seed: int = 0,
+                   encoding: str | None = None) -> dict:
+    """The estimate as a flat dict (see the module docstring); ``encoding``: that of text files
+    that are not UTF-8 (None: detected)."""
     files, skipped = discover_files(sources)
     sizes = {f: f.stat().st_size for f in files}
     total_bytes = sum(sizes.values())
@@ -95,7 +98,7 @@ def estimate_build(sources, out: Path, llm, *, chunk_size: int = CHUNK_SIZE, chu
     for f in order:
         if sample_bytes >= SAMPLE_BYTES:
             break
-        text, _ = read_text(f)
+        text = read_text(f, encoding).text
         sample_bytes += sizes[f]
         sampled += 1
         if text is None:
@@ -122,7 +125,7 @@ def estimate_build(sources, out: Path, llm, *, chunk_size: int = CHUNK_SIZE, chu
     chunking_s = chunk_s * scale
     free = shutil.disk_usage(probe_dir).free
     return {
-        "files": len(files), "files_skipped": sum(skipped.values()), "source_bytes": total_bytes,
+        "files": len(files), "files_skipped": len(skipped), "source_bytes": total_bytes,
         "sampled_files": sampled, "sample_bytes": sample_bytes,
         "exact": sample_bytes >= total_bytes, "chunks": chunks, "tokens": tokens,
         "kv_dtype": kv_dtype, "kv_bytes_per_token": round(per_token, 1), "kv_bytes": kv_bytes,

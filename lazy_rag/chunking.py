@@ -1,18 +1,17 @@
-"""Finding and reading source files, and splitting text into model-token-sized chunks."""
+"""Finding source files, and splitting text into model-token-sized chunks."""
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 from .deps import require
+from .documents import FORMATS, READERS, Skip, supported, unsupported
 from .errors import LazyRagError
 
-TEXT_SUFFIXES = (".txt", ".md")
 
-
-def discover_files(sources) -> tuple[list[Path], Counter]:
-    """Supported files under ``sources`` (files or folders), and a count of what was skipped."""
-    files, skipped = [], Counter()
+def discover_files(sources) -> tuple[list[Path], list[tuple[Path, Skip]]]:
+    """The files under ``sources`` (files or folders) of a type lazy-rag reads, and each other
+    file with why it is skipped and what to do (hidden files and folders are passed over)."""
+    files, skipped = [], []
     if not sources:
         raise LazyRagError("No sources given: pass at least one file or folder to index.")
     for src in sources:
@@ -23,54 +22,18 @@ def discover_files(sources) -> tuple[list[Path], Counter]:
         for f in candidates:
             if any(part.startswith(".") for part in f.relative_to(p).parts if p.is_dir()):
                 continue  # hidden files and folders (.git, editors' temp files)
-            if f.suffix.lower() in TEXT_SUFFIXES:
+            if supported(f):
                 files.append(f.resolve())
             else:
-                skipped[f"unsupported type ({f.suffix or 'no suffix'})"] += 1
+                skipped.append((f.resolve(), unsupported(f)))
     files = sorted(set(files))
     if not files:
-        detail = f" (skipped: {dict(skipped)})" if skipped else ""
+        detail = f" (skipped: {', '.join(f'{f.name}: {s.reason}' for f, s in skipped[:5])}" \
+                 f"{', ...' if len(skipped) > 5 else ''})" if skipped else ""
         raise LazyRagError(
-            f"No .txt or .md files found in {', '.join(map(str, sources))}{detail}; point lazy-rag "
-            "at a folder with text or markdown files."
-        )
+            f"No file lazy-rag reads found in {', '.join(map(str, sources))}{detail}; point lazy-rag at files or "
+            f"folders of {FORMATS} ({', '.join(sorted(READERS))}).")
     return files, skipped
-
-
-READ_ATTEMPTS = 5  # reads of one file that may disagree (it is being written) before the last is taken
-
-
-def _read_bytes(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def read_text(path: Path) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason) for binary / non-UTF-8 / empty files.
-
-    The file is read until two reads in a row agree (at most ``READ_ATTEMPTS``): a write that lands
-    while it is read does not yield a torn text, half one version and half the next. The caller
-    chunks, hashes and records exactly the text returned, so what changes later is seen by the
-    next run; a file that never holds still is taken as last read (``LazyIndex.build`` reports
-    it as changed)."""
-    data = None
-    try:
-        for _ in range(READ_ATTEMPTS):
-            again = _read_bytes(path)
-            if again == data:
-                break
-            data = again
-    except OSError as e:  # unreadable, or gone while indexing
-        return None, f"unreadable ({e.strerror or type(e).__name__})"
-    if b"\x00" in data[:8192]:
-        return None, "binary"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    if not text.strip():
-        return None, "empty"
-    return text, None
 
 
 # the default chunk size and overlap, in model tokens (an index's, the CLI's, the integrations')

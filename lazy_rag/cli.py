@@ -74,7 +74,8 @@ def _quiet_libraries() -> None:
     # read when transformers is imported (importing it here would cost seconds of every command)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    for name in ("transformers", "sentence_transformers", "httpx"):
+    # (pypdf warns of every flaw it reads past; a PDF it cannot read is named among the files skipped)
+    for name in ("transformers", "sentence_transformers", "httpx", "pypdf"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if "transformers" in sys.modules:  # imported already (by a script or a test): it read the variable then
         from transformers.utils import logging as hf_logging
@@ -92,7 +93,8 @@ def _human(n: float) -> str:
 
 @app.command()
 def index(
-    sources: List[Path] = typer.Argument(..., help="Files or folders to index (.txt, .md)."),
+    sources: List[Path] = typer.Argument(..., help="Files or folders to index: text, markdown, PDF, HTML, DOCX, CSV, "
+                                                   "JSON (.txt .md .pdf .html .docx .csv .json and kin)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Index folder (created or updated)."),
     model: Optional[str] = typer.Option(None, help="Bundled name, HF folder, .gguf file or hub id (default: the "
                                                    "model of the index in --out, else smollm2)."),
@@ -116,6 +118,9 @@ def index(
     wrapper: str = typer.Option("auto", help="Chunk wrapper every chunk is encoded inside: auto (an existing index's, "
                                              "else the model's bundled one), none, a bundled name (`lazy-rag models`) "
                                              "or a file from `lazy-rag tune`."),
+    encoding: Optional[str] = typer.Option(None, help="Encoding of text files that are not UTF-8, e.g. cp1252 (default: "
+                                                      "the index's earlier --encoding, else each file's as detected; "
+                                                      "auto: detect)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Estimate chunks, tokens, disk bytes and time (from a sample "
                                                           "of the files and timed probes on this machine); write "
                                                           "nothing."),
@@ -125,10 +130,16 @@ def index(
     lazy-rag in --out is converted in place, keeping its KV)."""
     _quiet_libraries()
     _threads(threads)
+    from .documents import check_encoding
+
+    try:
+        check_encoding(encoding)  # before any model loads
+    except LazyRagError as e:
+        _fail(e)
     from .index import LazyIndex
 
     if dry_run:
-        _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper)
+        _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper, encoding)
         return
 
     try:
@@ -136,7 +147,7 @@ def index(
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=True, precompute_kv=precompute,
                                    boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
-                                   drop_missing=drop_missing, wait_lock=wait_lock, wrapper=wrapper)
+                                   drop_missing=drop_missing, wait_lock=wait_lock, wrapper=wrapper, encoding=encoding)
     except LazyRagError as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -151,6 +162,11 @@ def index(
         out.print(f"  skipped {path}: {why}", markup=False, highlight=False)
     if len(rep.skipped_files) > 20:
         out.print(f"  ... and {len(rep.skipped_files) - 20} more")
+    for path, how in rep.decoded[:20]:
+        out.print(f"  read {path} as {how} (not UTF-8; --encoding NAME sets the encoding)", markup=False,
+                  highlight=False)
+    if len(rep.decoded) > 20:
+        out.print(f"  ... and {len(rep.decoded) - 20} more not in UTF-8")
     for path in rep.changed_files:
         out.print(f"  {path} changed while it was indexed: the index holds the text read; run `lazy-rag index` "
                   "again to index the new version.", markup=False, highlight=False)
@@ -163,10 +179,11 @@ def index(
               markup=False, highlight=False)
 
 
-def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper) -> None:
+def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtype, wrapper, encoding) -> None:
     from .build_estimate import estimate_build
     from .embedder import Embedder, build_device
-    from .index.build import model_for
+    from .index.build import model_for, source_encoding
+    from .index.folder import indexed_setting
     from .llm import LazyLLM
 
     try:
@@ -174,7 +191,8 @@ def _dry_run(sources, out_dir, model, device, chunk_size, chunk_overlap, kv_dtyp
         w = llm.host.resolve_wrapper(wrapper)  # a new index's ("auto": the model's bundled wrapper)
         est = estimate_build([str(s) for s in sources], out_dir, llm, chunk_size=chunk_size, chunk_overlap=chunk_overlap,
                              kv_dtype=kv_dtype, wrapper_slots=w.slots if w is not None else 0,
-                             embedder=Embedder(device=build_device(llm.device)))
+                             embedder=Embedder(device=build_device(llm.device)),
+                             encoding=source_encoding(encoding, indexed_setting(out_dir, "source_encoding")))
     except LazyRagError as e:
         _fail(e)
     t = Table(title=f"Dry run: indexing {', '.join(map(str, sources))} into {out_dir} (nothing written)")

@@ -78,9 +78,9 @@ def test_a_write_during_the_read_never_tears_a_chunk(tmp_path, smollm2, embedder
     tower = src / "tower.md"
     tower.write_text(FIRST)
     (src / "other.md").write_text("The Kestrel Street Bakery opened in 1923.")
-    import lazy_rag.chunking as chunking
+    import lazy_rag.documents as documents
 
-    real, reads = chunking._read_bytes, []
+    real, reads = documents._read_bytes, []
 
     def torn(path):  # the first read of tower.md: up to "1871", then the write, then the rest of the open file
         if path.name != "tower.md" or reads:
@@ -91,7 +91,7 @@ def test_a_write_during_the_read_never_tears_a_chunk(tmp_path, smollm2, embedder
             reads.append(head + f.read())
         return reads[0]
 
-    monkeypatch.setattr(chunking, "_read_bytes", torn)
+    monkeypatch.setattr(documents, "_read_bytes", torn)
     index, report = build(src, tmp_path / "idx", smollm2, embedder)
     monkeypatch.undo()
     assert reads and (reads[0] not in (FIRST.encode(), WRITES[mode].encode())) == (mode in ("rewritten",
@@ -116,12 +116,12 @@ def test_a_file_written_after_it_was_read_is_named_and_the_next_run_reindexes_it
 
     real_read, read = index_mod.read_text, []
 
-    def read_then_written(path):
-        text, why = real_read(path)
+    def read_then_written(path, encoding=None):
+        got = real_read(path, encoding)
         if path.name == "tower.md" and not read:
-            read.append(text)
+            read.append(got.text)
             write(path, mode, WRITES[mode])
-        return text, why
+        return got
 
     monkeypatch.setattr(index_mod, "read_text", read_then_written)
     monkeypatch.setattr(index_mod.LazyLLM, "from_pretrained", lambda *a, **k: smollm2)
@@ -155,16 +155,17 @@ def test_a_file_deleted_between_discovery_and_reading_is_named_and_the_rest_inde
 
     real_read = index_mod.read_text
 
-    def deleted_first(path):
+    def deleted_first(path, encoding=None):
         if path.name == "b.md":
             path.unlink()
-        return real_read(path)
+        return real_read(path, encoding)
 
     monkeypatch.setattr(index_mod, "read_text", deleted_first)
     index, report = build(src, tmp_path / "idx", smollm2, embedder)
     assert report.files_indexed == 1 and {Path(r.source).name for r in index.records} == {"a.md"}
     [(path, why)] = report.skipped_files
-    assert path.endswith("b.md") and why == "unreadable (No such file or directory)"
+    assert path.endswith("b.md") and why == ("unreadable (No such file or directory): check that it exists and "
+                                             "that this user may read it")
 
 
 def test_odd_file_names_are_indexed_or_skipped_by_name(tmp_path, smollm2, embedder):
@@ -182,9 +183,9 @@ def test_odd_file_names_are_indexed_or_skipped_by_name(tmp_path, smollm2, embedd
         f.write("A name that is not UTF-8.")
     index, report = build(src, tmp_path / "idx", smollm2, embedder)
     assert {Path(r.source).name for r in index.records} == set(odd)
-    assert report.skipped == {"file name is not UTF-8 (rename the file)": 1}
+    assert report.skipped == {"file name is not UTF-8": 1}
     assert report.skipped_files == [(not_utf8.decode("utf-8", "backslashreplace"),
-                                     "file name is not UTF-8 (rename the file)")]
+                                     "file name is not UTF-8: rename the file")]
     assert verify_index(tmp_path / "idx")["ok"]
     loaded = LazyIndex.load(tmp_path / "idx", llm=smollm2, embedder=embedder)
     assert set(loaded.files) == {str((src / n).resolve()) for n in odd}  # names round-trip through SQLite

@@ -116,7 +116,11 @@ def test_a_build_embeds_on_its_llms_accelerator(tmp_path, smollm2, monkeypatch):
 def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, embedder):
     index, report, out = built
     assert report.files_indexed == 3
-    assert report.skipped == {"unsupported type (.png)": 1, "binary": 1, "not UTF-8": 1}
+    # each file skipped is named with why and what to do: too little Latin-1 text to tell its encoding
+    assert report.skipped == {"unsupported type (.png)": 1, "binary": 1, "encoding unclear": 1}
+    named = {Path(path).name: why for path, why in report.skipped_files}
+    assert set(named) == {"image.png", "binary.txt", "latin1.md"}
+    assert "--encoding NAME" in named["latin1.md"] and "lazy-rag reads text, markdown, PDF" in named["image.png"]
     assert report.chunks_total == len(index.records) >= 6
     assert describe_index(out)["chunks_with_kv"] == report.chunks_total and segment_files(index.store.kv_dir)
     assert not list(out.rglob("*.jsonl")) and list(index.store.kv_dir.iterdir()) == \
@@ -131,6 +135,30 @@ def test_build_skips_bad_files_and_query_answers_from_cached_kv(built, smollm2, 
     assert again.stats["chunk_sources"] == {"pool": 2} and again.answer == res.answer
     block = loaded.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=8, mode="block")
     assert block.answer == res.answer
+
+
+def test_an_encoding_given_once_is_the_indexs_for_its_updates(tmp_path, smollm2, embedder):
+    """A Latin-1 file too short for its encoding to be told: skipped with the fix, indexed with
+    --encoding (text decoded right), still read that way by an update that does not repeat it, and
+    dropped (named) once the index is told to detect encodings again."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "menu.md").write_bytes("Caf\xe9 cr\xe8me: deux euros.".encode("latin-1"))
+    (src / "ferry.md").write_text("The ferry to Vell takes fifty minutes.")
+    kw = dict(llm=smollm2, embedder=embedder, chunk_size=64, chunk_overlap=0, progress=False)
+    _, report = LazyIndex.build([src], tmp_path / "idx", **kw)
+    assert report.skipped == {"encoding unclear": 1} and report.files_indexed == 1
+    index, report = LazyIndex.build([src], tmp_path / "idx", encoding="latin-1", **kw)
+    menu = str((src / "menu.md").resolve())
+    assert report.decoded == [(menu, "latin-1 (--encoding)")] and report.files_indexed == 1
+    assert [r.text for r in index.records if r.source == menu] == ["Caf\u00e9 cr\u00e8me: deux euros."]
+    _, report = LazyIndex.build([src], tmp_path / "idx", **kw)  # the index's encoding
+    assert report.files_unchanged == 2 and not report.skipped
+    with pytest.raises(LazyRagError, match="Unknown encoding 'latin-9000'"):
+        LazyIndex.build([src], tmp_path / "idx", encoding="latin-9000", **kw)
+    index, report = LazyIndex.build([src], tmp_path / "idx", encoding="auto", **kw)
+    assert report.files_removed == 1 and report.skipped == {"encoding unclear": 1}
+    assert {r.source for r in index.records} == {str((src / "ferry.md").resolve())}
 
 
 def test_an_edited_file_reencodes_only_the_chunks_whose_text_changed(tmp_path, smollm2, embedder):

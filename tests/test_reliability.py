@@ -268,7 +268,8 @@ def test_a_source_emptied_or_made_binary_loses_its_chunks_and_is_named(index_cop
     (src / "bakery.md").write_bytes(b"\x00\x01binary now")
     index, report = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, chunk_size=24, chunk_overlap=0,
                                     progress=False)
-    assert report.files_removed == 1 and report.skipped_files == [(str((src / "bakery.md").resolve()), "binary")]
+    assert report.files_removed == 1 and report.skipped_files == [
+        (str((src / "bakery.md").resolve()), "binary: it is not text; convert it to text or leave it out")]
     assert all(not r.source.endswith("bakery.md") for r in index.records)
     assert verify_index(out)["ok"] and verify_index(out)["stray_kv_files"] == 0
 

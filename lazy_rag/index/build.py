@@ -22,7 +22,8 @@ import numpy as np
 from .. import build_estimate
 from ..build_pipeline import EncodeWarmup, encode_and_write
 from ..chat import DEFAULT_INSTRUCTION, rag_prefix
-from ..chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files, read_text
+from ..chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
+from ..documents import Skip, check_encoding, read_text
 from ..embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import writer_lock
@@ -65,6 +66,9 @@ class BuildOptions:
     - ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
     - ``recovery`` (e.g. "prophet20", "epic16"; ``Recovery``): the queries' default quality
       recovery (``boundary_recompute=N`` is short for "epicN").
+    - ``encoding``: the encoding of source text files that are not UTF-8 (a Python codec name, e.g.
+      "cp1252"; "auto": each file's as charset-normalizer detects it); None: the index's, kept
+      from the build that gave one, else "auto".
     - ``wrapper``: the chunk wrapper every chunk is encoded inside (a bundled name, a file from
       `lazy-rag tune`, or "none"); "auto" keeps an existing index's and otherwise takes the
       model's bundled wrapper, if it has one.
@@ -97,6 +101,7 @@ class BuildOptions:
     recovery: Recovery | str | None = None
     boundary_recompute: int = 0
     wrapper: ChunkWrapper | str | None = "auto"
+    encoding: str | None = None
     vectors: bool = True
     progress: bool | str = True
     repair: bool = False
@@ -119,8 +124,9 @@ class BuildReport:
     files_indexed: int = 0
     files_unchanged: int = 0
     files_removed: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    skipped_files: list = field(default_factory=list)   # (path, why) of files that could not be read
+    skipped: Counter = field(default_factory=Counter)   # files skipped, by reason
+    skipped_files: list = field(default_factory=list)   # (path, "reason: what to do") of each file skipped
+    decoded: list = field(default_factory=list)         # (path, how) of text files read in another encoding than UTF-8
     # files that changed after they were read: the index holds the text read, the next run re-indexes them
     changed_files: list = field(default_factory=list)
     chunks_added: int = 0
@@ -170,36 +176,48 @@ def _stamp(path) -> tuple | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def read_sources(sources: Sequence[str | os.PathLike]) -> tuple[list, BuildReport, dict]:
-    """(documents, a report naming the files skipped, each file's stamp before it was read) of
-    the files and folders ``sources`` (.txt, .md)."""
-    files, skipped = discover_files(sources)
-    docs, report, stamps = [], BuildReport(skipped=skipped), {}
+def _skip(report: BuildReport, source: str, skip: Skip) -> None:
+    report.skipped[skip.reason] += 1
+    report.skipped_files.append((source, str(skip)))
+
+
+def read_sources(sources: Sequence[str | os.PathLike], encoding: str | None = None
+                 ) -> tuple[list, BuildReport, dict, set]:
+    """(documents, a report naming each file skipped and why, each file's stamp before it was
+    read, the files whose content can no longer be indexed) of the files and folders
+    ``sources``; ``encoding``: that of text files that are not UTF-8 (None: detected)."""
+    files, unsupported = discover_files(sources)
+    docs, report, stamps, unreadable = [], BuildReport(), {}, set()
+    for f, skip in unsupported:
+        _skip(report, str(f), skip)
     for f in files:
         name = os.fsencode(f)
         if not _is_utf8(name):  # a chunk table and a terminal hold text: the path must be text
-            why = "file name is not UTF-8 (rename the file)"
-            report.skipped[why] += 1
-            report.skipped_files.append((name.decode("utf-8", "backslashreplace"), why))
+            _skip(report, name.decode("utf-8", "backslashreplace"),
+                  Skip("file name is not UTF-8", "rename the file"))
             continue
         stamps[str(f)] = _stamp(f)  # before the read: a write after it shows at the end
-        text, why = read_text(f)
-        if text is None:
-            report.skipped[why] += 1
-            report.skipped_files.append((str(f), why))
+        read = read_text(f, encoding)
+        if read.text is None:
+            _skip(report, str(f), read.skip)
+            if not read.skip.keeps_chunks:
+                unreadable.add(str(f))
             continue
-        docs.append((str(f), text, {"file_path": str(f)}))
+        if read.encoding:
+            report.decoded.append((str(f), read.encoding))
+        docs.append((str(f), read.text, {"file_path": str(f)}))
     if not docs:
-        raise LazyRagError(f"None of the {len(files)} files could be read as UTF-8 text "
-                           f"(skipped: {dict(report.skipped)}).")
-    return docs, report, stamps
+        named = "; ".join(f"{path}: {why}" for path, why in report.skipped_files[:5])
+        raise LazyRagError(f"None of the {len(files)} files could be read ({named}"
+                           f"{'; ...' if len(report.skipped_files) > 5 else ''}).")
+    return docs, report, stamps, unreadable
 
 
-def name_changed_files(docs: list, stamps: dict, report: BuildReport) -> None:
+def name_changed_files(docs: list, stamps: dict, report: BuildReport, encoding: str | None = None) -> None:
     """Each file's chunks, KV and recorded sha256 are one read of it. One written since (by then
     or while the build ran) is named: the next run sees its new sha256 and re-indexes it."""
     for source, text, _ in docs:
-        if _stamp(source) != stamps[source] and read_text(Path(source))[0] != text:
+        if _stamp(source) != stamps[source] and read_text(Path(source), encoding).text != text:
             report.changed_files.append(source)
             log.warning("%s changed while it was indexed: the index holds the text read; run `lazy-rag "
                         "index` again to index the new version.", source)
@@ -211,7 +229,7 @@ def _under_roots(source: str, roots: Sequence[str]) -> bool:
 
 
 def _reread_other_roots(old_files: dict, given: set[str], roots: list[str], report: BuildReport,
-                        unreadable: set, drop_missing: bool) -> list:
+                        unreadable: set, drop_missing: bool, encoding: str | None) -> list:
     """For --repair (which cannot trust the old chunk table): the documents of the files the
     index holds from sources not named on this command line, read again at their recorded
     paths, so that the repair keeps them. One still there but no longer text is dropped, as by
@@ -222,15 +240,15 @@ def _reread_other_roots(old_files: dict, given: set[str], roots: list[str], repo
     for source in old_files:
         if source in given or not Path(source).is_absolute() or _under_roots(source, roots):
             continue  # read already, an id of in-memory texts, or gone from a folder named again
-        text, why = read_text(Path(source))
-        if text is not None:
-            docs.append((source, text, {"file_path": source}))
-        elif why.startswith("unreadable"):
-            missing.append((source, why))
+        read = read_text(Path(source), encoding)
+        if read.text is not None:
+            docs.append((source, read.text, {"file_path": source}))
+        elif read.skip.reason.startswith("unreadable"):
+            missing.append((source, str(read.skip)))
         else:
-            report.skipped[why] += 1
-            report.skipped_files.append((source, why))
-            unreadable.add(source)
+            _skip(report, source, read.skip)
+            if not read.skip.keeps_chunks:
+                unreadable.add(source)
     if missing and not drop_missing:
         named = "; ".join(f"{path} ({why})" for path, why in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -406,6 +424,12 @@ def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: Build
             run.close()
 
 
+def source_encoding(encoding: str | None, indexed: str | None) -> str | None:
+    """The encoding a build reads source text that is not UTF-8 in (None: detected): ``encoding``
+    (``BuildOptions.encoding``, checked; "auto": None), else the index's (``indexed``)."""
+    return check_encoding(encoding) if encoding is not None else indexed
+
+
 def model_for(out: Path, model: str | None) -> str:
     """The model a build into ``out`` loads: ``model``, else the index's there (an update keeps
     its model), else the default."""
@@ -434,6 +458,7 @@ def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun
     prev = Previous.open(out, o.repair)
     run.db, run.had_index = prev.db, prev.format is not None
     old = prev.settings
+    encoding = source_encoding(o.encoding, (old or {}).get("source_encoding"))
     wrapper = o.wrapper
     if isinstance(wrapper, str) and wrapper.lower() == "auto" and old is not None:
         wrapper = read_wrapper(out, old) if old.get("wrapper") else None  # the index's choice stands
@@ -462,6 +487,7 @@ def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun
         "prompt": {"system_prompt": o.system_prompt, "instruction": o.instruction},
         "wrapper": wrapper.describe() if wrapper is not None else None,
         "wrapper_file": wrapper_file(wrapper) if wrapper is not None else None,
+        "source_encoding": encoding,  # of source text that is not UTF-8 (None: detected per file)
     }
     old_vectors = None
     if old is not None:
@@ -473,7 +499,7 @@ def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun
     if o.repair and old is not None and roots is not None:
         unreadable = set(unreadable)
         docs = list(docs) + _reread_other_roots(old_files, {d[0] for d in docs}, roots, report, unreadable,
-                                                o.drop_missing)
+                                                o.drop_missing, encoding)
     # Decide per document: keep (unchanged), re-chunk (new or changed), drop (vanished).
     keep_sources, new_records, new_files, drop_sources = set(), [], {}, set()
     seen_sources, changed = set(), []

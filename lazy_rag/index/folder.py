@@ -141,20 +141,25 @@ def latest_commit(path: Path):
         db.close()
 
 
-def indexed_model(path: Path) -> str | None:
-    """The model name the index at ``path`` was built with (None: no readable index there, or one
-    built from an in-memory model)."""
+def indexed_setting(path: Path, key: str):
+    """The setting ``key`` of the index at ``path`` (None: no readable index there, or no such setting)."""
     try:
         db = IndexDB(path)
     except (LazyIndexError, OSError):
         return None
     try:
-        model = db.setting("model")
-        return model.get("name") if isinstance(model, dict) else None
+        return db.setting(key)
     except (LazyIndexError, OSError):
         return None
     finally:
         db.close()
+
+
+def indexed_model(path: Path) -> str | None:
+    """The model name the index at ``path`` was built with (None: no readable index there, or one
+    built from an in-memory model)."""
+    model = indexed_setting(path, "model")
+    return model.get("name") if isinstance(model, dict) else None
 
 
 def write_pointer(out: Path, settings: dict) -> None:

@@ -27,7 +27,7 @@ from ..wrapper import ChunkWrapper
 from . import build as _build
 from . import table
 from .build import BuildOptions, BuildReport, Built
-from .folder import latest_commit, open_index_db, open_store, read_vectors, read_wrapper
+from .folder import indexed_setting, latest_commit, open_index_db, open_store, read_vectors, read_wrapper
 from .table import ChunkTable
 from .verify import describe_index
 
@@ -142,20 +142,22 @@ class LazyIndex:
     def build(cls, sources: Sequence[str | os.PathLike], out: str | os.PathLike, llm: LazyLLM | None = None,
               embedder: Embedder | None = None, options: BuildOptions | None = None,
               **keywords) -> tuple["LazyIndex", BuildReport]:
-        """Index files and folders (.txt, .md) into ``out``; re-running skips unchanged files.
-        ``options`` (``BuildOptions``; its fields as keywords are shorthand) say how.
+        """Index files and folders (text, markdown, PDF, HTML, DOCX, CSV, JSON: ``documents.READERS``)
+        into ``out``; re-running skips unchanged files. ``options`` (``BuildOptions``; its fields as
+        keywords are shorthand) say how.
 
-        A file indexed before that is now empty or unreadable loses its chunks (it is named in
-        ``report.skipped_files``). Each file's chunks, KV and recorded sha256 are one read of it
-        (``chunking.read_text``); one written after that read is named in ``report.changed_files``,
-        and the next run re-indexes it. A format-1 index in ``out`` is converted in place, every
-        intact KV file copied into the segments."""
+        Each file skipped is named in ``report.skipped_files`` with why and what to do; a file
+        indexed before that is now empty or no longer text loses its chunks. Each file's chunks, KV
+        and recorded sha256 are one read of it (``documents.read_text``); one written after that
+        read is named in ``report.changed_files``, and the next run re-indexes it. A format-1 index
+        in ``out`` is converted in place, every intact KV file copied into the segments."""
         options = BuildOptions.of(options, **keywords)
-        docs, report, stamps = _build.read_sources(sources)
+        encoding = _build.source_encoding(options.encoding, indexed_setting(Path(out).expanduser(), "source_encoding"))
+        docs, report, stamps, unreadable = _build.read_sources(sources, encoding)
         roots = [str(Path(s).expanduser().resolve()) for s in sources]
         built = _build.build_docs(docs, out, llm, embedder, options, report=report, roots=roots,
-                                  unreadable={path for path, _ in report.skipped_files})
-        _build.name_changed_files(docs, stamps, built.report)
+                                  unreadable=unreadable)
+        _build.name_changed_files(docs, stamps, built.report, encoding)
         return cls._opened(out, built), built.report
 
     @classmethod
