@@ -82,7 +82,7 @@ class Shape:
         import torch
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        from lazy_rag.bench.random_models import random_config
+        from lazy_rag.random_models import random_config
 
         cfg = random_config("llama-3.1-8b")
         self.H = cfg.num_attention_heads

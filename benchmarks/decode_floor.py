@@ -29,7 +29,6 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 GRIDS = (132, 264, 528, 1056)
 BLOCKS = (1024, 2048)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
+from lazy_rag.random_models import IdTokenizer, random_llama31_8b
 from lazy_rag.bench.records import environment, format_table, write_records
 from lazy_rag.bench.roofline import kernel_class
 

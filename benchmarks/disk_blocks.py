@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def uptime_s() -> float | None:
@@ -45,7 +44,7 @@ def uptime_s() -> float | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--shape", default="llama-3.1-8b", help="a model shape of lazy_rag.bench.random_models")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a model shape of lazy_rag.random_models")
     ap.add_argument("--gib", type=float, default=16.0, help="bytes of each kept probe and store run")
     ap.add_argument("--folder", default=None, help="where to write (default: a temporary folder under /tmp)")
     ap.add_argument("--out", default="disk_blocks")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lazy_rag.bench.random_models import IdTokenizer, random_model
+from lazy_rag.random_models import IdTokenizer, random_model
 from lazy_rag.bench.records import environment, format_table, write_records
 from lazy_rag.bench.roofline import kernel_class, matmul_tflops
 
@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3.1-8b", help="a lazy_rag.bench.random_models architecture")
+    ap.add_argument("--model", default="llama-3.1-8b", help="a lazy_rag.random_models architecture")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--chunk", type=int, default=256)

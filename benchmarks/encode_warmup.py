@@ -62,7 +62,7 @@ def child(mode: str, kv_dtype: str, model_name: str, tokenizer: str) -> dict:
     from transformers import AutoTokenizer
 
     from lazy_rag import LazyLLM
-    from lazy_rag.bench.random_models import random_model
+    from lazy_rag.random_models import random_model
     from lazy_rag.build_pipeline import FP8, EncodeWarmup
 
     rec["import_all_s"] = time.perf_counter() - t0
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--tokenizer", required=True, help="a tokenizer folder (the random model's prompts are text)")
-    ap.add_argument("--model", default="llama-3.1-8b", help="a shape of lazy_rag.bench.random_models")
+    ap.add_argument("--model", default="llama-3.1-8b", help="a shape of lazy_rag.random_models")
     ap.add_argument("--out", default="encode_warmup")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--child", nargs=2, metavar=("MODE", "KV_DTYPE"), help=argparse.SUPPRESS)

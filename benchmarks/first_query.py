@@ -38,7 +38,7 @@ def child(a) -> dict:
     from transformers import AutoTokenizer
 
     from lazy_rag import LazyIndex, LazyLLM
-    from lazy_rag.bench.random_models import random_model
+    from lazy_rag.random_models import random_model
     from lazy_rag.kernel_compile import compiled_variants
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)

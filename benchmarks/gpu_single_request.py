@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
+from lazy_rag.random_models import IdTokenizer, random_llama31_8b
 from lazy_rag.bench.records import environment, format_table, write_records
 
 RESULTS = Path(__file__).resolve().parent / "results"

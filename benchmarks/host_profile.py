@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from lazy_rag.bench.random_models import IdTokenizer, random_llama31_8b
+from lazy_rag.random_models import IdTokenizer, random_llama31_8b
 
 
 def show(prof: cProfile.Profile, title: str, top: int) -> None:

@@ -148,7 +148,7 @@ def load_llm(a):
         import torch
         from transformers import AutoTokenizer
 
-        from lazy_rag.bench.random_models import random_model
+        from lazy_rag.random_models import random_model
 
         if not a.tokenizer:
             raise SystemExit("--tokenizer DIR is needed with a random model (its prompts are text)")

@@ -33,12 +33,10 @@ import hashlib
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # the GPU runs' default
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -2,7 +2,7 @@
 client aborts and injected faults, every finished answer checked against its uninterrupted
 greedy answer; page leaks, the host tier's byte bound and the process's memory checked.
 
-The soak is the one the tests run (tests/engine/soak.py, imported, not copied): requests are
+The soak is the one the tests run (lazy_rag/bench/soak.py, imported, not copied): requests are
 drawn from a set of distinct random RAG-shaped requests (a head, 3 of the shared chunks, a
 tail) in a random mode (lazy, block, prefix, full); a share get a fault (an exception or out of
 memory while preparing, an exception in a forward after the first token, a disk store that
@@ -13,8 +13,9 @@ seconds by a thread (psutil, else /proc/self/status), and the kernel's high-wate
 (VmHWM). "RSS growth" compares the end of the run with the end of its first tenth, when the
 pool, the host tier and the allocator have reached their working size.
 
-Default: the tiny llama-shaped model of the tests (random weights, hidden 128, 2 layers, SmolLM2's
-tokenizer), 5,000 requests, a 40-page pool of 4-token pages: about a minute on 2 CPU cores.
+Default: the tiny llama-shaped model of the tests (``random_models``' "tiny-smollm2": random
+weights, hidden 128, 2 layers, SmolLM2's tokenizer), 5,000 requests, a 40-page pool of 4-token
+pages: about a minute on 2 CPU cores.
 ``--model smollm2``: the real bundled model, with its bundled chunk wrapper (~15x slower per
 request; its wrapped chunks need a larger pool: --pages 80).
 
@@ -38,7 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the soak and the tiny model live in tests/
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -47,10 +47,9 @@ import torch  # noqa: E402
 from lazy_rag import LazyLLM  # noqa: E402
 from lazy_rag.engine import Engine, EngineConfig  # noqa: E402
 from lazy_rag.segments import Chunk  # noqa: E402
-from tests.engine.soak import page_leaks, run_soak, uninterrupted_tokens, with_random_modes  # noqa: E402
-from tests.engine.test_engine_cpu import workload  # noqa: E402
-from tests.helpers import small_llm  # noqa: E402
-from tests.tiny_models import tiny_model  # noqa: E402
+from lazy_rag.bench.soak import (chunk_workload, page_leaks, run_soak, uninterrupted_tokens,  # noqa: E402
+                                 with_random_modes)
+from lazy_rag.random_models import random_model  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -102,7 +101,9 @@ def load(model: str, device: str, tokenizer: str | None) -> LazyLLM:
             tok = AutoTokenizer.from_pretrained(tokenizer)
         else:
             tok = LazyLLM.from_pretrained("smollm2", device="cpu", wrapper="none").tokenizer
-        llm = small_llm(tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device), tok)
+        # the tests' small engine: a 256 MiB pool and host tier, 16-token pages (tests/helpers.small_llm)
+        model = random_model("tiny-smollm2", "cpu", torch.float32, seed=3).to(device)
+        llm = LazyLLM(model, tok, kv_bytes=256 << 20, host_bytes=256 << 20, page_size=16)
         llm.eos_ids = set()
         return llm
     return LazyLLM.from_pretrained(model, device=device)
@@ -139,7 +140,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     t_start = time.perf_counter()
     llm = load(a.model, a.device, a.tokenizer)
-    requests = with_random_modes(workload(a.distinct, seed=a.seed, num_chunks=a.chunks), seed=a.seed)
+    requests = with_random_modes(chunk_workload(a.distinct, a.seed, a.chunks, max_chunk_len=13, max_new=6),
+                                 seed=a.seed)
     t0 = time.perf_counter()
     roomy = Engine(llm.host, EngineConfig(num_pages=600, page_size=a.page_size, max_num_seqs=8,
                                           max_batched_tokens=96))

@@ -59,7 +59,7 @@ def free_port() -> int:
 def model_config(args):
     """The model's transformers config, without its weights (for the KV bytes of a token)."""
     if args.random:
-        from lazy_rag.bench.random_models import random_config
+        from lazy_rag.random_models import random_config
 
         return random_config(args.random)
     from transformers import AutoConfig
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random", default=None, help="a random-weights architecture (lazy_rag.bench.random_models)")
+    ap.add_argument("--random", default=None, help="a random-weights architecture (lazy_rag.random_models)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --random")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--replicas", default="1,2", help="replica counts, one deployment each")

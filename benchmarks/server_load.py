@@ -135,7 +135,7 @@ def load_llm(args):
     if args.random:
         from transformers import AutoTokenizer
 
-        from lazy_rag.bench.random_models import random_model
+        from lazy_rag.random_models import random_model
 
         model = random_model(args.random, device=args.device)
         return LazyLLM(model, AutoTokenizer.from_pretrained(args.tokenizer), **engine_options(args))
@@ -206,7 +206,7 @@ def compare_drivers(args, docs, points, base: dict) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random", default=None, help="a random-weights architecture (lazy_rag.bench.random_models)")
+    ap.add_argument("--random", default=None, help="a random-weights architecture (lazy_rag.random_models)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --random")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--clients", type=int, default=50, help="concurrent clients at the saturated point")

@@ -43,7 +43,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 QUESTIONS = ["In what year was the Marrow Point Lighthouse completed?", "Who designed the lighthouse?",
              "What colour is the ferry to Port Sallow?", "What does the bakery sell in the morning?",

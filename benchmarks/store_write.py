@@ -45,7 +45,7 @@ def synthetic_kv(shape: str, chunk_tokens: int, variants: int = 4) -> list:
     for K and V (their bytes cost the same to checksum and write whatever they hold)."""
     import torch
 
-    from lazy_rag.bench.random_models import random_config
+    from lazy_rag.random_models import random_config
     from lazy_rag.chunk_kv import ChunkKV
 
     c = random_config(shape)
@@ -94,7 +94,7 @@ def store_build(folder: Path, kvs: list, chunks: int, chunk_tokens: int, batch_t
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--shape", default="llama-3.1-8b", help="a model shape of lazy_rag.bench.random_models")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a model shape of lazy_rag.random_models")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--batch-tokens", type=int, default=16384, help="tokens per encode batch (the GPU engine's)")
     ap.add_argument("--gib", type=float, default=8.0, help="KV the store writes per round")

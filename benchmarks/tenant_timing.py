@@ -29,7 +29,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 WORDS = ("harbour lighthouse keeper tower lamp granite island ferry bakery morning bread rye oven "
          "observatory telescope mirror night winter summer storm wall stone crane engineer river bridge "
@@ -65,7 +64,7 @@ async def measure(app, trials: int, words: int, shared: bool, seed: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--random", default=None, help="A random-weights architecture (lazy_rag.bench.random_models).")
+    p.add_argument("--random", default=None, help="A random-weights architecture (lazy_rag.random_models).")
     p.add_argument("--tokenizer", default=None, help="Its tokenizer folder.")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trials", type=int, default=200)

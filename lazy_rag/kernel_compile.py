@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from .bench.random_models import IdTokenizer
+from .random_models import IdTokenizer
 from .chunking import CHUNK_SIZE
 from .errors import LazyRagError
 
@@ -142,12 +142,12 @@ def one_layer_config(config):
 
 def model_config(name_or_path: str):
     """The config of a bundled name, HF folder, .gguf file or hub id (what ``lazy-rag index
-    --model`` takes), or of ``random:NAME`` (``bench.random_models``), checked as the index's
+    --model`` takes), or of ``random:NAME`` (``random_models``), checked as the index's
     load checks it."""
     from .architecture import check_supported
 
     if name_or_path.startswith("random:"):
-        from .bench.random_models import random_config
+        from .random_models import random_config
 
         config = random_config(name_or_path.split(":", 1)[1])
     else:

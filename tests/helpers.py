@@ -60,25 +60,6 @@ def squad_file(path, articles):
     return path
 
 
-def chunk_workload(n: int, seed: int, num_chunks: int, max_chunk_len: int, max_new: int):
-    """``n`` random requests over ``num_chunks`` shared chunks (5..``max_chunk_len`` tokens each):
-    a head, three of the chunks, a question; each with 2..``max_new`` new tokens."""
-    import random
-
-    from lazy_rag import Chunk
-
-    rng = random.Random(seed)
-    chunks = [[rng.randrange(200, 5000) for _ in range(rng.randint(5, max_chunk_len))] for _ in range(num_chunks)]
-    head = [rng.randrange(200, 5000) for _ in range(6)]
-    reqs = []
-    for _ in range(n):
-        picked = rng.sample(range(num_chunks), 3)
-        segs = [head] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in picked]
-        segs.append([rng.randrange(200, 5000) for _ in range(rng.randint(2, 5))])
-        reqs.append((segs, rng.randint(2, max_new)))
-    return reqs
-
-
 def index_settings(out) -> dict:
     """The settings of the index at ``out``, read from its database."""
     from lazy_rag.store import IndexDB

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from lazy_rag.bench.command import argparse_main, resolve_options, run_command
 from lazy_rag.bench.defaults import SYSTEMS
 from lazy_rag.bench.metrics import cache_metrics, latency_summary, throughput
-from lazy_rag.bench.random_models import random_llm
+from lazy_rag.random_models import random_llm
 from lazy_rag.bench.plots import with_series
 from lazy_rag.bench.runner import BenchConfig, run_bench, summary_table
 from lazy_rag.bench.workload import WorkloadSpec, arrival_times, make_workload

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from lazy_rag.bench.random_models import random_config
+from lazy_rag.random_models import random_config
 from lazy_rag.cli import app
 from lazy_rag.engine.read_or_encode import CALIBRATION_ENV
 from lazy_rag.errors import LazyRagError
@@ -149,7 +149,7 @@ BUILD_AND_QUERY = textwrap.dedent("""
     from pathlib import Path
     from transformers import AutoTokenizer
     from lazy_rag import LazyIndex, LazyLLM
-    from lazy_rag.bench.random_models import random_model
+    from lazy_rag.random_models import random_model
     from lazy_rag.kernel_compile import compiled_variants
 
     out, tok, kv = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), sys.argv[3]

@@ -10,7 +10,7 @@ import torch
 
 from helpers import rel_err, small_llm
 from lazy_rag import Chunk
-from lazy_rag.bench.random_models import IdTokenizer
+from lazy_rag.random_models import IdTokenizer
 from lazy_rag.errors import LazyRagError
 from lazy_rag.oracle import ape_logits, block_diagonal_logits, causal_logits, visibility_mask
 from lazy_rag.engine.recovery import Recovery

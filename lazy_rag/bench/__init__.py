@@ -1,12 +1,13 @@
 """The serving benchmark (``lazy-rag bench``): the paper's RAG workload through the engine in
 every mode and through plain transformers, over request rates and KV budgets.
 
-Modules, one job each: ``workload`` (documents, requests, arrivals), ``random_models`` (named
-architectures with random weights), ``driver`` (runs one system over one request list),
-``metrics`` (latency percentiles, throughput, hit ratios), ``records`` (environment, JSON,
-tables), ``progress`` (progress bar), ``defaults`` (per-device settings and ``--preset``
-workloads), ``runner`` (the sweep), ``plots`` (PNG figures; needs matplotlib, imported only there).
-The core needs only torch, transformers and numpy.
+Modules, one job each: ``workload`` (documents, requests, arrivals), ``driver`` (runs one system
+over one request list), ``metrics`` (latency percentiles, throughput, hit ratios), ``records``
+(environment, JSON, tables), ``progress`` (progress bar), ``defaults`` (per-device settings and
+``--preset`` workloads), ``runner`` (the sweep), ``plots`` (PNG figures; needs matplotlib, imported
+only there), ``soak`` (the engine soak the tests and benchmarks/reliability_soak.py share). Models
+with random weights of a named architecture are the core's (``lazy_rag.random_models``). The core
+needs only torch, transformers and numpy.
 """
 from importlib import import_module
 

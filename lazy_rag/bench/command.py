@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import LazyRagError
 from .defaults import PRESETS, SYSTEMS, both, defaults_for, preset_values
-from .random_models import ARCHITECTURES
+from ..random_models import ARCHITECTURES
 from .records import load_records
 
 RESULTS_DIR = Path("benchmarks/results")

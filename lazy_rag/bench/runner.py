@@ -142,7 +142,7 @@ def load_llm(model: str | None, random_weights: str | None, device: str = "auto"
     """A checkpoint by name/path (``LazyLLM.from_pretrained``) or a named architecture with random
     weights; returns (llm, label for the records)."""
     from ..llm import LazyLLM
-    from .random_models import random_llm
+    from ..random_models import random_llm
 
     if model and random_weights:
         raise LazyRagError("Give either --model or --random-weights, not both.")

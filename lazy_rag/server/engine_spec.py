@@ -24,7 +24,7 @@ class EngineSpec:
     smollm2. ``wrapper``: "auto", "none", a bundled name, a path or a ``ChunkWrapper``.
     ``shared_prefix``: token ids chunks given as text are encoded after (None: none).
     ``index_dir``: an index to serve. ``random`` (benchmarks): a random-weights architecture of
-    ``lazy_rag.bench.random_models`` seeded with ``seed``, so that every process that builds it
+    ``lazy_rag.random_models`` seeded with ``seed``, so that every process that builds it
     gets the same weights, with the tokenizer folder ``tokenizer``. ``warm_documents``: chunk
     texts the engine encodes into its memory tiers when it is loaded (``LazyLLM.warm_documents``;
     `lazy-rag serve --warm-documents FILE`)."""
@@ -105,7 +105,7 @@ class EngineSpec:
         from ..llm import LazyLLM
 
         if self.random:
-            from ..bench.random_models import random_model
+            from ..random_models import random_model
 
             model = random_model(self.random, device=self.device, dtype=None if self.dtype == "auto" else self.dtype,
                                  seed=self.seed)

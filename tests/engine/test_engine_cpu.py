@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from tests.helpers import chunk_workload, small_llm
+from lazy_rag.bench.soak import chunk_workload
+from tests.helpers import small_llm
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.errors import InvalidRequestError
 from lazy_rag.oracle import greedy_block_diagonal, greedy_causal

@@ -11,8 +11,8 @@ import torch
 
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.errors import RequestFailedError
-from tests.engine.soak import (FAULT_MESSAGES, FAULTS, FaultInjector, faulty_request, page_leaks, run_soak,
-                               uninterrupted_tokens, with_random_modes)
+from lazy_rag.bench.soak import (FAULT_MESSAGES, FAULTS, FaultInjector, faulty_request, page_leaks, run_soak,
+                                 uninterrupted_tokens, with_random_modes)
 from tests.engine.test_engine_cpu import workload
 from tests.helpers import small_llm
 from tests.tiny_models import tiny_model

@@ -14,7 +14,7 @@ import torch
 
 from helpers import rel_err
 from lazy_rag import Chunk, LazyLLM
-from lazy_rag.bench.random_models import IdTokenizer
+from lazy_rag.random_models import IdTokenizer
 from lazy_rag.oracle import oracle_gaps, teacher_forced_logits
 from tiny_models import tiny_model
 

@@ -20,9 +20,10 @@ not a derived bound: the derived check is the twin above.
 import pytest
 import torch
 
-from helpers import chunk_workload, rel_err
+from helpers import rel_err
+from lazy_rag.bench.soak import chunk_workload
 from lazy_rag import ChunkSource, LazyLLM
-from lazy_rag.bench.random_models import IdTokenizer
+from lazy_rag.random_models import IdTokenizer
 from lazy_rag.engine import Engine, EngineConfig
 from lazy_rag.engine import engine as engine_module
 from lazy_rag.engine.chunk_tiers import chunk_key, host_key

@@ -2,7 +2,7 @@
 words (built in memory) and a tiny random llama over its vocabulary. SmolLM2's 49,152-row output
 layer alone takes most of a tiny model's step on a CPU, which drowns what the timing tests
 measure (whether a document's KV was encoded or found). Its 4,096 entries are the vocabulary of
-``lazy_rag.bench.random_models``' "tiny-llama" too, so every id such a model generates is a word
+``lazy_rag.random_models``' "tiny-llama" too, so every id such a model generates is a word
 (an engine process loads that one from an ``EngineSpec``)."""
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ client, some hit by an injected fault, every finished answer checked against the
 uninterrupted greedy answer, the host tier's byte bound checked after every wave.
 
 Shared by the CI-sized test (tests/engine/test_engine_faults.py) and the bounded script with
-figures (benchmarks/reliability_soak.py), so both exercise the same faults the same way.
+figures (benchmarks/reliability_soak.py), so both exercise the same faults the same way; so is
+the workload of requests over shared chunks (``chunk_workload``, the engine tests' too).
 
 Faults, each injected for chosen requests only (the others must not notice):
 - ``prepare``: an exception while the planner materialises the request's KV;
@@ -21,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lazy_rag.engine import Engine
-from lazy_rag.errors import RequestFailedError
-from lazy_rag.requests import ChunkSource
-from lazy_rag.segments import Chunk
+from ..engine import Engine
+from ..errors import RequestFailedError
+from ..requests import ChunkSource
+from ..segments import Chunk
 
 FAULTS = ("prepare", "oom", "forward", "store", "too_large")
 MODES = ("lazy", "block", "prefix", "full")
@@ -200,6 +201,21 @@ def run_soak(eng: Engine, requests, want, n: int, rng: random.Random, *, wave: i
     finally:
         injector.remove()
     return counts
+
+
+def chunk_workload(n: int, seed: int, num_chunks: int, max_chunk_len: int, max_new: int):
+    """``n`` random requests over ``num_chunks`` shared chunks (5..``max_chunk_len`` tokens each):
+    a head, three of the chunks, a question; each with 2..``max_new`` new tokens."""
+    rng = random.Random(seed)
+    chunks = [[rng.randrange(200, 5000) for _ in range(rng.randint(5, max_chunk_len))] for _ in range(num_chunks)]
+    head = [rng.randrange(200, 5000) for _ in range(6)]
+    reqs = []
+    for _ in range(n):
+        picked = rng.sample(range(num_chunks), 3)
+        segs = [head] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in picked]
+        segs.append([rng.randrange(200, 5000) for _ in range(rng.randint(2, 5))])
+        reqs.append((segs, rng.randint(2, max_new)))
+    return reqs
 
 
 def with_random_modes(pairs, seed: int):

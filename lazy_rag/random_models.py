@@ -1,12 +1,13 @@
 """Named architectures with random weights, built in place on the device.
 
 The benchmark machine has no model hub, so a serving benchmark there runs a real architecture's
-shape (what decides speed and KV size) with random weights. ``IdTokenizer`` stands in for a
-tokenizer when prompts are token ids only.
+shape (what decides speed and KV size) with random weights; the kernel compile (``kernel_compile``)
+and the server's engine specification (``server.engine_spec``) build them too. ``IdTokenizer``
+stands in for a tokenizer when prompts are token ids only.
 """
 from __future__ import annotations
 
-from ..errors import LazyRagError
+from .errors import LazyRagError
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -26,6 +27,11 @@ ARCHITECTURES: dict[str, dict] = {
     "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768,
                        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
+    # the engine tests' model (head_dim 32) over SmolLM2's vocabulary: the soak's (reliability_soak.py)
+    "tiny-smollm2": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192,
+                         initializer_range=0.08,
+                         rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
 }
 
 
@@ -63,8 +69,8 @@ def random_model(name: str, device="cpu", dtype=None, layers: int | None = None,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..kernels import compiler_setup
-    from ..models import resolve_device, resolve_dtype
+    from .kernels import compiler_setup
+    from .models import resolve_device, resolve_dtype
 
     cfg = random_config(name, layers)
     dev = resolve_device(device)
@@ -82,7 +88,7 @@ def random_model(name: str, device="cpu", dtype=None, layers: int | None = None,
 
 def random_llm(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
     """``LazyLLM`` over a random model of the named architecture, prompts as token ids."""
-    from ..llm import LazyLLM
+    from .llm import LazyLLM
 
     llm = LazyLLM(random_model(name, device, dtype, layers, seed), IdTokenizer())
     llm.model_name = f"random:{name}"
