@@ -103,3 +103,62 @@ def test_one_transformer_layer_loop():
                                                  for n in ast.walk(node.iter)):
                 loops.append(name)
     assert loops == ["lazy_rag.engine.model_runner"]
+
+
+def imported_names(path: Path) -> list[tuple[str, int, str, str]]:
+    """(module as written, level, name, kind) of every import in a file: ``from m import name`` and
+    ``import m`` (name "")."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            out += [(node.module or "", node.level, a.name, "from") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, 0, "", "import") for a in node.names]
+    return out
+
+
+# the lab: the benchmark harness (lazy_rag.bench), the benchmark scripts and the tests. The
+# `lazy-rag bench` command is the harness's one entry point from the runtime.
+LAB = ("lazy_rag.bench", "benchmarks", "tests")
+LAB_ENTRY_POINTS = {("lazy_rag.cli", "lazy_rag.bench.command")}
+
+
+def test_the_runtime_imports_nothing_of_the_lab():
+    """No module of the installed package (its kernels and integrations included) imports the
+    benchmark harness, the benchmark scripts or the tests, at module level or in a function."""
+    mods = modules()
+    graph = package_graph()
+    found = []
+    for name, path in mods.items():
+        if name.startswith("lazy_rag.bench"):
+            continue
+        for target in graph[name]:
+            if target.startswith(LAB) and (name, target) not in LAB_ENTRY_POINTS:
+                found.append(f"{name} imports {target}")
+        for module, level, _, _ in imported_names(path):
+            if not level and module.split(".")[0] in ("benchmarks", "tests"):
+                found.append(f"{name} imports {module}")
+    assert found == []
+
+
+# the index's on-disk format and its users: the KV record, the in-memory chunk KV, the store and
+# the writes it makes durable, and the index package
+STORE_MODULES = ("lazy_rag.store", "lazy_rag.kv_record", "lazy_rag.chunk_kv", "lazy_rag.file_writes",
+                 "lazy_rag.index")
+
+
+def test_no_private_names_cross_between_the_store_and_its_users():
+    """What the store's modules share is public: no module imports a private (``_name``) name from
+    one of them, nor do they import one from each other."""
+    mods = modules()
+    found = []
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        for module, level, imported, kind in imported_names(path):
+            if kind != "from" or not imported.startswith("_") or imported.startswith("__"):
+                continue
+            target = ".".join(base[:len(base) - level + 1] + ([module] if module else [])) if level else module
+            if target.startswith(STORE_MODULES) or name.startswith(STORE_MODULES):
+                found.append(f"{name} imports {imported} from {target}")
+    assert found == []
