@@ -412,7 +412,7 @@ def test_bad_sources_and_questions(tmp_path, smollm2, embedder, built):
     with pytest.raises(LazyRagError, match="does not exist"):
         LazyIndex.build([tmp_path / "nope"], tmp_path / "o", llm=smollm2, embedder=embedder, progress=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(LazyRagError, match=r"No \.txt or \.md files"):
+    with pytest.raises(LazyRagError, match=r"No file lazy-rag reads found in"):
         LazyIndex.build([tmp_path / "empty"], tmp_path / "o", llm=smollm2, embedder=embedder, progress=False)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.txt").write_bytes(b"\x00\x01")
@@ -557,7 +557,11 @@ def test_a_build_converts_a_format1_index_in_place_reusing_every_intact_kv_file(
         [(r.id, r.source, r.text, r.token_ids) for r in records]
     for r in records:
         a, b = index.store.read(r.id, r.token_ids)[0], new.store.read(r.id, r.token_ids)[0]
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        if r.id == victim.id:  # encoded again: equal up to the CPU kernels' summation order (threads, batch)
+            torch.testing.assert_close(b.k, a.k, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(b.v, a.v, rtol=1e-4, atol=1e-4)
+        else:  # copied: bit for bit
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     question = "When was the Marrow Point Lighthouse completed?"
     smollm2.engine.clear_cache()
     want = index.query(question, top_k=2, max_new_tokens=8)

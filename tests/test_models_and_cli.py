@@ -73,11 +73,13 @@ def _cli_index_query_inspect(tmp_path):
     runner = CliRunner()
     src = tmp_path / "docs"
     shutil.copytree(CORPUS, src)
-    (src / "notes.pdf").write_bytes(b"%PDF-1.4")
+    (src / "notes.pdf").write_bytes(b"%PDF-1.4")  # a PDF with no pages: read, and skipped naming why
+    (src / "image.xyz").write_bytes(b"\x00")
     out = tmp_path / "idx"
     res = runner.invoke(app, ["index", str(src), "--out", str(out), "--chunk-size", "128", "--device", "cpu"])
     assert res.exit_code == 0, res.output
-    assert "Indexed 3 file(s)" in res.output and "1 unsupported type (.pdf)" in res.output
+    assert "Indexed 3 file(s)" in res.output and "1 not a readable PDF" in res.output, res.output
+    assert "1 unsupported type (.xyz)" in res.output, res.output
     res = runner.invoke(app, ["query", str(out), "Who designed the lighthouse tower?", "--json", "--top-k", "2",
                               "--max-new-tokens", "6", "--device", "cpu"])
     assert res.exit_code == 0, res.output
