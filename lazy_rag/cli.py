@@ -14,8 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from .chunking import CHUNK_OVERLAP, CHUNK_SIZE
+from .engine.recovery import DEFAULT_RECOVERY
 from .errors import LazyRagError
 from .requests import MODES, SamplingParams
+from .reuse_risk import describe_risk
 from .threads import ENV as THREADS_ENV
 from .version import __version__
 
@@ -27,9 +29,11 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 
-RECOVERY_HELP = ("Default quality recovery of queries: epicN (recompute each chunk's first N tokens), prophetP / "
-                 "cacheblendP (recompute P% of the chunk tokens the question attends to most / whose KV deviates "
-                 "most), apeT or apeTsS (attention temperature, scale); join with +, e.g. epic8+prophet20.")
+RECOVERY_HELP = ("Default quality recovery of queries: auto (each answer's reuse risk measured, a risky one "
+                 "recomputed as the model's calibration says), epicN (recompute each chunk's first N tokens), "
+                 "prophetP / cacheblendP (recompute P% of the chunk tokens the question attends to most / whose KV "
+                 "deviates most), apeT or apeTsS (attention temperature, scale), none; join with +, e.g. "
+                 "epic8+prophet20.")
 
 
 THREADS_HELP = (f"CPU threads for torch (default: ${THREADS_ENV}, else the physical cores this process may use; "
@@ -105,7 +109,7 @@ def index(
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32 (fp32), bfloat16 (bf16), "
                                               "float16 (fp16), or fp8 (e4m3 with a scale per token and KV head: half "
                                               "the disk and host memory of bf16)."),
-    recovery: Optional[str] = typer.Option(None, help=RECOVERY_HELP),
+    recovery: str = typer.Option(DEFAULT_RECOVERY, help=RECOVERY_HELP),
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),
     repair: bool = typer.Option(False, help="Rebuild the chunk table and vectors from SOURCES without reading the "
@@ -263,8 +267,10 @@ def query(
         table.add_row(str(i), f"{s.score:.3f}", s.source, s.chunk_id)
     out.print(table)
     how = f"{mode}+{stats.recovery}" if stats.recovery else mode
+    if stats.served_again:
+        how += f" -> {stats.recovery_applied}"
     out.print(f"TTFT {stats.ttft_ms:.0f} ms ({how}) | prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} "
-              f"from cache, {stats.computed_tokens} computed | {stats.new_tokens} new tokens, "
+              f"from cache, {stats.computed_tokens} computed{describe_risk(stats)} | {stats.new_tokens} new tokens, "
               f"{stats.decode_tokens_per_s:.1f} tok/s | {n_threads} thread{'s' if n_threads > 1 else ''}")
 
 

@@ -110,6 +110,13 @@ class GenerationStats:
     recovery: str = ""          # Recovery.name() of the request ("" for none)
     recomputed_tokens: int = 0  # chunk tokens recomputed at query time (boundary and selected)
     encoded_tokens: int = 0     # chunk tokens encoded for this request (no tier held them); in cached_tokens
+    # reuse risk (lazy_rag.reuse_risk) of requests over cached chunks: the entropy (nats) of the
+    # first token under reuse, and the calibrated probability that the answer differs from full
+    # re-encoding's (None where the model and wrapper have no calibration)
+    first_token_entropy: float | None = None
+    reuse_risk: float | None = None
+    served_again: bool = False  # recovery auto found it risky and served it again, recomputing (recovery_applied)
+    recovery_applied: str = ""  # Recovery.name() it was finally served with (auto: what the risk chose)
 
     @property
     def reused_tokens(self) -> int:

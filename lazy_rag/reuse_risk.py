@@ -40,6 +40,16 @@ def first_token_entropies(logits) -> list[float]:
     return (-(logp.exp() * logp).sum(-1)).tolist()
 
 
+def describe_risk(stats) -> str:
+    """" | reuse risk 12%" for a ``GenerationStats`` (the entropy where no calibration gives a
+    risk; "" where nothing was reused)."""
+    if stats.reuse_risk is not None:
+        return f" | reuse risk {100 * stats.reuse_risk:.0f}%"
+    if stats.first_token_entropy is not None:
+        return f" | first-token entropy {stats.first_token_entropy:.2f} (no risk calibration)"
+    return ""
+
+
 def monotone_fit(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
     """Non-decreasing least-squares fit of ``ys`` over ``xs`` (pool adjacent violators): the upper
     edges of the fitted steps (in x) and their values."""

@@ -49,11 +49,12 @@ def chosen_positions(llm, monkeypatch):
 
 
 def test_names_parse_round_trip_and_bad_ones_are_refused():
-    for name in ("epic16", "prophet20", "cacheblend15", "ape0.8", "ape0.8s1.2", "epic4+prophet20+ape0.9"):
+    for name in ("epic16", "prophet20", "cacheblend15", "ape0.8", "ape0.8s1.2", "epic4+prophet20+ape0.9", "auto",
+                 "epic4+auto"):
         assert Recovery.parse(name).name() == name
     assert Recovery.parse("prophet20") == Recovery(select="question_attention", ratio=0.2)
     assert not Recovery.parse("").any and not Recovery.parse(None).any
-    for bad in ("magic5", "prophet150", "ape0", "epic-3"):
+    for bad in ("magic5", "prophet150", "ape0", "epic-3", "auto+prophet20"):
         with pytest.raises(LazyRagError):
             Recovery.parse(bad)
 
@@ -64,7 +65,8 @@ def test_a_method_is_one_row_that_the_quality_configurations_take_too():
     from lazy_rag.engine.recovery import METHODS
     from lazy_rag.quality.configs import SUFFIXES, Config
 
-    examples = {"epic": "epic8", "prophet": "prophet12.5", "cacheblend": "cacheblend30", "ape": "ape0.7s1.1"}
+    examples = {"epic": "epic8", "prophet": "prophet12.5", "cacheblend": "cacheblend30", "ape": "ape0.7s1.1",
+                "auto": "auto"}
     assert set(examples) == set(METHODS)
     for name, method in METHODS.items():
         assert Recovery.parse(examples[name]).name() == examples[name]

@@ -31,7 +31,8 @@ from .kv_planner import KVPlanner
 from .model_runner import ModelRunner
 from .page_manager import PageManager
 from .page_pool import PagePool
-from .recovery import Recovery, choose_recomputed, resolve_recovery
+from ..reuse_risk import RiskCalibration, find_calibration, first_token_entropies
+from .recovery import Recovery, auto_escalation, choose_recomputed, resolve_recovery
 from .scheduler import Scheduler
 from .sequence import EncodeJob, Run, Sequence, Status
 
@@ -80,6 +81,8 @@ class Engine:
         # where the wall time goes: admission (incl. chunk fetch/encode), steps with a prefill,
         # decode-only steps, idle waits on chunk transfers
         self.timers: Counter = Counter()
+        self._calibrations: dict[str | None, RiskCalibration | None] = {}  # wrapper digest -> reuse-risk fit
+        self.num_served_again = 0
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, segments, mode: str = "lazy", max_new_tokens: int | None = None, temperature: float | None = None,
@@ -159,6 +162,12 @@ class Engine:
             seqs, out = self._run(seqs)
             if not seqs:
                 return True
+            again = self._assess_reuse([s for s in step.prefill if s in seqs], seqs, out)
+            if again:
+                keep = [i for i, s in enumerate(seqs) if s not in again]
+                if not keep:
+                    return True
+                seqs, out = [seqs[i] for i in keep], out[keep]
             step.prefill = [s for s in step.prefill if s in seqs]
             for seq in step.prefill:
                 if seq.scored_logits is not None:
@@ -187,6 +196,37 @@ class Engine:
             self.timers["publish_encoded_s"] += time.perf_counter() - t2
             self.num_steps += 1
             return True
+
+    def calibration(self, source) -> RiskCalibration | None:
+        """The reuse-risk calibration of this model serving chunks encoded inside ``source``'s
+        wrapper (None: none bundled or written for them)."""
+        digest = source.wrapper.digest if source.wrapper is not None else None
+        if digest not in self._calibrations:
+            self._calibrations[digest] = find_calibration(self.host.fingerprint["id"], digest)
+        return self._calibrations[digest]
+
+    def _assess_reuse(self, prefilled: list[Sequence], seqs: list[Sequence], out: torch.Tensor) -> set:
+        """The reuse risk of each request whose first prefill over cached chunks just ran (the
+        entropy of its first token's distribution, one softmax over rows the step computed
+        anyway); returns those that recovery ``auto`` serves again, recomputing what the
+        calibrated policy asks for their risk (``Scheduler.serve_again``)."""
+        firsts = [s for s in prefilled if s.mode in CHUNK_MODES and not s.output and s.first_token_entropy is None
+                  and any(span.cached_tokens for span in s.layout.spans)]
+        if not firsts:
+            return set()
+        rows = [seqs.index(s) for s in firsts]
+        again = set()
+        for seq, entropy in zip(firsts, first_token_entropies(out[rows])):
+            seq.first_token_entropy = entropy
+            cal = self.calibration(seq.source)
+            seq.reuse_risk = cal.risk(entropy) if cal is not None else None
+            fraction = cal.policy.fraction(seq.reuse_risk) if cal is not None and seq.recovery.auto else 0.0
+            if fraction > 0:
+                seq.recovery = auto_escalation(seq.recovery, fraction)
+                self.scheduler.serve_again(seq)
+                self.num_served_again += 1
+                again.add(seq)
+        return again
 
     def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
         """One forward over the batch. If it raises, each request is run alone so that only the
@@ -374,7 +414,7 @@ class Engine:
         graphs, append = self.runner.graphs, self.runner.append_graphs
         return {**self.pm.stats(), **{f"tier_{k}": v for k, v in self.tiers.counters.items()},
                 "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
-                "failed_requests": self.num_failed,
+                "failed_requests": self.num_failed, "served_again": self.num_served_again,
                 "requests_waiting": len(self.scheduler.waiting), "requests_running": len(self.scheduler.running),
                 "graph_replays": graphs.replays if graphs else 0, "graphs": len(graphs.graphs) if graphs else 0,
                 "append_graph_replays": append.replays if append else 0,
@@ -436,8 +476,12 @@ class Engine:
                 sources[tier] = sources.get(tier, 0) + 1
         stats = GenerationStats(mode=seq.mode, prompt_tokens=T, cached_tokens=cached, computed_tokens=T - cached,
                                 ttft_ms=h.ttft_ms, total_ms=(now - h.t0) * 1e3, new_tokens=len(seq.output),
-                                chunk_sources=sources, recovery=seq.recovery.name(), recomputed_tokens=seq.recomputed,
-                                encoded_tokens=seq.encoded_tokens if seq.mode in CHUNK_MODES else 0)
+                                chunk_sources=sources, recovery=seq.asked_recovery.name(),
+                                recomputed_tokens=seq.recomputed,
+                                encoded_tokens=seq.encoded_tokens if seq.mode in CHUNK_MODES else 0,
+                                first_token_entropy=seq.first_token_entropy, reuse_risk=seq.reuse_risk,
+                                served_again=seq.recovery is not seq.asked_recovery,
+                                recovery_applied=seq.recovery.name())
         if len(seq.output) > 1 and h.first_token_time:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,

@@ -11,7 +11,10 @@ Where each part of a ``Recovery`` acts:
   chunk tokens are recomputed (the planner reserves their pages), and ``choose_recomputed`` picks
   them before the prefill, by the selector's score (``SCORERS``: a pass of the model runner);
   ``KVPlanner.recompute`` then hides them from the shared runs and computes them privately;
-- ``ape_temperature`` / ``ape_scale`` (APE): the attention to the chunks (``model_runner``).
+- ``ape_temperature`` / ``ape_scale`` (APE): the attention to the chunks (``model_runner``);
+- ``auto``: after the request's prefill, its first token's reuse risk (``reuse_risk``) decides
+  whether it is served again with part or all of its chunk tokens recomputed (``auto_escalation``,
+  called by the engine's step).
 
 A new method is a row of ``METHODS`` (its short name and the fields it sets) and, for a new
 selector, a row of ``SCORERS``. ``choose_recomputed`` is the one place that decides which chunk
@@ -24,6 +27,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import LazyRagError
+
+# a new index's queries' recovery: each answer's reuse risk is measured and a risky one recomputed
+# as the model's calibration says ("none" turns it off)
+DEFAULT_RECOVERY = "auto"
 
 # short name -> the selector it names (a method that recomputes the tokens a score picks)
 SELECTORS = {"cacheblend": "kv_deviation", "prophet": "question_attention"}
@@ -50,6 +57,9 @@ METHODS: dict[str, Method] = {
     "cacheblend": Method(r"cacheblend\d+(?:\.\d+)?", "select", "P% of the chunk tokens, those whose KV deviates "
                          "most, recomputed (CacheBlend)",
                          lambda n: {"select": SELECTORS["cacheblend"], "ratio": float(n[0]) / 100}),
+    "auto": Method(r"auto", "auto", "each answer's reuse risk measured after the prefill; a risky one served again "
+                   "with chunk tokens recomputed, as the model's calibrated policy says (up to full re-encoding)",
+                   lambda n: {"auto": True}),
     "ape": Method(r"ape\d+(?:\.\d+)?(?:s\d+(?:\.\d+)?)?", "ape", "attention to the chunks at temperature T and "
                   "scale S (APE)",
                   lambda n: {"ape_temperature": float(n[0]), "ape_scale": float(n[1]) if len(n) > 1 else 1.0}),
@@ -69,9 +79,13 @@ class Recovery:
     - ``ape_temperature`` T and ``ape_scale`` S (APE): queries attend to the chunks' tokens as one
       group whose log-sum-exp is T * logsumexp(s / T) + ln S (softmax(s / T) inside it), merged
       with the other keys' group; T = S = 1 is plain attention.
+    - ``auto``: measure the request's reuse risk from its first token (``reuse_risk``) and, where
+      the calibrated policy says so, serve it again with that fraction of its chunk tokens
+      recomputed (``auto_escalation``); without a calibration for the model and wrapper it only
+      reports the entropy.
     Recomputed tokens attend to everything before them; every other chunk token stays zero-copy.
     Short names (``Recovery.parse``): ``epic16``, ``cacheblend15`` / ``prophet20`` (percent of
-    the chunk tokens), ``ape0.8`` or ``ape0.8s1.2`` (T, S), joined with ``+``.
+    the chunk tokens), ``ape0.8`` or ``ape0.8s1.2`` (T, S), ``auto``, joined with ``+``.
     """
 
     boundary: int = 0
@@ -80,6 +94,7 @@ class Recovery:
     select_layer: int = 1
     ape_temperature: float = 1.0
     ape_scale: float = 1.0
+    auto: bool = False
 
     def __post_init__(self):
         if self.boundary < 0:
@@ -95,6 +110,9 @@ class Recovery:
             raise LazyRagError(f"select_layer must be >= 0, got {self.select_layer}.")
         if not (self.ape_temperature > 0 and self.ape_scale > 0):
             raise LazyRagError(f"APE temperature and scale must be > 0, got {self.ape_temperature}, {self.ape_scale}.")
+        if self.auto and self.selects:
+            raise LazyRagError("auto picks each request's recompute fraction itself: give auto or a selector "
+                               f"(prophetP, cacheblendP), not both (got {self.select} {self.ratio:g}).")
 
     @property
     def selects(self) -> bool:
@@ -106,7 +124,7 @@ class Recovery:
 
     @property
     def any(self) -> bool:
-        return bool(self.boundary or self.selects or self.ape)
+        return bool(self.boundary or self.selects or self.ape or self.auto)
 
     @classmethod
     def parse(cls, text: "str | Recovery | None") -> "Recovery":
@@ -122,7 +140,8 @@ class Recovery:
             if method is None:
                 raise LazyRagError(f"Unknown recovery option {part!r} in {text!r}; use epicN (recompute each "
                                    "chunk's first N tokens), cacheblendP or prophetP (recompute P% of the chunk "
-                                   "tokens), apeT or apeTsS (attention temperature / scale), joined with '+'.")
+                                   "tokens), apeT or apeTsS (attention temperature / scale), auto (recompute "
+                                   "as each answer's reuse risk asks), joined with '+'.")
             fields.update(method.fields(re.findall(r"\d+(?:\.\d+)?", part)))
         return cls(**fields)
 
@@ -136,6 +155,8 @@ class Recovery:
             parts.append(f"{short}{self.ratio * 100:g}")
         if self.ape:
             parts.append(f"ape{self.ape_temperature:g}" + (f"s{self.ape_scale:g}" if self.ape_scale != 1.0 else ""))
+        if self.auto:
+            parts.append("auto")
         return "+".join(parts)
 
 
@@ -183,3 +204,10 @@ def choose_recomputed(seq, runner) -> list[int]:
     scores = SCORERS[seq.recovery.select](runner, seq, candidates)
     top = scores.topk(seq.recompute_budget).indices.tolist()
     return [candidates[j] for j in top]
+
+
+def auto_escalation(recovery: Recovery, fraction: float) -> Recovery:
+    """What an ``auto`` request is served again with when its policy asks for ``fraction`` of its
+    chunk tokens recomputed: those the question attends to most (ProphetKV's selector; 1.0 is
+    every chunk token, i.e. full re-encoding), its other parts (boundary, APE) kept."""
+    return Recovery(**{**recovery.__dict__, "auto": False, "select": SELECTORS["prophet"], "ratio": fraction})

@@ -68,6 +68,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def serve_again(self, seq: Sequence) -> None:
+        """Its prefill's answer is not taken (recovery ``auto`` found it risky): its KV is released
+        and it is admitted again first, with the recovery the engine has set on it."""
+        self.planner.release(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.kv_len = 0
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         self.planner.release(seq)
         self.running.remove(seq)

@@ -75,6 +75,10 @@ class Sequence:
         self.prefix_hit_tokens = 0               # prefix mode: prompt tokens reused at admission
         self.placed_by_refused: dict = {}        # chunk key -> its sources, placed by a refused admission
         self.selected = 0                        # chunk tokens the selector chose (at the last admission)
+        # reuse risk, measured on its first prefill's first token (reuse_risk; None: not measured)
+        self.first_token_entropy: float | None = None
+        self.reuse_risk: float | None = None
+        self.asked_recovery = self.recovery      # what the request asked; ``recovery`` is what serves it
         self.clear_kv()
 
     def clear_kv(self) -> None:

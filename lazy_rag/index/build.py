@@ -31,7 +31,7 @@ from ..kv_record import KV_DTYPE_NAMES, KV_DTYPES, kv_dtype_named
 from ..llm import LazyLLM
 from ..models import DEFAULT_MODEL
 from ..progress import Progress, resolved_style
-from ..engine.recovery import Recovery, resolve_recovery
+from ..engine.recovery import DEFAULT_RECOVERY, Recovery, resolve_recovery
 from ..segments import tokenize_text
 from ..store import ChunkStore, IndexDB
 from ..vector_index import VectorIndex
@@ -64,8 +64,9 @@ class BuildOptions:
       which fixes ``system_prompt`` and ``instruction`` (the RAG prompt of every query, chat.py).
     - ``kv_dtype``: the stored KV's dtype ("auto": the model's; fp8, bf16, fp16, fp32).
     - ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
-    - ``recovery`` (e.g. "prophet20", "epic16"; ``Recovery``): the queries' default quality
-      recovery (``boundary_recompute=N`` is short for "epicN").
+    - ``recovery`` (e.g. "auto", "prophet20", "epic16", "none"; ``Recovery``): the queries' default
+      quality recovery (``boundary_recompute=N`` is short for "epicN"); "auto" measures each
+      answer's reuse risk and recomputes risky ones as the model's calibration says.
     - ``encoding``: the encoding of source text files that are not UTF-8 (a Python codec name, e.g.
       "cp1252"; "auto": each file's as charset-normalizer detects it); None: the index's, kept
       from the build that gave one, else "auto".
@@ -98,7 +99,7 @@ class BuildOptions:
     instruction: str = DEFAULT_INSTRUCTION
     kv_dtype: str = "auto"
     precompute_kv: bool = True
-    recovery: Recovery | str | None = None
+    recovery: Recovery | str | None = DEFAULT_RECOVERY
     boundary_recompute: int = 0
     wrapper: ChunkWrapper | str | None = "auto"
     encoding: str | None = None

@@ -24,6 +24,7 @@ from .checkpoint import Checkpoint, code_digest, signature_digest
 from .configs import Config, parse_configs
 from .data import Dataset, cache_dir, load_dataset, passages_hash
 from ..progress import Progress
+from ..reuse_risk import first_token_entropy
 from .prompts import EXAMPLE_QUESTION_IDS, FROZEN, Prompt, get_prompt
 from .retrieval import load_retrieval, save_retrieval
 from .runner import REUSE_MODES, Request, Runtime
@@ -228,6 +229,7 @@ class _Evaluation:
                         "config": c.name, "prediction": pred, "raw": a.text,
                         "agree_with_full": float(same_answer(pred, ref_pred)),
                         "kl_vs_full": kl_divergence(ref.first_logits, a.first_logits),
+                        "first_token_entropy": first_token_entropy(a.first_logits),
                         "answer_words": len(pred.split()), "chunk_ids": list(it.chunk_ids),
                         "gold_index": it.gold_index, "cached_tokens": a.cached_tokens,
                         "prompt_tokens": a.prompt_tokens, "seconds": a.seconds})

@@ -291,7 +291,9 @@ def lazy_rag_extra(result, prepared) -> dict:
             "total_ms": round(st.total_ms, 2), "cached_tokens": st.cached_tokens, "reused_tokens": st.reused_tokens,
             "encoded_tokens": st.encoded_tokens,
             "computed_tokens": st.computed_tokens, "chunk_sources": st.chunk_sources,
-            "matched_chunks": prepared.matched_chunks}
+            "matched_chunks": prepared.matched_chunks, "reuse_risk": st.reuse_risk,
+            "first_token_entropy": st.first_token_entropy, "recomputed_tokens": st.recomputed_tokens,
+            "served_again": st.served_again, "recovery_applied": st.recovery_applied}
 
 
 def _sse(obj) -> str:

@@ -106,7 +106,10 @@ function handle(event) {
     $("stats").textContent = `TTFT ${s.ttft_ms.toFixed(0)} ms (${s.mode}${s.recovery ? "+" + s.recovery : ""}) · `
       + `prompt: ${s.cached_tokens} tokens from cached KV`
       + (s.encoded_tokens ? ` (${s.encoded_tokens} of them encoded now, cached for next time)` : "")
-      + `, ${s.computed_tokens} computed`;
+      + `, ${s.computed_tokens} computed`
+      + (s.served_again ? ` · served again with ${s.recovery_applied} (reuse looked risky)` : "")
+      + (s.reuse_risk !== null && s.reuse_risk !== undefined
+        ? ` · reuse risk ${(100 * s.reuse_risk).toFixed(0)}%` : "");
   }
 }
 

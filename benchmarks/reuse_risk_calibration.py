@@ -1,0 +1,158 @@
+"""Fit a model's reuse-risk calibration and its ``recovery="auto"`` policy on an evaluation's own
+answers, and check both on held-out questions.
+
+One `lazy-rag eval` run answers every question with `full`, the reused configuration (``--base``:
+``lazy`` or ``lazy+wrapper``) and that configuration with fixed ProphetKV recompute fractions.
+The questions are split in two at random: on the calibration half, the reused answer's
+first-token entropy is fitted to whether it differs from `full`'s (``RiskCalibration.fit``) and
+the policy is the pair of risk thresholds (recompute ``--fraction`` of the chunk tokens above the
+first, all of them above the second) with the highest agreement with `full` whose mean recompute
+fraction stays within ``--budget``; on the held-out half the same policy's agreement and mean
+recompute are measured, with fixed ProphetKV beside it, and whether the risk ranks answers
+(disagreement in the top risk decile vs the bottom half). ``--write`` puts the calibration where
+the runtime finds it (``lazy_rag/risk_calibrations/``).
+
+    python benchmarks/reuse_risk_calibration.py --model smollm2 --base lazy+wrapper --n 300 --write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics as stats
+import time
+from itertools import product
+from pathlib import Path
+
+from lazy_rag.bench.records import environment, write_records
+from lazy_rag.quality.evaluate import EvalOptions, run_eval
+from lazy_rag.quality.runner import Runtime
+from lazy_rag.reuse_risk import CALIBRATIONS, AutoPolicy, RiskCalibration, file_name
+
+BENCHMARK = "reuse_risk_calibration"
+RESULTS = Path(__file__).parent / "results"
+
+
+def simulate(rows: dict[str, dict], policy: AutoPolicy, cal: RiskCalibration, prophet: dict[float, str],
+             base: str) -> tuple[float, float]:
+    """(agreement with full, mean recompute fraction) of ``policy`` over these questions: each is
+    served as the configuration its risk picks (the reused answer, a ProphetKV fraction, or
+    `full`, which agrees with itself)."""
+    agree, recompute = [], []
+    for q in rows.values():
+        f = policy.fraction(cal.risk(q[base]["first_token_entropy"]))
+        name = base if f == 0 else ("full" if f >= 1.0 else prophet[f])
+        agree.append(q[name]["agree_with_full"])
+        recompute.append(f)
+    return stats.fmean(agree), stats.fmean(recompute)
+
+
+def choose_policy(rows, cal, prophet, base, budget: float, fraction: float) -> AutoPolicy:
+    """The thresholds (at the calibration half's risk quantiles) with the best agreement within
+    the recompute budget; ties go to less recompute."""
+    risks = sorted({cal.risk(q[base]["first_token_entropy"]) for q in rows.values()})
+    cuts = [r for r in risks if r > 0] + [float("inf")]
+    best = (-1.0, 0.0, AutoPolicy())
+    for some, every in product(cuts, cuts):
+        if every < some:
+            continue
+        steps = tuple(s for s in ((some, fraction), (every, 1.0)) if s[0] != float("inf"))
+        if len(steps) == 2 and steps[0][0] == steps[1][0]:
+            steps = steps[1:]
+        policy = AutoPolicy(steps)
+        agree, rec = simulate(rows, policy, cal, prophet, base)
+        if rec <= budget and (agree, -rec) > (best[0], -best[1]):
+            best = (agree, rec, policy)
+    return best[2]
+
+
+def decile_ratio(rows, cal, base) -> dict:
+    """Disagreement with full among the riskiest tenth of the answers vs among the safer half."""
+    ranked = sorted(rows.values(), key=lambda q: cal.risk(q[base]["first_token_entropy"]))
+    n = len(ranked)
+    top = ranked[n - max(n // 10, 1):]
+    bottom = ranked[:n // 2]
+    d_top = 1 - stats.fmean(q[base]["agree_with_full"] for q in top)
+    d_bottom = 1 - stats.fmean(q[base]["agree_with_full"] for q in bottom) if bottom else float("nan")
+    return {"disagree_top_decile_pct": 100 * d_top, "disagree_bottom_half_pct": 100 * d_bottom,
+            "top_decile_vs_bottom_half": d_top / d_bottom if d_bottom else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--base", default="lazy+wrapper", help="the reused configuration: lazy or lazy+wrapper")
+    ap.add_argument("--fractions", default="20,50", help="ProphetKV percentages run beside it (the policy's "
+                                                           "first step is --fraction, one of them)")
+    ap.add_argument("--fraction", type=float, default=50, help="the policy's partial recompute, percent")
+    ap.add_argument("--budget", type=float, default=0.2, help="mean recompute fraction the policy may spend")
+    ap.add_argument("--dataset", default="squad")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", action="store_true", help="write the calibration into lazy_rag/risk_calibrations/")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    percents = [float(p) for p in args.fractions.split(",")]
+    if args.fraction not in percents:
+        ap.error(f"--fraction {args.fraction:g} must be one of --fractions {args.fractions}")
+    prophet = {p / 100: f"{args.base}+prophet{p:g}" for p in percents}
+    configs = ["full", args.base, *prophet.values()]
+    t0 = time.perf_counter()
+    runtime = Runtime.load(args.model, args.device)
+    run = run_eval(EvalOptions(model=args.model, configs=tuple(configs), dataset=args.dataset, split=args.split,
+                               n=args.n, seed=args.seed, ks=(args.top_k,), max_new_tokens=args.max_new_tokens,
+                               batch_size=args.batch_size, ttft_n=0, device=args.device, progress="lines"), runtime)
+    by_question: dict[str, dict] = {}
+    for row in run.answers:
+        by_question.setdefault(row["question_id"], {})[row["config"]] = row
+    ids = sorted(by_question)
+    random.Random(args.seed).shuffle(ids)
+    half = len(ids) // 2
+    calib = {q: by_question[q] for q in ids[:half]}
+    held = {q: by_question[q] for q in ids[half:]}
+
+    base_record = next(r for r in run.records if r["mode"] == args.base)
+    wrapper = base_record["wrapper_digest"]
+    fingerprint = runtime.fingerprint_id
+    source = {"dataset": args.dataset, "split": args.split, "n_calibration": len(calib), "base": args.base,
+              "top_k": args.top_k, "seed": args.seed, "data_hash": run.meta["data_hash"],
+              "date": time.strftime("%Y-%m-%d"), "device": run.meta["device_name"]}
+    cal = RiskCalibration.fit([q[args.base]["first_token_entropy"] for q in calib.values()],
+                              [not q[args.base]["agree_with_full"] for q in calib.values()],
+                              fingerprint, wrapper, source=source)
+    policy = choose_policy(calib, cal, prophet, args.base, args.budget, args.fraction / 100)
+    cal = cal.with_policy(policy)
+
+    records = []
+    common = {"benchmark": BENCHMARK, "model": args.model, "base": args.base, "dataset": args.dataset,
+              "split": args.split, "n_held_out": len(held), "n_calibration": len(calib), "top_k": args.top_k,
+              "budget_fraction": args.budget, "device": run.meta["device"], "device_name": run.meta["device_name"],
+              "wrapper_digest": wrapper, **environment()}
+    for name, f in [(args.base, 0.0), *[(c, p) for p, c in prophet.items()], ("full", 1.0)]:
+        agree = stats.fmean(q[name]["agree_with_full"] for q in held.values())
+        records.append({**common, "mode": name, "agreement_with_full_pct": 100 * agree,
+                        "recompute_fraction_mean": f})
+    agree, rec = simulate(held, policy, cal, prophet, args.base)
+    records.append({**common, "mode": f"{args.base}+auto", "agreement_with_full_pct": 100 * agree,
+                    "recompute_fraction_mean": rec, "policy_steps": [list(s) for s in policy.steps],
+                    **decile_ratio(held, cal, args.base), "seconds": time.perf_counter() - t0})
+    out = args.out or RESULTS / f"{BENCHMARK}_{args.model}_{args.base.replace('+', '_')}_n{args.n}.json"
+    write_records(out, records)
+    for r in records:
+        print(f"{r['mode']:32s} agreement {r['agreement_with_full_pct']:5.1f}%  recompute "
+              f"{100 * r['recompute_fraction_mean']:5.1f}%")
+    print(json.dumps({k: records[-1][k] for k in ("policy_steps", "disagree_top_decile_pct",
+                                                   "disagree_bottom_half_pct", "top_decile_vs_bottom_half")}))
+    if args.write:
+        print("calibration:", cal.save(CALIBRATIONS / file_name(fingerprint, wrapper)))
+    print("records:", out)
+
+
+if __name__ == "__main__":
+    main()
