@@ -682,7 +682,9 @@ def eval_squad(
     gold_position: Optional[str] = typer.Option(None, help="Open task: retrieved (default), or force the gold "
                                                            "paragraph first, middle or last; a list runs each."),
     prompt: str = typer.Option(FROZEN_PROMPT, help=f"Prompt variant(s): {', '.join(PROMPT_NAMES)}; a list runs each."),
-    max_new_tokens: int = typer.Option(24, help="Most tokens per answer."),
+    max_new_tokens: int = typer.Option(24, help="Most tokens per answer (a long-form prompt has its own: 128)."),
+    kl_top_k: int = typer.Option(256, min=0, help="Tokens of full's distribution per answer position that the "
+                                                 "teacher-forced KL keeps, the rest one bucket (0: all, exact)."),
     retrieval: Optional[Path] = typer.Option(None, help="Ranked paragraphs from `lazy-rag eval retrieve` (no "
                                                         "retrieval at run time)."),
     ttft_n: int = typer.Option(20, help="Questions per setting whose TTFT is timed one request at a time."),
@@ -693,7 +695,7 @@ def eval_squad(
     work_dir: Optional[Path] = typer.Option(None, help="Cached indexes (default: $LAZY_RAG_CACHE/eval)."),
     results: Path = typer.Option(Path("benchmarks/results"), help="Where to write the JSON records and answers."),
     quality_md: Optional[Path] = typer.Option(Path("QUALITY.md"), help="Markdown file to update (or '' for none)."),
-    plot: bool = typer.Option(True, help="Write a PNG of F1 - full against TTFT."),
+    plot: bool = typer.Option(True, help="Write a PNG of agreement with full against TTFT."),
     name: Optional[str] = typer.Option(None, help="File name stem of the outputs (default: from the settings)."),
     progress: str = typer.Option("auto", help="auto (a bar on a terminal, else lines), bar, lines or none."),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
@@ -712,7 +714,8 @@ def eval_squad(
     options = EvalOptions(model=model, configs=configs, task=task, dataset=dataset, data=data, fetch=fetch, split=split,
                           n=n, seed=seed, ks=_eval_list(k, int) if k else None,
                           gold_positions=_eval_list(gold_position) if gold_position else None,
-                          prompts=_eval_list(prompt), max_new_tokens=max_new_tokens, retrieval_file=retrieval,
+                          prompts=_eval_list(prompt), max_new_tokens=max_new_tokens, kl_top_k=kl_top_k,
+                          retrieval_file=retrieval,
                           ttft_n=ttft_n, batch_size=batch_size, bootstrap=bootstrap, device=device, dtype=dtype,
                           work_dir=work_dir, progress=progress, checkpoint=checkpoint, resume=resume)
     try:

@@ -1,5 +1,10 @@
 """One evaluation run: questions, their chunks, every configuration's answers, paired statistics.
 
+Faithfulness to ``full`` is the measure: how often a configuration gives full's answer, how far
+its distributions stray from full's over full's whole answer (teacher-forced KL), how much of
+full's wording it keeps (ROUGE-L) and what it recomputed to get there; F1/EM against the gold
+answers come after (and say little for a long-form prompt).
+
 A run is a set of *settings* (prompt x k x gold position for open retrieval; prompt x subset for
 the bridge task). Within a setting every configuration answers the same questions over the same
 chunks, and ``full`` (re-encode everything) is the reference each one is paired with. The
@@ -28,7 +33,7 @@ from ..reuse_risk import first_token_entropy
 from .prompts import EXAMPLE_QUESTION_IDS, FROZEN, Prompt, get_prompt
 from .retrieval import load_retrieval, save_retrieval
 from .runner import REUSE_MODES, Request, Runtime
-from .scoring import clean_prediction, kl_divergence, same_answer, score_answer
+from .scoring import clean_prediction, kl_divergence, rouge_l, same_answer, score_answer
 from .statistics import PairedBootstrap
 from .tasks import GOLD_POSITIONS, TASKS, TaskItem, build_bridge_task, open_items
 
@@ -49,7 +54,8 @@ class EvalOptions:
     ks: tuple[int, ...] | None = None                # open task; default (4,)
     gold_positions: tuple[str, ...] | None = None    # open task; default ("retrieved",)
     prompts: tuple[str, ...] = (FROZEN,)
-    max_new_tokens: int = 24
+    max_new_tokens: int = 24             # a prompt's own (Prompt.max_new_tokens, long form) comes first
+    kl_top_k: int = 256                  # full's tokens per position the teacher-forced KL keeps (0: all, exact)
     retrieval_file: Path | None = None   # ranked passages from `lazy-rag eval retrieve`
     ttft_n: int = 20
     batch_size: int = 32
@@ -72,10 +78,11 @@ class EvalOptions:
         for p in self.gold_positions:
             if p not in GOLD_POSITIONS:
                 raise LazyRagError(f"Unknown gold position {p!r}; choose from {', '.join(GOLD_POSITIONS)}.")
-        if self.n < 1 or min(self.ks) < 1 or self.ttft_n < 0 or self.batch_size < 1 or self.bootstrap < 100:
-            raise LazyRagError(f"Need n >= 1, every k >= 1, ttft_n >= 0, batch_size >= 1 and bootstrap >= 100 "
-                               f"(got n={self.n}, k={self.ks}, ttft_n={self.ttft_n}, batch_size={self.batch_size}, "
-                               f"bootstrap={self.bootstrap}).")
+        if (self.n < 1 or min(self.ks) < 1 or self.ttft_n < 0 or self.batch_size < 1 or self.bootstrap < 100
+                or self.kl_top_k < 0):
+            raise LazyRagError(f"Need n >= 1, every k >= 1, ttft_n >= 0, batch_size >= 1, bootstrap >= 100 and "
+                               f"kl_top_k >= 0 (got n={self.n}, k={self.ks}, ttft_n={self.ttft_n}, "
+                               f"batch_size={self.batch_size}, bootstrap={self.bootstrap}, kl_top_k={self.kl_top_k}).")
 
 
 @dataclass(frozen=True)
@@ -208,34 +215,65 @@ class _Evaluation:
         return Request(self.index_for(setting.prompt, config), setting.prompt.question_text(item.question.question),
                        item.chunk_ids, config.mode, max_new_tokens, config.generate_options)
 
+    def max_new_tokens(self, setting: Setting) -> int:
+        return setting.prompt.max_new_tokens or self.o.max_new_tokens
+
     # -- the two passes -------------------------------------------------------------------------------
+    def teacher_forced(self, requests: dict[str, list[Request]], answers: dict[str, list]) -> dict[str, list]:
+        """Per configuration and question: the KL(full || config) at every decision of full's
+        answer, and full's probability outside the tokens that KL kept (``kl_top_k``). Two engine
+        batches: full's own pass gives the reference rows, which the others' pass reads."""
+        reference = self.runtime.reference_rows(requests["full"], answers["full"], self.o.kl_top_k or None)
+        tail = [ref.tail_mass() for ref, _ in reference]
+        out = {"full": [(kl, t) for (_, kl), t in zip(reference, tail)]}
+        others = [c.name for c in self.configs if c.name != "full"]
+        n = len(answers["full"])
+        kls = self.runtime.teacher_forced_kl([r for c in others for r in requests[c]], answers["full"] * len(others),
+                                             [ref for ref, _ in reference] * len(others))
+        for i, c in enumerate(others):
+            out[c] = list(zip(kls[i * n:(i + 1) * n], tail))
+        return out
+
     def quality_pass(self, setting: Setting, items: list[TaskItem], rows: dict[str, list[dict]],
                      after_block=lambda: None) -> dict[str, list[dict]]:
-        """Per configuration, one row per item (same order): prediction, scores, KL vs full.
-        ``rows`` holds the answers of a checkpoint (the first items); the pass goes on from there
-        and calls ``after_block`` after every engine batch."""
+        """Per configuration, one row per item (same order): prediction, its faithfulness to
+        full's (agreement, first-token and teacher-forced KL, ROUGE-L, length), what was
+        recomputed, and the scores vs gold. ``rows`` holds the answers of a checkpoint (the first
+        items); the pass goes on from there and calls ``after_block`` after every engine batch."""
         block = self.o.batch_size
+        max_new_tokens = self.max_new_tokens(setting)
         for start in range(len(rows["full"]), len(items), block):
             chunk = items[start:start + block]
-            requests = [self.request(setting, c, it, self.o.max_new_tokens) for c in self.configs for it in chunk]
-            answers = self.runtime.answer(requests)
+            requests = {c.name: [self.request(setting, c, it, max_new_tokens) for it in chunk] for c in self.configs}
+            answers = self.runtime.answer([r for c in self.configs for r in requests[c.name]])
             by_config = {c.name: answers[i * len(chunk):(i + 1) * len(chunk)] for i, c in enumerate(self.configs)}
+            forced = self.teacher_forced(requests, by_config)
             full = by_config["full"]
             for c in self.configs:
-                for it, a, ref in zip(chunk, by_config[c.name], full):
+                for it, a, ref, (kl, tail) in zip(chunk, by_config[c.name], full, forced[c.name]):
                     pred, ref_pred = clean_prediction(a.text), clean_prediction(ref.text)
+                    words, ref_words = len(pred.split()), len(ref_pred.split())
+                    # full and the modes that read no cached chunk compute every chunk token at query time
+                    computed = a.recomputed_tokens if c.mode in REUSE_MODES else a.chunk_tokens
                     rows[c.name].append({
                         **score_answer(pred, list(it.question.answers)), "question_id": it.question.id,
                         "config": c.name, "prediction": pred, "raw": a.text,
                         "agree_with_full": float(same_answer(pred, ref_pred)),
                         "kl_vs_full": kl_divergence(ref.first_logits, a.first_logits),
+                        "tf_kl_mean": stats.fmean(kl), "tf_kl_first": kl[0], "tf_positions": len(kl),
+                        "tf_full_tail_mass": max(tail),  # the largest over the answer's positions
+                        "rouge_l_vs_full": rouge_l(pred, ref_pred),
+                        "answer_words": words, "answer_words_vs_full": words / ref_words if ref_words else None,
                         "first_token_entropy": first_token_entropy(a.first_logits),
-                        "answer_words": len(pred.split()), "chunk_ids": list(it.chunk_ids),
+                        "chunk_ids": list(it.chunk_ids),
                         "gold_index": it.gold_index, "cached_tokens": a.cached_tokens,
-                        "prompt_tokens": a.prompt_tokens, "seconds": a.seconds})
+                        "prompt_tokens": a.prompt_tokens, "cached_fraction": a.cached_tokens / max(a.prompt_tokens, 1),
+                        "chunk_tokens": a.chunk_tokens, "recomputed_chunk_tokens": computed,
+                        "recomputed_fraction": computed / a.chunk_tokens if a.chunk_tokens else None,
+                        "seconds": a.seconds})
             done_full = rows["full"]
             f1 = 100 * sum(r["f1"] for r in done_full) / len(done_full)
-            self.progress.advance(len(requests), note=f"{setting.label()}: full F1 {f1:.1f} over {len(done_full)}")
+            self.progress.advance(len(chunk) * len(self.configs), note=f"{setting.label()}: full F1 {f1:.1f} over {len(done_full)}")
             after_block()
         return rows
 
@@ -272,10 +310,43 @@ class _Evaluation:
                 "gold_position": setting.gold_position, "subset": setting.subset, "n": n, "seed": self.o.seed,
                 "base_mode": c.mode, "index_options": c.index_options, "generate_options": c.generate_options,
                 "wrapper_digest": self.wrapper_digest(setting.prompt, c),
-                "f1": 100 * stats.fmean(col("f1")), "em": 100 * stats.fmean(col("em")),
-                "contains": 100 * stats.fmean(col("contains")),
+                "max_new_tokens": self.max_new_tokens(setting), "long_form": setting.prompt.long_form,
             }
-            for metric in ("f1", "em", "contains"):
+            # faithfulness to full first: the measure of a reuse configuration
+            agree = boot.mean(col("agree_with_full")).scaled(100)
+            contains = boot.mean_difference(col("contains"), [x["contains"] for x in full]).scaled(100)
+            rouge = boot.mean(col("rouge_l_vs_full")).scaled(100)
+            words, full_words = sum(col("answer_words")), sum(x["answer_words"] for x in full)
+            rec.update({
+                "agreement_with_full_pct": agree.estimate, "agreement_ci_low": agree.low,
+                "agreement_ci_high": agree.high,
+                "contains_delta_vs_full": contains.estimate, "contains_delta_ci_low": contains.low,
+                "contains_delta_ci_high": contains.high,
+                # per question the mean over full's answer, then the mean over questions (each weighs the same)
+                "tf_kl_per_token_mean": stats.fmean(col("tf_kl_mean")),
+                "tf_kl_first_token_mean": stats.fmean(col("tf_kl_first")),
+                "tf_positions_mean": stats.fmean(col("tf_positions")),
+                "kl_top_k": self.o.kl_top_k or None,  # None: every token kept, the KL exact
+                # the most probability full put outside the kept tokens at any position (0 when exact)
+                "tf_full_tail_mass_max": max(col("tf_full_tail_mass")),
+                "rouge_l_vs_full": rouge.estimate, "rouge_l_ci_low": rouge.low, "rouge_l_ci_high": rouge.high,
+                "answer_words_vs_full": words / full_words if full_words else None,
+                "recomputed_chunk_pct": 100 * sum(col("recomputed_chunk_tokens")) / max(sum(col("chunk_tokens")), 1),
+                "cached_token_pct": 100 * sum(col("cached_tokens")) / max(sum(col("prompt_tokens")), 1),
+                "first_token_entropy_mean": stats.fmean(col("first_token_entropy")),
+            })
+            if lazy is not None and c.name not in ("full", "lazy"):
+                d = boot.mean_difference(col("tf_kl_mean"), [x["tf_kl_mean"] for x in lazy])
+                q = boot.ratio_of_means(col("tf_kl_mean"), [x["tf_kl_mean"] for x in lazy])
+                rec.update({"tf_kl_delta_vs_lazy": d.estimate, "tf_kl_delta_ci_low": d.low,
+                            "tf_kl_delta_ci_high": d.high, "tf_kl_ratio_to_lazy": q.estimate,
+                            "tf_kl_ratio_ci_low": q.low, "tf_kl_ratio_ci_high": q.high})
+            else:
+                rec.update({k: None for k in ("tf_kl_delta_vs_lazy", "tf_kl_delta_ci_low", "tf_kl_delta_ci_high",
+                                              "tf_kl_ratio_to_lazy", "tf_kl_ratio_ci_low", "tf_kl_ratio_ci_high")})
+            rec.update({"f1": 100 * stats.fmean(col("f1")), "em": 100 * stats.fmean(col("em")),
+                        "contains": 100 * stats.fmean(col("contains"))})
+            for metric in ("f1", "em"):
                 d = boot.mean_difference(col(metric), [x[metric] for x in full]).scaled(100)
                 rec.update({f"{metric}_delta_vs_full": d.estimate, f"{metric}_delta_ci_low": d.low,
                             f"{metric}_delta_ci_high": d.high})
@@ -287,14 +358,12 @@ class _Evaluation:
             hits = [x["gold_index"] is not None for x in r]
             ttft_ms = ttft.get(c.name, [])
             rec.update({
-                "agreement_with_full_pct": 100 * stats.fmean(col("agree_with_full")),
                 "kl_vs_full_first_token": stats.fmean(col("kl_vs_full")),
                 "answer_words_mean": stats.fmean(col("answer_words")),
                 "recall_at_k_pct": 100 * stats.fmean(hits) if setting.k is not None else None,
                 "chunks_per_question_mean": stats.fmean(len(x["chunk_ids"]) for x in r),
                 "ttft_ms_mean": stats.fmean(ttft_ms) if ttft_ms else None,
                 "ttft_ms_p50": stats.median(ttft_ms) if ttft_ms else None, "ttft_n": len(ttft_ms),
-                "cached_token_pct": 100 * sum(col("cached_tokens")) / max(sum(col("prompt_tokens")), 1),
                 "seconds_per_question": stats.fmean(col("seconds")),
                 "quality_pass_s": seconds,
                 "bootstrap_resamples": self.o.bootstrap,
@@ -307,6 +376,7 @@ class _Evaluation:
         return {"code": code_digest(), "model": self.runtime.fingerprint_id, "dtype": self.runtime.dtype,
                 "data": self.data_hash,
                 "configs": [c.name for c in self.configs], "max_new_tokens": self.o.max_new_tokens,
+                "kl_top_k": self.o.kl_top_k,
                 "settings": [[s.label(), [[it.question.id, list(it.chunk_ids)] for it in items]]
                              for s, items in settings]}
 
@@ -344,7 +414,7 @@ class _Evaluation:
                 "torch": torch.__version__, "transformers": transformers.__version__}
         for r in records:  # the versions of the machine that ran it (a report may be written elsewhere)
             r.update({k: meta[k] for k in ("model", "device", "device_name", "dtype", "data_hash", "retrieval_file",
-                                            "max_new_tokens", "torch", "transformers")})
+                                            "torch", "transformers")})
         return EvalRun(self.o, meta, records, answers, done)
 
     def run(self, on_partial=None, partial_every_s: float = 60.0) -> EvalRun:

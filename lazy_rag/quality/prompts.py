@@ -8,6 +8,10 @@ every question. Few-shot examples go in the instruction as question/answer pairs
 without contexts: they show the answer's form, not facts to copy. Their questions come from the
 train articles of SQuAD dev and are dropped from every evaluated sample.
 
+A long-form prompt (``long_form``) asks for an answer of a few sentences and has its own
+``max_new_tokens``: it is judged against full's answer (teacher-forced KL, ROUGE-L), since F1
+against SQuAD's short gold spans says little about a paragraph.
+
 ``FROZEN`` is the prompt chosen on the train split (QUALITY.md, "Prompt selection") and used by
 default; the other variants stay for the record and for re-running the selection.
 """
@@ -27,6 +31,8 @@ class Prompt:
     question_suffix: str = ""
     example_question_ids: tuple[str, ...] = ()  # few-shot questions, never evaluated
     system_prompt: str | None = None
+    max_new_tokens: int | None = None           # None: the run's (EvalOptions.max_new_tokens)
+    long_form: bool = False                     # answers of a few sentences: F1/EM vs gold are not meaningful
 
     def question_text(self, question: str) -> str:
         return question.strip() + self.question_suffix
@@ -48,6 +54,8 @@ _FEWSHOT = ("Answer the question with the shortest span of the context that answ
             + "\n".join(f"Question: {q}\nAnswer: {a}" for _, q, a in _EXAMPLES))
 _FEWSHOT_IDS = tuple(i for i, _, _ in _EXAMPLES)
 _SUFFIX = "\nAnswer with a few words copied from the context."
+_LONGFORM = ("Answer the question in three or four sentences of one paragraph, using only the context: "
+             "give the answer first, then the details of the context that support it.")
 _EXTRACTIVE = ("You are an extractive question answering system. You reply with the exact answer span copied "
                "from the context: a few words, never a full sentence.")
 
@@ -59,6 +67,8 @@ PROMPTS = {p.name: p for p in (
     Prompt("system-short", _SHORT, system_prompt=_EXTRACTIVE),
     Prompt("system-fewshot", _SHORT, "", _FEWSHOT_IDS, _EXTRACTIVE + "\nExamples:\n"
            + "\n".join(f"Question: {q}\nAnswer: {a}" for _, q, a in _EXAMPLES)),
+    # long enough for a few sentences; a paragraph break ends the answer like any line (runner.STOP)
+    Prompt("longform", _LONGFORM, max_new_tokens=128, long_form=True),
 )}
 # never evaluated, whichever prompts a run uses: every run samples from the same questions
 EXAMPLE_QUESTION_IDS = frozenset(i for p in PROMPTS.values() for i in p.example_question_ids)

@@ -35,13 +35,20 @@ one-line answers) and is paired with `full` (everything re-encoded) on each ques
   questions name an entity that their answer sentence mentions only by a pronoun, named in an
   earlier sentence (so no single chunk links question and answer); *control* questions are
   split the same way but their answer sentence names the entity itself.
-- Metrics (x100): EM and F1 with the official SQuAD normalisation; `contains` = a normalised gold
-  answer occurs (as whole words) in the normalised prediction, so a verbose but right answer is
-  visible. `F1 - full` and `EM - full`: mean paired difference with a 95% paired bootstrap
-  interval (questions resampled with replacement, seeded); `gap closed` = (config - lazy) /
-  (full - lazy) on F1, same bootstrap; `agree` = % of answers equal to full's after
-  normalisation; `KL` = mean KL(full || config) of the first-token distributions; `words` =
-  mean answer length.
+- Metrics, faithfulness to `full` first (a reuse configuration should give full's answer; the gold
+  answers judge the model, not the reuse). `agree` = % of answers equal to full's after SQuAD
+  normalisation; `contains - full` = paired difference in "a normalised gold answer occurs (as
+  whole words) in the answer"; `TF KL` = KL(full || config) per token, teacher-forced over
+  full's whole answer (mean over its tokens, then over questions; full's top-k tokens per
+  position plus one bucket for the rest, `kl_top_k` in the records, with full's largest tail
+  mass); `x lazy` = that KL over plain lazy's, with the paired interval of the difference in the
+  records; `ROUGE-L` = LCS F-measure of the answer's words against full's (x100); `words / full` =
+  answer words over full's; `recomp %` = chunk tokens computed at query time (100 for `full`);
+  `cached %` = prompt tokens read from the cache. Then `F1 - full` and `EM - full` (official
+  SQuAD normalisation; not meaningful for a long-form prompt, whose table says so) and `gap
+  closed` = (config - lazy) / (full - lazy) on F1. Every interval is a 95% paired bootstrap
+  (questions resampled with replacement, seeded). The records keep the absolute scores, the
+  first-token KL and the first token's entropy.
 - TTFT: a fixed subset of each setting (its first `ttft_n` questions) served one request at a
   time after the quality pass, so chunks are already stored as in deployment; batched quality
   passes give no single-request TTFT. The table shows the median (one kernel compile inside the
@@ -86,19 +93,27 @@ def markdown_tables(run: EvalRun) -> str:
         if r0["recall_at_k_pct"] is not None and setting.gold_position == "retrieved":
             title += f" (recall@{setting.k} {r0['recall_at_k_pct']:.1f}%)"
         out += [f"### {title}, n={r0['n']}", "",
-                "| config | F1 | EM | contains | F1 - full [95% CI] | EM - full [95% CI] | gap closed % [95% CI] "
-                "| agree % | KL | words | TTFT ms (median) | cached % |",
-                "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
+                "| config | agree % [95% CI] | contains - full [95% CI] | TF KL / token | x lazy | ROUGE-L "
+                "| words / full | recomp % | cached % | F1 | F1 - full [95% CI] | EM - full [95% CI] "
+                "| gap closed % [95% CI] | TTFT ms (median) |",
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]
         for r in rows:
             full = r["mode"] == "full"
             out.append(
-                f"| {r['mode']} | {_fmt(r['f1'])} | {_fmt(r['em'])} | {_fmt(r['contains'])} | "
+                f"| {r['mode']} | {_fmt(r['agreement_with_full_pct'])} "
+                f"[{_fmt(r['agreement_ci_low'])}, {_fmt(r['agreement_ci_high'])}] | "
+                f"{'-' if full else _ci(r, 'contains_delta_vs_full', 'contains_delta_ci_low', 'contains_delta_ci_high')} | "
+                f"{_fmt(r['tf_kl_per_token_mean'], 3)} | {_fmt(r['tf_kl_ratio_to_lazy'], 2)} | "
+                f"{_fmt(r['rouge_l_vs_full'])} | {_fmt(r['answer_words_vs_full'], 2)} | "
+                f"{_fmt(r['recomputed_chunk_pct'], 0)} | {_fmt(r['cached_token_pct'], 0)} | {_fmt(r['f1'])} | "
                 f"{'-' if full else _ci(r, 'f1_delta_vs_full', 'f1_delta_ci_low', 'f1_delta_ci_high')} | "
                 f"{'-' if full else _ci(r, 'em_delta_vs_full', 'em_delta_ci_low', 'em_delta_ci_high')} | "
                 f"{_ci(r, 'gap_closed_pct', 'gap_closed_ci_low', 'gap_closed_ci_high').lstrip('+')} | "
-                f"{_fmt(r['agreement_with_full_pct'])} | {_fmt(r['kl_vs_full_first_token'], 3)} | "
-                f"{_fmt(r['answer_words_mean'])} | {_fmt(r['ttft_ms_p50'], 0)} | {_fmt(r['cached_token_pct'], 0)} |")
+                f"{_fmt(r['ttft_ms_p50'], 0)} |")
         out.append("")
+        if r0["long_form"]:
+            out += [f"Long-form answers (at most {r0['max_new_tokens']} new tokens): F1 and EM against SQuAD's short "
+                    "gold spans are not meaningful here, only the columns before them.", ""]
     return "\n".join(out)
 
 
@@ -128,7 +143,7 @@ def markdown_section(run: EvalRun, command: str | None, date: str) -> str:
               + (f", retrieval from {Path(m['retrieval_file']).name}" if m["retrieval_file"] else "")
               + f". {o.bootstrap} paired bootstrap resamples; "
               + (f"TTFT over {ttft_n} questions per setting, one request at a time" if ttft_n else "no TTFT pass")
-              + f"; at most {o.max_new_tokens} new tokens.", ""]
+              + f"; at most {o.max_new_tokens} new tokens (a long-form prompt: its own, in its table).", ""]
     return "\n".join(lines) + "\n" + markdown_tables(run)
 
 
@@ -142,7 +157,7 @@ def update_quality_md(path: Path, section: str) -> None:
 
 
 def plot_quality_vs_ttft(run: EvalRun, path: Path) -> Path | None:
-    """F1 - full (with its interval) against TTFT, one point per configuration and setting."""
+    """Agreement with full (with its interval) against TTFT, one point per configuration and setting."""
     points = [r for r in run.records if r["ttft_ms_p50"] is not None]
     if not points:
         return None
@@ -158,18 +173,18 @@ def plot_quality_vs_ttft(run: EvalRun, path: Path) -> Path | None:
         if not rows:
             continue
         x = [r["ttft_ms_p50"] for r in rows]
-        y = [r["f1_delta_vs_full"] for r in rows]
-        err = [[r["f1_delta_vs_full"] - r["f1_delta_ci_low"] for r in rows],
-               [r["f1_delta_ci_high"] - r["f1_delta_vs_full"] for r in rows]]
+        y = [r["agreement_with_full_pct"] for r in rows]
+        err = [[r["agreement_with_full_pct"] - r["agreement_ci_low"] for r in rows],
+               [r["agreement_ci_high"] - r["agreement_with_full_pct"] for r in rows]]
         ax.errorbar(x, y, yerr=err, fmt="o", capsize=3, label=setting.label())
         for r in rows:
-            ax.annotate(r["mode"], (r["ttft_ms_p50"], r["f1_delta_vs_full"]), textcoords="offset points",
+            ax.annotate(r["mode"], (r["ttft_ms_p50"], r["agreement_with_full_pct"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
-    ax.axhline(0, color="grey", lw=0.8)
+    ax.axhline(100, color="grey", lw=0.8)
     m = run.meta
     ax.set_xlabel(f"TTFT, ms (one request at a time, {m['device']})")
-    ax.set_ylabel("F1 - full, points (95% paired bootstrap CI)")
-    ax.set_title(f"{m['model']} {m['dtype']}: quality vs TTFT ({run.options.task}, n={run.options.n})", fontsize=10)
+    ax.set_ylabel("answers equal to full's, % (95% bootstrap CI)")
+    ax.set_title(f"{m['model']} {m['dtype']}: agreement with full vs TTFT ({run.options.task}, n={run.options.n})", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -8,6 +8,11 @@ nowhere else.
 Answers are generated in batches through the serving engine (the one runtime of every request,
 recovery included). Batched requests share their wall time, so their TTFT is not a single
 request's: ``first_token_ms`` times one request alone.
+
+Teacher forcing (``reference_rows`` for ``full``, ``teacher_forced_kl`` for the others) serves
+the same prompt again with full's answer appended as uncached text, one new token, and reads the
+logits at every position of that answer through the engine's ``score_rows`` / ``score_fn``,
+reduced on the engine's device (``scoring.reference_rows`` / ``scoring.teacher_forced_kl``).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ..requests import CHUNK_MODES as REUSE_MODES, MODES  # noqa: F401  (the configurations' modes)
+from .scoring import ReferenceRows, reference_rows, teacher_forced_kl
 STOP = ("\n",)                   # an answer is one line
 
 
@@ -39,6 +45,15 @@ class Answer:
     cached_tokens: int
     prompt_tokens: int
     seconds: float                 # the request's share of its batch's wall time
+    token_ids: list[int] = field(default_factory=list)  # generated, without an end-of-sequence token
+    ended_by_eos: bool = False     # the model chose to stop (an end-of-sequence token, not kept in token_ids)
+    chunk_tokens: int = 0          # the prompt's chunk tokens
+    recomputed_tokens: int = 0     # chunk tokens a reuse mode computed at query time (recovery)
+
+    def decisions(self) -> int:
+        """Positions at which the model chose a token: each generated token, and the end of
+        sequence where it chose to stop (teacher forcing scores one row per decision)."""
+        return len(self.token_ids) + int(self.ended_by_eos)
 
 
 class _MemoEmbedder:
@@ -141,7 +156,41 @@ class Runtime:
         t0 = time.perf_counter()
         results = self.llm.engine.generate([self._request(r, r.max_new_tokens) for r in requests])
         share = (time.perf_counter() - t0) / len(requests)
-        return [_answer(res, share) for res in results]
+        return [self._answer(r, res, share) for r, res in zip(requests, results)]
+
+    def reference_rows(self, requests: Sequence[Request], answers: Sequence[Answer],
+                       top_k: int | None) -> list[tuple[ReferenceRows, list[float]]]:
+        """For each ``full`` request and its answer: full's distributions at every decision of
+        that answer (``scoring.reference_rows``, its top ``top_k`` tokens), and their KL to
+        themselves through ``teacher_forced_kl`` (0 up to rounding: full's row goes through
+        the same arithmetic as every other configuration's)."""
+        def score(logits):
+            ref = reference_rows(logits, top_k)
+            return ref, teacher_forced_kl(ref, logits)
+
+        return self._teacher_forced(requests, answers, [score] * len(requests))
+
+    def teacher_forced_kl(self, requests: Sequence[Request], answers: Sequence[Answer],
+                          references: Sequence[ReferenceRows]) -> list[list[float]]:
+        """KL(full || config) at every decision of full's answer (``answers[i]``, whose reference
+        rows are ``references[i]``), request i being the configuration's prompt."""
+        return self._teacher_forced(requests, answers,
+                                    [lambda logits, ref=ref: teacher_forced_kl(ref, logits) for ref in references])
+
+    def _teacher_forced(self, requests, answers, score_fns) -> list:
+        """One engine batch: each prompt followed by ``answer.token_ids`` except the last decision's
+        (its row is the last scored; an end of sequence is never fed), one new token, and
+        ``score_fn`` given the logits of the rows that predict each decision: the prompt's last
+        row predicts the answer's first token."""
+        batch = []
+        for r, answer, fn in zip(requests, answers, score_fns):
+            rows = max(answer.decisions(), 1)  # an answer with no decision at all (never: max_new_tokens >= 1)
+            fed = answer.token_ids[:rows - 1]
+            req = self._request(r, 1)
+            if fed:
+                req["segments"] = list(req["segments"]) + [list(fed)]
+            batch.append({**req, "output_first_logits": False, "score_rows": rows, "score_fn": fn})
+        return [res.score for res in self.llm.engine.generate(batch)] if batch else []
 
     def first_token_ms(self, request: Request) -> float:
         """TTFT of ``request`` served alone (one request in flight, one new token)."""
@@ -153,7 +202,12 @@ class Runtime:
                     max_new_tokens=max_new_tokens, source=r.index.chunk_source, output_first_logits=True,
                     stop=list(STOP), **r.generate_options)
 
-
-def _answer(res, seconds: float) -> Answer:
-    return Answer(res.text, res.first_logits.float().cpu(), int(res.stats.cached_tokens), int(res.stats.prompt_tokens),
-                  seconds)
+    def _answer(self, r: Request, res, seconds: float) -> Answer:
+        # a stop is either a stop string (its token is kept) or an end-of-sequence token (not kept)
+        ids = list(res.token_ids)
+        text = self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+        ended_by_eos = res.finish_reason == "stop" and not any(s in text for s in STOP)
+        chunk_tokens = sum(len(r.index.by_id[c].token_ids) for c in r.chunk_ids)
+        return Answer(res.text, res.first_logits.float().cpu(), int(res.stats.cached_tokens),
+                      int(res.stats.prompt_tokens), seconds, ids, ended_by_eos, chunk_tokens,
+                      int(res.stats.recomputed_tokens))

@@ -52,11 +52,26 @@ class PairedBootstrap:
         low, high = np.percentile(draws, [tail, 100 - tail])
         return Interval(float(estimate), float(low), float(high))
 
+    def mean(self, values) -> Interval:
+        """mean(values) over the questions, with its interval (e.g. agreement with full)."""
+        (v,) = self._check(values)
+        return self._interval(v.mean(), v[self.rows].mean(axis=1))
+
     def mean_difference(self, config, reference) -> Interval:
         """mean(config - reference) over the questions, with its interval."""
         c, r = self._check(config, reference)
         d = c - r
         return self._interval(d.mean(), d[self.rows].mean(axis=1))
+
+    def ratio_of_means(self, config, reference) -> Interval:
+        """mean(config) / mean(reference) (e.g. a configuration's KL to full over plain lazy's).
+        Resamples whose reference mean is zero are left out; NaN when the observed one is zero."""
+        c, r = self._check(config, reference)
+        estimate = c.mean() / r.mean() if r.mean() else math.nan
+        means = r[self.rows].mean(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws = np.where(means != 0, c[self.rows].mean(axis=1) / means, np.nan)
+        return self._interval(estimate, draws)
 
     def gap_closed(self, config, lower, upper) -> Interval:
         """(mean(config) - mean(lower)) / (mean(upper) - mean(lower)): the share of the gap

@@ -13,7 +13,7 @@ from lazy_rag.quality.configs import Config
 from lazy_rag.quality.evaluate import _Evaluation
 from lazy_rag.quality.prompts import PROMPTS
 from lazy_rag.quality.runner import Runtime
-from tests.helpers import squad_file, torch_kernels
+from tests.helpers import squad_file
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "corpus"
 BRIDGE = [
@@ -36,19 +36,6 @@ def corpus_file(path: Path, edit=lambda text: text) -> Path:
         articles.append([(p, [(f"What does the passage say about {p.split()[1]}?", " ".join(p.split()[:3]))])
                          for p in paras])
     return squad_file(path, articles + [BRIDGE])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_kernels():
-    with torch_kernels():
-        yield
-
-
-@pytest.fixture(scope="module")
-def runtime(smollm2):
-    from lazy_rag.embedder import Embedder
-
-    return Runtime(smollm2, "smollm2", Embedder())
 
 
 def _options(tmp_path, data, **kw) -> EvalOptions:
