@@ -38,19 +38,23 @@ class LayerFamily:
                                  # "post": post_attention_layernorm / post_feedforward_layernorm after (olmo2)
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
-    tested: str = ""             # what tests/test_families.py / test_parity.py hold it to (docs, `lazy-rag models`)
+    layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
+    tested: str = ""             # what tests/test_parity.py / test_families.py hold it to
 
 
-_PARITY = "lazy/block/full/prefix logits and greedy tokens against the oracle (fp32, tiny random models)"
+_PARITY = "lazy, block, full, prefix and greedy tokens equal to the HF oracle (fp32, tiny random models)"
 FAMILIES: dict[str, LayerFamily] = {
-    "llama": LayerFamily(tested=_PARITY + "; default, linear, llama3 and yarn RoPE; SmolLM2 bundled"),
-    "mistral": LayerFamily(tested=_PARITY + " (no sliding window)"),
-    "qwen2": LayerFamily(tested=_PARITY + "; q/k/v biases; Qwen2.5 bundled"),
-    "qwen3": LayerFamily(qk_norm="head", tested=_PARITY + "; per-head q/k norm"),
-    "granite": LayerFamily(multipliers=True, tested=_PARITY + "; non-trivial multipliers"),
-    "phi3": LayerFamily(qkv="fused", tested=_PARITY + "; fused qkv and gate/up, default RoPE"),
+    "llama": LayerFamily(layer="pre-norm llama layer (SmolLM included)",
+                         tested=_PARITY + "; default, linear, llama3 and yarn RoPE; SmolLM2 bundled"),
+    "mistral": LayerFamily(layer="llama's layer; no sliding window", tested=_PARITY),
+    "qwen2": LayerFamily(layer="llama's layer with q/k/v biases", tested=_PARITY + "; Qwen2.5 bundled"),
+    "qwen3": LayerFamily(qk_norm="head", layer="llama's layer, q/k normed per head before RoPE", tested=_PARITY),
+    "granite": LayerFamily(multipliers=True, layer="llama's layer with embedding/residual/attention multipliers "
+                           "and logits_scaling", tested=_PARITY + ", non-neutral multipliers"),
+    "phi3": LayerFamily(qkv="fused", layer="fused qkv_proj and gate_up_proj (Phi-3, Phi-4); default RoPE, "
+                        "full rotary", tested=_PARITY),
     "olmo2": LayerFamily(qk_norm="whole", norms="post", fused_norm=False,
-                         tested=_PARITY + "; whole-q/k norms and post-norms"),
+                         layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the

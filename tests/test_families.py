@@ -205,3 +205,19 @@ def test_norms_on_cuda_round_like_each_familys_module(dtype):
             ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
             assert ((got.float() - want.float()).abs() / ulp).max().item() <= 2, family
     assert [f for f in FAMILIES if not ModelParts(_model(f)).family.fused_norm] == ["olmo2"]
+
+
+def test_lazy_rag_models_lists_every_family_at_80_columns(monkeypatch):
+    from typer.testing import CliRunner
+
+    from lazy_rag.architecture import FAMILIES
+    from lazy_rag.cli import app
+    from lazy_rag.models import supported_families
+
+    monkeypatch.setenv("COLUMNS", "80")
+    res = CliRunner().invoke(app, ["models"], terminal_width=80)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output
+    listed = [line.split()[0] for line in res.output.splitlines() if line.strip() and line.split()[0] in FAMILIES]
+    assert listed == list(FAMILIES) == [f["model_type"] for f in supported_families()]
+    assert all(f["layer"] and f["tested"] for f in supported_families())
