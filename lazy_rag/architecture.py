@@ -2,11 +2,24 @@
 
 We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
 attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
-decoder layer is exactly: pre-norm -> q/k/v proj (optional bias, optional per-head q/k norm
-before RoPE) -> RoPE -> softmax attention -> o_proj -> residual -> pre-norm -> MLP -> residual.
+attention is plain global softmax attention over RoPE'd q/k (one RoPE table whose frequencies do
+not depend on the sequence length, no sliding window, no score soft-capping) and its decoder
+layer is one of the shapes ``LayerFamily`` describes:
+
+- llama, mistral, qwen2, qwen3: pre-norm -> q/k/v proj (optional bias; qwen3 norms q and k per
+  head before RoPE) -> RoPE -> attention -> o_proj -> residual -> pre-norm -> MLP -> residual;
+- granite: llama's layer with scalar multipliers: embeddings times ``embedding_multiplier``,
+  each residual branch times ``residual_multiplier``, softmax scale ``attention_multiplier``
+  (instead of 1/sqrt(head_dim)) and logits divided by ``logits_scaling``;
+- phi3: llama's layer with one fused ``qkv_proj`` (q, k, v in that order, split by head counts)
+  and a fused gate/up MLP (the checkpoint's own MLP module runs it);
+- olmo2: no input pre-norms; q and k normed over all heads at once (``q_norm``/``k_norm`` of
+  width heads * head_dim) before RoPE; attention's and the MLP's outputs normed
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual adds.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +28,58 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .kernels.rope import RopeTable
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+@dataclass(frozen=True)
+class LayerFamily:
+    """How one family's decoder layer differs from llama's (see the module docstring)."""
+    qkv: str = "separate"        # "fused": one qkv_proj, split into q, k, v by head counts (phi3)
+    qk_norm: str | None = None   # "head": per head (qwen3); "whole": over all heads at once (olmo2)
+    norms: str = "pre"           # "pre": input_layernorm / post_attention_layernorm before the branches;
+                                 # "post": post_attention_layernorm / post_feedforward_layernorm after (olmo2)
+    multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
+    fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
+    layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
+    tested: str = ""             # what tests/test_parity.py / test_families.py hold it to
+
+
+_PARITY = "lazy, block, full, prefix and greedy tokens equal to the HF oracle (fp32, tiny random models)"
+FAMILIES: dict[str, LayerFamily] = {
+    "llama": LayerFamily(layer="pre-norm llama layer (SmolLM included)",
+                         tested=_PARITY + "; default, linear, llama3 and yarn RoPE; SmolLM2 bundled"),
+    "mistral": LayerFamily(layer="llama's layer; no sliding window", tested=_PARITY),
+    "qwen2": LayerFamily(layer="llama's layer with q/k/v biases", tested=_PARITY + "; Qwen2.5 bundled"),
+    "qwen3": LayerFamily(qk_norm="head", layer="llama's layer, q/k normed per head before RoPE", tested=_PARITY),
+    "granite": LayerFamily(multipliers=True, layer="llama's layer with embedding/residual/attention multipliers "
+                           "and logits_scaling", tested=_PARITY + ", non-neutral multipliers"),
+    "phi3": LayerFamily(qkv="fused", layer="fused qkv_proj and gate_up_proj (Phi-3, Phi-4); default RoPE, "
+                        "full rotary", tested=_PARITY),
+    "olmo2": LayerFamily(qk_norm="whole", norms="post", fused_norm=False,
+                         layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the
 # sequence length, so a chunk's KV could not be computed once and reused
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# families we know and do not run: what they need that lazy-rag lacks, and the nearest supported one
+KNOWN_UNSUPPORTED = {
+    "gemma2": ("attention-score soft-capping and sliding-window layers", "olmo2 (post-norms) or llama"),
+    "gemma3": ("sliding-window layers with their own RoPE", "llama"),
+    "gemma3_text": ("sliding-window layers with their own RoPE", "llama"),
+    "gemma": ("its embedding normaliser and (1 + weight) norms, not wired into lazy-rag's layer", "llama"),
+    "mixtral": ("a mixture-of-experts MLP", "mistral"),
+    "qwen2_moe": ("a mixture-of-experts MLP", "qwen2"),
+    "qwen3_moe": ("a mixture-of-experts MLP", "qwen3"),
+    "olmoe": ("a mixture-of-experts MLP", "olmo2"),
+    "granitemoe": ("a mixture-of-experts MLP", "granite"),
+    "granitemoeshared": ("a mixture-of-experts MLP", "granite"),
+    "granitemoehybrid": ("a mixture-of-experts MLP and Mamba layers", "granite"),
+    "phimoe": ("a mixture-of-experts MLP", "phi3"),
+    "deepseek_v2": ("multi-head latent attention (MLA) and a mixture-of-experts MLP", "llama"),
+    "deepseek_v3": ("multi-head latent attention (MLA) and a mixture-of-experts MLP", "llama"),
+    "phi": ("a parallel attention/MLP block with LayerNorm and partial rotary", "phi3"),
+    "olmo": ("non-parametric LayerNorm and q/k/v clipping", "olmo2"),
+}
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass
@@ -37,27 +98,85 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def check_supported(config) -> None:
-    """Refuse checkpoints whose attention is not plain global RoPE attention."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"Model type {mt!r} is not supported. lazy-rag runs Llama (incl. SmolLM, llama3 RoPE "
-            "scaling), Mistral, Qwen2 and Qwen3 checkpoints; pick one of those."
-        )
+def _families_line() -> str:
+    return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE) and OLMo 2 checkpoints (model types "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
+
+
+def _unsupported_feature(config) -> str | None:
+    """What in ``config`` lazy-rag cannot run, whatever the model type, or None."""
+    if any(getattr(config, k, None) is not None for k in ("attn_logit_softcapping", "final_logit_softcapping")):
+        return "soft-capping of attention scores or logits"
+    if any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 0 for k in _MOE_KEYS):
+        return "a mixture-of-experts MLP"
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return "multi-head latent attention (MLA)"
+    return None
+
+
+def _sliding_window(config) -> bool:
     layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "sliding_window", None)
-    if "sliding_attention" in layer_types or (mt == "mistral" and sliding is not None):
+    if "sliding_attention" in layer_types:
+        return True
+    if layer_types:   # every layer named and none slides (qwen2/qwen3's use_sliding_window=False)
+        return False
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def check_supported(config) -> None:
+    """Refuse checkpoints whose attention is not plain global RoPE attention, or whose layer is
+    none of ``FAMILIES``, naming the feature and the nearest supported family."""
+    mt = getattr(config, "model_type", None)
+    feature = _unsupported_feature(config)
+    if mt not in FAMILIES:
+        known, nearest = KNOWN_UNSUPPORTED.get(mt, (None, "llama"))
+        why = known or feature or ("sliding-window attention" if _sliding_window(config) else None)
         raise UnsupportedModelError(
-            f"This {mt} checkpoint uses sliding-window attention (window {sliding}); lazy-rag "
-            "needs global attention so cached chunks stay visible at any position. Use a "
-            "checkpoint (or config) without a sliding window."
+            f"Model type {mt!r} is not supported" + (f": it uses {why}" if why else "")
+            + f". {_families_line()} The nearest supported family is {nearest}."
+        )
+    if feature is not None:
+        raise UnsupportedModelError(f"This {mt} checkpoint uses {feature}, which lazy-rag does not run; "
+                                    f"use a plain {mt} checkpoint.")
+    if _sliding_window(config):
+        raise UnsupportedModelError(
+            f"This {mt} checkpoint uses sliding-window attention (window {getattr(config, 'sliding_window', None)}); "
+            "lazy-rag needs global attention so cached chunks stay visible at any position. Use a "
+            f"{mt} checkpoint (or config) without a sliding window."
         )
     params = getattr(config, "rope_parameters", None) or {}
     if isinstance(params, dict) and params and "rope_type" not in params:
         raise UnsupportedModelError(
             "Per-layer-type RoPE parameters are not supported (one RoPE table per model expected)."
         )
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _rope_refusal(rope_type, mt)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"This {mt} checkpoint rotates only part of each head (partial_rotary_factor {partial}); lazy-rag's "
+            f"lazy RoPE rotates whole heads. Use a {mt} checkpoint with full rotary (partial_rotary_factor 1)."
+        )
+
+
+def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"RoPE type {rope_type!r} is not supported: its frequencies change with sequence length (or per "
+        "token), so chunk KV cannot be computed once and reused. Supported: "
+        f"{', '.join(SUPPORTED_ROPE_TYPES)}; use a {mt} checkpoint (or config) with one of those."
+    )
+
+
+def layer_fingerprint(config) -> str | None:
+    """The config values outside the weights that change a family's KV or logits (granite's
+    multipliers), as a canonical string; None for families whose layer is fixed by its weights."""
+    fam = FAMILIES.get(getattr(config, "model_type", None))
+    if fam is None or not fam.multipliers:
+        return None
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return json.dumps({k: float(getattr(config, k)) for k in keys}, sort_keys=True)
 
 
 def rope_table_of(model) -> RopeTable:
@@ -66,23 +185,22 @@ def rope_table_of(model) -> RopeTable:
     params = getattr(model.config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type {rope_type!r} is not supported: its frequencies change with sequence length (or per "
-            "token), so chunk KV cannot be computed once and reused. Supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}."
-        )
+        raise _rope_refusal(rope_type, model.config.model_type)
     rotary = model.model.rotary_emb
     return RopeTable(inv_freq=rotary.inv_freq.detach().to(torch.float32).clone(),
                      attention_scaling=float(rotary.attention_scaling), rope_type=rope_type)
 
 
 class ModelParts:
-    """The checkpoint's modules in the order our forward uses them, its shape and RoPE table."""
+    """The checkpoint's modules in the order our forward uses them, its shape and RoPE table, and
+    its family's layer (``LayerFamily``): ``embed_scale``, ``attention_in``, ``project_qkv``,
+    ``attention_residual``, ``mlp_residual`` and ``logits`` are the forward's steps around attention."""
 
     def __init__(self, model):
         check_supported(model.config)
         self.model = model
         self.config = model.config
+        self.family = FAMILIES[model.config.model_type]
         self.rope_table = rope_table_of(model)
         inner = model.model
         self.embed = inner.embed_tokens
@@ -102,8 +220,43 @@ class ModelParts:
             vocab_size=c.vocab_size,
             max_positions=int(getattr(c, "max_position_embeddings", 1 << 20)),
         )
-        self.scaling = float(attn.scaling)
-        self.has_qk_norm = hasattr(attn, "q_norm")
+        self.scaling = float(attn.scaling)   # the softmax scale (granite: attention_multiplier)
+        self.has_qk_norm = self.family.qk_norm is not None
+        fam = self.family
+        # granite's multipliers (None: the family has none, nothing is multiplied)
+        self.embedding_multiplier = float(c.embedding_multiplier) if fam.multipliers else None
+        self.residual_multiplier = float(c.residual_multiplier) if fam.multipliers else None
+        self.logits_scaling = float(c.logits_scaling) if fam.multipliers else None
+
+    # -- the layer around attention (ModelRunner.forward) -------------------------------------------
+    def embed_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``embed_ids`` returned as the first layer takes them (granite multiplies
+        them, wrapper rows included, as transformers multiplies ``inputs_embeds``)."""
+        return x if self.embedding_multiplier is None else x * self.embedding_multiplier
+
+    def attention_in(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """What the q/k/v projections read: the residual stream pre-normed, or as it is (olmo2)."""
+        return x if self.family.norms == "post" else self._norm(layer.input_layernorm, x)
+
+    def attention_residual(self, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention, whose output ``o`` [n, H * D] is not yet projected."""
+        a = layer.self_attn.o_proj(o)
+        if self.family.norms == "post":
+            return x + self._norm(layer.post_attention_layernorm, a)
+        return x + (a if self.residual_multiplier is None else a * self.residual_multiplier)
+
+    def mlp_residual(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer's MLP (the checkpoint's module, fused gate/up included)."""
+        if self.family.norms == "post":
+            return x + self._norm(layer.post_feedforward_layernorm, layer.mlp(x))
+        m = layer.mlp(self._norm(layer.post_attention_layernorm, x))
+        return x + (m if self.residual_multiplier is None else m * self.residual_multiplier)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states x [n, hidden] (granite divides by logits_scaling in the
+        model's dtype first, as transformers does)."""
+        out = self.lm_head(self._norm(self.final_norm, x))
+        return (out if self.logits_scaling is None else out / self.logits_scaling).float()
 
     def embed_ids(self, ids: torch.Tensor, virtual: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings of ``ids`` (any shape); with ``virtual``, ids >= ``vocab_rows`` (chunk
@@ -119,28 +272,41 @@ class ModelParts:
         return torch.where((extra >= 0)[..., None], w.to(x.dtype), x)
 
     def project_qkv(self, layer, y: torch.Tensor):
-        """q [n, Hq, D], k and v [n, Hkv, D] of normed hidden states y [n, hidden], before RoPE
-        (Qwen3 normalises q and k per head here, before any rotation)."""
+        """q [n, Hq, D], k and v [n, Hkv, D] of the layer's input y [n, hidden] (``attention_in``),
+        before RoPE: separate projections or phi3's fused ``qkv_proj`` (q, k, v by head counts);
+        qwen3 normalises q and k per head, olmo2 over all heads at once, before any rotation."""
         attn, shp, n = layer.self_attn, self.shape, y.shape[0]
-        q = attn.q_proj(y).view(n, shp.num_heads, shp.head_dim)
-        k = attn.k_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-        v = attn.v_proj(y).view(n, shp.num_kv_heads, shp.head_dim)
-        if self.has_qk_norm:
-            q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
+        fam = self.family
+        if fam.qkv == "fused":
+            widths = [shp.num_heads * shp.head_dim, shp.num_kv_heads * shp.head_dim, shp.num_kv_heads * shp.head_dim]
+            q, k, v = (t.contiguous() for t in attn.qkv_proj(y).split(widths, dim=-1))
+        else:
+            q, k, v = attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)
+        if fam.qk_norm == "whole":
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        q = q.reshape(n, shp.num_heads, shp.head_dim)
+        k = k.reshape(n, shp.num_kv_heads, shp.head_dim)
+        v = v.reshape(n, shp.num_kv_heads, shp.head_dim)
+        if fam.qk_norm == "head":
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         return q, k, v
 
     @staticmethod
-    def norm(module, x: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's RMSNorm ``module`` applied to x (every supported family's is
+    def norm(module, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """The checkpoint's RMSNorm ``module`` applied to x (the llama-style families' is
         ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``). On CUDA the
         normalisation is torch's fused ``rms_norm`` (one kernel instead of ~6 small ones per norm,
         65 norms per 8B step: ~1.5 ms of an 82-token step on an H100), then the same weight
         multiply in x's dtype, so it rounds where the module rounds; only the order of the
-        mean's fp32 sum differs. Elsewhere the module itself."""
+        mean's fp32 sum differs. Elsewhere, and with ``fused=False`` (``LayerFamily.fused_norm``: a
+        family whose norm multiplies the weight before rounding, olmo2), the module itself."""
         eps = getattr(module, "variance_epsilon", None)
-        if not x.is_cuda or eps is None:
+        if not x.is_cuda or eps is None or not fused:
             return module(x)
         return module.weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(module, x, self.family.fused_norm)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -537,8 +537,9 @@ def compile_(
 def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """List the bundled offline models (short name and checkpoint), whether their packages are
     installed, their bundled chunk wrappers (on by default for indexes built with that model) and
-    the command that installs the missing ones."""
-    from .models import BUNDLED, DEFAULT_MODEL, install_command, is_installed
+    the command that installs the missing ones; then the model types (families) any checkpoint
+    of which runs."""
+    from .models import BUNDLED, DEFAULT_MODEL, install_command, is_installed, supported_families
     from .wrapper import ChunkWrapper, bundled_path
 
     rows = []
@@ -567,6 +568,13 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     for r in rows:
         if not r["installed"]:
             out.print(f"Install {r['name']} with:  {r['install']}", markup=False, highlight=False)
+    # any other checkpoint of these families runs too (a folder, a .gguf or a hub id)
+    out.print()
+    fams = Table(box=box.SIMPLE_HEAD, title="Supported model types (any checkpoint of them)")
+    fams.add_column("model type", no_wrap=True), fams.add_column("layer", overflow="fold")
+    for f in supported_families():
+        fams.add_row(f["model_type"], f["layer"])
+    out.print(fams)
 
 
 @app.command()

@@ -6,6 +6,8 @@ import json
 
 import torch
 
+from .architecture import layer_fingerprint
+
 _SAMPLE = 4096  # elements hashed per parameter: cheap, yet any re-trained or other weights differ
 
 
@@ -41,7 +43,12 @@ def model_fingerprint(model, tokenizer, rope) -> dict:
         "tokenizer": _tokenizer_digest(tokenizer),
         "rope": rope.fingerprint(),
     }
-    fp["id"] = hashlib.sha256(
-        f"{fp['model_type']}|{fp['weights']}|{fp['tokenizer']}|{fp['rope']}".encode()
-    ).hexdigest()[:16]
+    key = f"{fp['model_type']}|{fp['weights']}|{fp['tokenizer']}|{fp['rope']}"
+    # config values outside the weights that change the KV (granite's multipliers): stored KV of one
+    # setting is not another's. Families without any keep their ids as they were.
+    layer = layer_fingerprint(c)
+    if layer is not None:
+        fp["layer"] = layer
+        key += f"|{layer}"
+    fp["id"] = hashlib.sha256(key.encode()).hexdigest()[:16]
     return fp

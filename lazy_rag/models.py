@@ -66,6 +66,14 @@ ALIASES = {
 DEFAULT_MODEL = "smollm2"
 
 
+def supported_families() -> list[dict]:
+    """Each model type lazy-rag runs (``architecture.FAMILIES``): its layer in words and what the
+    parity tests hold it to (``lazy-rag models``)."""
+    from .architecture import FAMILIES
+
+    return [{"model_type": name, "layer": f.layer, "tested": f.tested} for name, f in FAMILIES.items()]
+
+
 def canonical_name(name_or_path: str) -> str:
     """A bundled model's short name for any of its names (``Qwen2.5-Coder-0.5B-Instruct`` ->
     ``qwen2.5-0.5b``); anything else (a folder, a file, a hub id) lower-cased as given."""

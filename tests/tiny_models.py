@@ -1,6 +1,7 @@
 """Tiny random checkpoints of every supported family (and a few unsupported ones)."""
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -19,6 +20,12 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v bias
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),  # per-head q/k norm
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    # multipliers far from neutral (1, and 1/sqrt(head_dim) for the softmax scale), so a forward
+    # that missed any of them would miss the oracle by far more than the tests' tolerance
+    "granite": (GraniteConfig, GraniteForCausalLM, {"embedding_multiplier": 6.0, "residual_multiplier": 0.4,
+                                                     "attention_multiplier": 0.6, "logits_scaling": 3.0}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "pad_token_id": 0}),  # fused qkv, gate/up
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"pad_token_id": 0, "eos_token_id": 2}),  # whole-q/k norms, post-norms
 }
 
 

@@ -89,18 +89,20 @@ class ModelRunner:
         if m and caught is None:
             caught = (torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device),
                       torch.empty(depth, m, shp.num_kv_heads, shp.head_dim, dtype=p.dtype, device=ids.device))
-        x = p.embed_ids(ids, virtual)
+        x = p.embed_scale(p.embed_ids(ids, virtual))
+        # the family's layer around attention (architecture.LayerFamily): norms, projections,
+        # multipliers and residuals are the checkpoint's own modules in its own order
         for i, layer in enumerate(p.layers[:depth]):
-            q, k, v = p.project_qkv(layer, p.norm(layer.input_layernorm, x))
+            q, k, v = p.project_qkv(layer, p.attention_in(layer, x))
             if m:
                 caught[0][i], caught[1][i] = k[:m], v[:m]
             k_stored = apply_cos_sin(k, kcos, ksin)
             if write_page is not None:
                 self.pool.write_tokens(i, write_page, write_slot, k_stored, v)
             o = attention(i, q, k_stored, v)
-            x = x + layer.self_attn.o_proj(o.reshape(n, shp.num_heads * shp.head_dim))
-            x = x + layer.mlp(p.norm(layer.post_attention_layernorm, x))
-        logits = None if logits_rows is None else p.lm_head(p.norm(p.final_norm, x[logits_rows])).float()
+            x = p.attention_residual(layer, x, o.reshape(n, shp.num_heads * shp.head_dim))
+            x = p.mlp_residual(layer, x)
+        logits = None if logits_rows is None else p.logits(x[logits_rows])
         return logits, caught
 
     def paged_prefill(self, i: int, q, qo, q_pos, table, plan, **options):

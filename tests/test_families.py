@@ -1,0 +1,223 @@
+"""The layer families beyond llama's (granite's multipliers, phi3's fused projections, olmo2's
+whole-q/k norms and post-norms) held to the independent HF oracle exactly as test_parity.py and
+test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a forward with the
+chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
+tokens equal, many requests in flight sharing chunks at different offsets. And what is still
+refused names its feature and the nearest supported family."""
+import random
+
+import pytest
+import torch
+
+from helpers import rel_err, small_llm
+from lazy_rag import Chunk, LazyLLM
+from lazy_rag.architecture import ModelParts, check_supported
+from lazy_rag.errors import UnsupportedModelError
+from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
+from tiny_models import tiny_model
+
+FAMILIES = ("granite", "phi3", "olmo2")
+
+
+def _ids(rng, n):
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
+    segs = [_ids(rng, head)]
+    for i in order:
+        segs += [Chunk(chunks[i]), _ids(rng, gap)]
+    return segs + [_ids(rng, tail)]
+
+
+def _model(family, seed=0):
+    # head_dim 32: on CUDA the Triton kernels run them too (tests/gpu_parity.sh)
+    return tiny_model(family, "default", seed=seed, hidden_size=128)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tokenizer, device):
+    return small_llm(_model(request.param).to(device), tokenizer)
+
+
+def test_lazy_and_block_match_oracle_over_awkward_layouts(tiny):
+    rng = random.Random(1)
+    # a 1-token chunk, odd lengths, one longer than a page and than the prefix blocks
+    chunks = [_ids(rng, n) for n in (1, 9, 33, 150)]
+    for trial, order in enumerate(([0, 1, 2, 3], [3, 1, 0, 2], [2, 3], [1, 3, 2, 0])):
+        segs = _prompt(rng, chunks, order, head=3 + trial * 11, gap=1 + trial)
+        ref = block_diagonal_logits(tiny.model, tiny.prepare(segs))[-1]
+        for mode in ("lazy", "block"):
+            assert rel_err(tiny.next_token_logits(segs, mode=mode), ref) < 1e-4, (mode, order)
+    assert tiny.stats()["tier_encoded"] == 4  # every reuse after the first came from the pool
+
+
+def test_full_and_prefix_match_plain_forward(tiny):
+    rng = random.Random(2)
+    first = _prompt(rng, [_ids(rng, n) for n in (20, 45)], [0, 1])
+    ref = causal_logits(tiny.model, tiny.prepare(first).token_ids)[-1]
+    assert rel_err(tiny.next_token_logits(first, mode="full"), ref) < 1e-4
+    assert rel_err(tiny.next_token_logits(first, mode="prefix"), ref) < 1e-4
+    second = first[:3] + [_ids(rng, 30)]   # same beginning: prefix mode reuses whole pages
+    ref2 = causal_logits(tiny.model, tiny.prepare(second).token_ids)[-1]
+    res = tiny.generate(second, max_new_tokens=1, mode="prefix", output_first_logits=True)
+    assert res.stats.cached_tokens >= tiny.engine.pool.page_size
+    assert rel_err(res.first_logits, ref2) < 1e-4
+
+
+def test_greedy_generation_matches_oracle(tiny):
+    rng = random.Random(3)
+    segs = _prompt(rng, [_ids(rng, n) for n in (17, 40)], [1, 0])
+    want = greedy_block_diagonal(tiny.model, tiny.prepare(segs), 6)
+    for mode in ("lazy", "block"):
+        res = tiny.generate(segs, max_new_tokens=6, mode=mode)
+        assert res.token_ids == want, mode
+        assert res.stats.cached_tokens == 57
+    full = tiny.generate(segs, max_new_tokens=6, mode="full").token_ids
+    assert tiny.generate(segs, max_new_tokens=6, mode="prefix").token_ids == full
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_concurrent_requests_sharing_chunks_match_oracle(family, tokenizer, device):
+    """Requests in flight together, each with three of five shared chunks at its own offsets,
+    through the engine's packed steps: every first token's logits are the oracle's."""
+    from lazy_rag.oracle import oracle_gaps, teacher_forced_logits
+
+    llm = LazyLLM(_model(family, seed=5).to(device), tokenizer, num_pages=96, page_size=8, max_num_seqs=8,
+                  max_batched_tokens=128)
+    llm.eos_ids = set()
+    rng = random.Random(11)
+    chunks = [_ids(rng, rng.randint(5, 30)) for _ in range(5)]
+    reqs = [([_ids(rng, 7)] + [Chunk(chunks[c], chunk_id=f"c{c}") for c in rng.sample(range(5), 3)]
+             + [_ids(rng, rng.randint(3, 9))], rng.randint(1, 4)) for _ in range(8)]
+    for mode in ("lazy", "full"):
+        handles = [llm.engine.submit(s, mode=mode, max_new_tokens=m, output_first_logits=True) for s, m in reqs]
+        llm.engine.run_until_done()
+        llm.engine.pm.check()
+        for (segs, m), h in zip(reqs, handles):
+            res = h.result
+            assert len(res.token_ids) == m
+            first = teacher_forced_logits(llm, segs, mode, res.token_ids[:1])[0].cpu()
+            assert rel_err(res.first_logits, first) < 1e-4, mode
+            assert max(oracle_gaps(llm, segs, mode, res.token_ids)) <= 1e-5, mode
+    assert llm.engine.stats()["chunk_hits"] > 0
+
+
+@pytest.mark.parametrize("name,neutral", [("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+                                          ("logits_scaling", 1.0), ("scaling", 32 ** -0.5)])
+def test_each_granite_multiplier_is_applied(tokenizer, name, neutral):
+    """The parity tests above can fail: the engine with any one of granite's multipliers left
+    at llama's value misses the oracle by far more than their tolerance."""
+    llm = small_llm(_model("granite"), tokenizer)
+    rng = random.Random(4)
+    segs = _prompt(rng, [_ids(rng, n) for n in (12, 25)], [0, 1])
+    ref = causal_logits(llm.model, llm.prepare(segs).token_ids)[-1]
+    assert rel_err(llm.next_token_logits(segs, mode="full"), ref) < 1e-4
+    parts = llm.host.parts
+    assert getattr(parts, name) != neutral
+    setattr(parts, name, neutral)
+    assert rel_err(llm.next_token_logits(segs, mode="full"), ref) > 1e-2
+
+
+def test_granite_multipliers_are_in_the_fingerprint(tokenizer):
+    """KV stored under one granite setting is not read under another (the multipliers live in the
+    config, not the weights); llama's fingerprint has no such entry."""
+    a = small_llm(_model("granite"), tokenizer)
+    other = _model("granite")
+    other.config.residual_multiplier = 0.5
+    b = small_llm(other, tokenizer)
+    assert a.fingerprint["weights"] == b.fingerprint["weights"] and a.fingerprint["id"] != b.fingerprint["id"]
+    assert '"residual_multiplier": 0.4' in a.fingerprint["layer"]
+    assert "layer" not in small_llm(tiny_model("llama"), tokenizer).fingerprint
+
+
+def test_family_layers_read_the_checkpoints_own_modules():
+    """Which modules each family's forward reads (the parity tests check the numbers)."""
+    for family, fused, post in (("granite", False, False), ("phi3", True, False), ("olmo2", False, True)):
+        parts = ModelParts(_model(family))
+        assert (parts.family.qkv == "fused") == fused and (parts.family.norms == "post") == post
+        attn = parts.layers[0].self_attn
+        assert hasattr(attn, "qkv_proj") == fused
+        if post:   # olmo2's q/k norms span every head
+            assert attn.q_norm.weight.shape[0] == parts.shape.num_heads * parts.shape.head_dim
+    assert ModelParts(_model("granite")).scaling == 0.6
+
+
+def _config(model_type, **kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **kw)
+
+
+REFUSED = [
+    # (config, words the message must hold: the feature, then the nearest supported family)
+    (lambda: _config("gemma2"), ("soft-capping", "sliding-window", "nearest supported family is olmo2")),
+    (lambda: _config("mixtral"), ("mixture-of-experts", "nearest supported family is mistral")),
+    (lambda: _config("qwen3_moe"), ("mixture-of-experts", "nearest supported family is qwen3")),
+    (lambda: _config("granitemoe"), ("mixture-of-experts", "nearest supported family is granite")),
+    (lambda: _config("deepseek_v3"), ("multi-head latent attention (MLA)", "nearest supported family is llama")),
+    (lambda: _config("mistral", sliding_window=4096), ("sliding-window attention (window 4096)", "mistral checkpoint")),
+    (lambda: _config("phi3", sliding_window=2047), ("sliding-window attention (window 2047)", "phi3 checkpoint")),
+    (lambda: _config("phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
+                                              "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096}),
+     ("RoPE type 'longrope' is not supported", "change with sequence length", "phi3 checkpoint")),
+    (lambda: _config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+     ("RoPE type 'dynamic' is not supported", "llama checkpoint")),
+    (lambda: _config("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75}),
+     ("partial_rotary_factor 0.75", "phi3 checkpoint with full rotary")),
+    (lambda: _config("gpt2"), ("'gpt2' is not supported", "granite", "phi3", "olmo2", "nearest supported family")),
+]
+
+
+def test_unsupported_features_are_refused_naming_feature_and_nearest_family():
+    for make, words in REFUSED:
+        config = make()
+        with pytest.raises(UnsupportedModelError) as err:
+            check_supported(config)
+        for w in words:
+            assert w in str(err.value), (config.model_type, w, str(err.value))
+    for family in ("llama", "mistral", "qwen2", "qwen3") + FAMILIES:   # and the supported ones pass
+        check_supported(tiny_model(family).config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA only (tests/gpu_parity.sh)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norms_on_cuda_round_like_each_familys_module(dtype):
+    """On CUDA ``ModelParts`` norms granite's and phi3's RMSNorm through the fused kernel (they
+    round before the weight multiply, as llama's does: within 2 units in the last place of their
+    module), and olmo2's, which multiplies the weight in fp32 before rounding, through its own
+    module (bit for bit)."""
+    gen = torch.Generator().manual_seed(0)
+    for family in FAMILIES:
+        parts = ModelParts(_model(family).to("cuda", dtype))
+        modules = [parts.layers[0].post_attention_layernorm, parts.final_norm]
+        if family == "olmo2":
+            modules += [parts.layers[0].self_attn.q_norm, parts.layers[0].post_feedforward_layernorm]
+        for m in modules:
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape[0], generator=gen))
+            x = (3 * torch.randn(37, m.weight.shape[0], generator=gen)).to("cuda", dtype)
+            want, got = m(x), parts._norm(m, x)
+            if not parts.family.fused_norm:
+                assert torch.equal(got, want), family
+                continue
+            ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert ((got.float() - want.float()).abs() / ulp).max().item() <= 2, family
+    assert [f for f in FAMILIES if not ModelParts(_model(f)).family.fused_norm] == ["olmo2"]
+
+
+def test_lazy_rag_models_lists_every_family_at_80_columns(monkeypatch):
+    from typer.testing import CliRunner
+
+    from lazy_rag.architecture import FAMILIES
+    from lazy_rag.cli import app
+    from lazy_rag.models import supported_families
+
+    monkeypatch.setenv("COLUMNS", "80")
+    res = CliRunner().invoke(app, ["models"], terminal_width=80)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output
+    listed = [line.split()[0] for line in res.output.splitlines() if line.strip() and line.split()[0] in FAMILIES]
+    assert listed == list(FAMILIES) == [f["model_type"] for f in supported_families()]
+    assert all(f["layer"] and f["tested"] for f in supported_families())
