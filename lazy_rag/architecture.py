@@ -82,6 +82,14 @@ KNOWN_UNSUPPORTED = {
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of a transformers causal LM's final hidden states (normed): its LM head, divided
+    by Granite's ``logits_scaling`` where the config has one, as its own forward does."""
+    out = model.lm_head(hidden)
+    scaling = getattr(model.config, "logits_scaling", None)
+    return (out if scaling is None else out / scaling).float()
+
+
 @dataclass
 class ModelShape:
     num_layers: int

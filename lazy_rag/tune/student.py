@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..architecture import lm_logits
 from ..chunk_adapter import ChunkAdapters
 from ..oracle import visibility_mask
 from ..segments import PromptLayout, assemble
@@ -114,7 +115,7 @@ def student_logp(llm, vectors: torch.Tensor, batch: list[StudentInput],
     at_b = torch.tensor([b for b, _, rows in reads for _ in rows], dtype=torch.long, device=dev)
     at_row = torch.tensor([r for _, _, rows in reads for r in rows], dtype=torch.long, device=dev)
     # a row read by two kinds is gathered twice: one LM-head row more, and its gradients add up
-    logp = torch.log_softmax(model.lm_head(hidden[at_b, at_row]).float(), dim=-1)
+    logp = torch.log_softmax(lm_logits(model, hidden[at_b, at_row]), dim=-1)
     out: list[dict[str, torch.Tensor]] = [{} for _ in batch]
     for (b, kind, _), part in zip(reads, logp.split([len(rows) for _, _, rows in reads])):
         out[b][kind] = part

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..architecture import lm_logits
 from ..progress import Progress
 from ..requests import ChunkSource
 from ..tempfiles import create_temp
@@ -75,7 +76,7 @@ def teacher_outputs(llm, examples, cache: Path | None, top_k: int = 64, max_new_
             T = len(layout.token_ids) - len(ans)
             ids = torch.tensor([layout.token_ids], device=model.device)
             hidden = model.model(input_ids=ids).last_hidden_state[0, T - 1:]
-            logp = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+            logp = torch.log_softmax(lm_logits(model, hidden), dim=-1)
             v, i = logp.topk(top_k, dim=-1)
             top_ids.append(i.cpu())
             top_logp.append(v.cpu())
