@@ -481,20 +481,24 @@ def verify(index_dir: Path = typer.Argument(..., help="An index folder."),
         print(json.dumps(report, indent=2))
     else:
         damaged = sum(report.get("kv_damaged", {}).values())
-        out.print(f"{report['path']}: {report['chunks']} chunks, KV intact {report['kv_ok']}"
-                  + (f", deferred {report['kv_deferred']}" if report.get("kv_deferred") else "")
-                  + f", damaged {damaged}; {report.get('segments', 0)} segment(s), "
-                  f"{_human(report.get('dead_bytes', 0))} dead; stray KV files {report.get('stray_kv_files', 0)}, "
-                  f"temp files {report.get('temp_files', 0)}", markup=False, highlight=False)
+        if "segments" in report:  # (else its database could not be read: nothing was counted)
+            out.print(f"{report['path']}: {report['chunks']} chunks, KV intact {report['kv_ok']}"
+                      + (f", deferred {report['kv_deferred']}" if report.get("kv_deferred") else "")
+                      + f", damaged {damaged}; {report.get('segments', 0)} segment(s), "
+                      f"{_human(report.get('dead_bytes', 0))} dead; stray KV files {report.get('stray_kv_files', 0)}, "
+                      f"temp files {report.get('temp_files', 0)}", markup=False, highlight=False)
+        else:
+            out.print(f"{report['path']}: its database cannot be read", markup=False, highlight=False)
         for p in report["problems"][:50]:
             err.print(f"  {p}", markup=False, highlight=False, soft_wrap=True)
         if report["ok"]:
             out.print("OK")
         else:
-            err.print("Damaged KV records are recomputed and rewritten by the next query that needs them (or all "
-                      "at once by `lazy-rag index SOURCES --out DIR --repair`); a damaged database (index.sqlite) "
-                      "or vectors file needs `lazy-rag index SOURCES --out DIR --repair`.", markup=False,
-                      highlight=False, soft_wrap=True)
+            fix = f"`lazy-rag index SOURCES --out {report['path']} --repair`"
+            err.print(f"Damaged KV records are recomputed and rewritten by the next query that needs them (or all "
+                      f"at once by {fix}); a damaged or missing database (index.sqlite) or vectors file needs {fix} "
+                      "(SOURCES: the files and folders the index was built from; intact KV is reused).",
+                      markup=False, highlight=False, soft_wrap=True)
     if not report["ok"]:
         raise typer.Exit(code=1)
 

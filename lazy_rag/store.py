@@ -810,7 +810,7 @@ class ChunkStore:
         ends, latest = {}, {}
         for cid, loc, meta, end in self.scan():
             ends[loc.seg] = end
-            if meta.get("fingerprint") == self.fingerprint_id:
+            if self._reusable(meta):
                 latest[cid] = loc
         with self.db.transaction() as cur:
             cur.executemany("INSERT OR REPLACE INTO segments (id, folder, committed) VALUES (?, ?, ?)",
@@ -821,6 +821,13 @@ class ChunkStore:
                         (json.dumps(max(ends, default=0) + 1),))
         return len(latest)
 
+    def _reusable(self, meta: dict) -> bool:
+        """A scanned record's metadata is of this store: its fingerprint, and its dtype (the KV
+        dtype the lost settings had may not be this build's)."""
+        if meta.get("fingerprint") != self.fingerprint_id:
+            return False
+        return self.kv_dtype is None or meta.get("dtype") == str(self.kv_dtype).removeprefix("torch.")
+
     def salvage(self, token_ids: dict) -> int:
         """``--repair`` (in a build, after ``begin_build``): stage for each chunk named in
         ``token_ids`` the last record in this folder's segments that holds its KV (its chunk id,
@@ -829,7 +836,7 @@ class ChunkStore:
         want = {cid: self.tokens_key(ids) for cid, ids in token_ids.items()}
         found = {}
         for cid, loc, meta, _ in self.scan():
-            if want.get(cid) == meta.get("tokens") and meta.get("fingerprint") == self.fingerprint_id:
+            if want.get(cid) == meta.get("tokens") and self._reusable(meta):
                 found[cid] = loc
         with self._lock:
             self._staged.update(found)

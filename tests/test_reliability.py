@@ -379,11 +379,14 @@ def test_ids_cannot_name_paths_outside_the_store(tmp_path, smollm2, embedder):
     assert index.segments("q", ["a/b"]) and verify_index(out)["ok"]
 
 
-@pytest.mark.parametrize("damage", ["no_model", "no_database", "garbled", "not_json_object", "no_tables"])
+@pytest.mark.parametrize("damage", ["no_model", "no_settings", "no_database", "garbled", "not_json_object",
+                                    "no_tables"])
 def test_damaged_settings_are_clean_errors(index_copy, damage):
     _, out = index_copy
     if damage == "no_model":
         index_sql(out, "DELETE FROM settings WHERE key = 'model'")
+    elif damage == "no_settings":
+        index_sql(out, "DELETE FROM settings")
     elif damage == "no_database":
         for p in out.glob("index.sqlite*"):
             p.unlink()
@@ -402,6 +405,9 @@ def test_damaged_settings_are_clean_errors(index_copy, damage):
         res = runner.invoke(app, cmd)
         assert res.exit_code in (1, 2) and "Traceback" not in res.output, res.output
         assert not isinstance(res.exception, (KeyError, FileNotFoundError, UnicodeDecodeError)), res.exception
+        # the fix, as a command to run (a lost database too: it was "run `lazy-rag index` again")
+        assert f"lazy-rag index SOURCES --out {out} --repair" in res.output, res.output
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 1  # damage, not a usage error
 
 
 def test_cli_verify_and_bad_out_and_bad_request(index_copy, tmp_path):

@@ -2,6 +2,7 @@
 for its size in a new folder, an unknown KV dtype, and errors that are no disk failure."""
 import fcntl
 import json
+import re
 import os
 import socket
 import threading
@@ -96,3 +97,90 @@ def test_a_writer_waiting_on_a_lock_file_its_holder_removed_locks_the_new_one(tm
         order.append("third")
     t.join()
     assert order == ["waiter", "waiter done", "third"]
+
+
+# -- with a small index ----------------------------------------------------------------------------
+
+DOCS = {
+    "lighthouse.md": "The Marrow Point Lighthouse was completed in 1871. Its lamp burned whale oil until 1902. "
+                     "Keepers lived in the cottage beside it for sixty years.",
+    "bakery.md": "The Kestrel Street Bakery opened in 1923. Its founders, two sisters, baked rye bread at night. "
+                 "The shop still sells their poppy seed roll.",
+}
+OPTS = dict(chunk_size=24, chunk_overlap=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from lazy_rag.embedder import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for name, text in DOCS.items():
+        (src / name).write_text(text)
+    return src
+
+
+@pytest.fixture()
+def built(docs, tmp_path, smollm2, embedder):
+    from lazy_rag import LazyIndex
+
+    LazyIndex.build([docs], tmp_path / "idx", llm=smollm2, embedder=embedder, **OPTS)
+    return docs, tmp_path / "idx"
+
+
+def _segments(out):
+    segs = {p.relative_to(out).as_posix(): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("kv*/seg-*.kvseg")}
+    assert segs, f"no KV segments in {out}"
+    return segs
+
+
+@pytest.mark.parametrize("loss", ["database_deleted", "settings_deleted"])
+def test_a_lost_database_is_named_with_repair_and_repair_reuses_the_segments_kv(built, smollm2, embedder, loss):
+    from typer.testing import CliRunner
+
+    from lazy_rag import LazyIndex
+    from lazy_rag.cli import app
+    from lazy_rag.index import verify_index
+    from helpers import index_sql
+
+    src, out = built
+    chunks = verify_index(out)["chunks"]
+    if loss == "database_deleted":
+        for p in out.glob("index.sqlite*"):
+            p.unlink()
+    else:
+        index_sql(out, "DELETE FROM settings")
+    segs = _segments(out)
+    fix = f"lazy-rag index SOURCES --out {out} --repair"
+    with pytest.raises(LazyIndexError, match=r"damaged.*" + re.escape(fix)):
+        LazyIndex.load(out, llm=smollm2, embedder=embedder)
+    report = verify_index(out)
+    assert not report["ok"] and fix in report["problems"][0]
+    res = CliRunner().invoke(app, ["verify", str(out)])
+    assert res.exit_code == 1 and fix in res.output and "Traceback" not in res.output, res.output
+    assert not (out / "index.sqlite").exists() or loss == "settings_deleted"  # verify created no database
+    index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, repair=True, **OPTS)
+    assert rep.chunks_encoded == 0 and rep.kv_bytes_written == 0  # every record found in the segments
+    assert _segments(out) == segs and len(index.records) == chunks
+    assert verify_index(out)["ok"]
+    assert index.query("When was the Marrow Point Lighthouse completed?", top_k=2, max_new_tokens=4).answer
+
+
+def test_salvage_skips_records_of_another_kv_dtype(built, smollm2, embedder):
+    """The settings that said which dtype the KV was stored in are gone: a repair asking for
+    another dtype encodes again rather than mixing dtypes."""
+    from lazy_rag import LazyIndex
+    from lazy_rag.index import verify_index
+
+    src, out = built
+    for p in out.glob("index.sqlite*"):
+        p.unlink()
+    index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, repair=True, kv_dtype="bf16", **OPTS)
+    assert rep.chunks_encoded == len(index.records) > 0
+    assert verify_index(out)["ok"]

@@ -69,6 +69,12 @@ class Previous:
                 for suffix in ("", "-wal", "-shm"):
                     (out / (DB_NAME + suffix)).unlink(missing_ok=True)
                 p.salvage = True
+        elif any(out.glob("kv*/seg-*.kvseg")):
+            # KV segments without their database (index.sqlite deleted): the segments' records
+            # name their chunks and check themselves, so they are found and reused as above
+            log.warning("%s has KV segments but no %s: the chunk table is rebuilt from the sources and the KV "
+                        "the segments hold is reused.", out, DB_NAME)
+            p.salvage = True
         if p.db is None:
             p.db = IndexDB(out, create=True)
         v1 = read_format1(out, repair)

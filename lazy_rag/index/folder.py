@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import LazyIndexError
 from ..kv_record import KV_DTYPES
-from ..store import DB_NAME, ChunkStore, IndexDB
+from ..store import DB_NAME, ChunkStore, DamagedIndexError, IndexDB
 from ..tempfiles import atomic_write_bytes
 from ..vector_index import VectorIndex
 from ..version import __version__
@@ -86,6 +86,17 @@ def check_settings(settings: dict, db: IndexDB) -> dict:
     return settings
 
 
+def _refuse_lost_database(path: Path) -> None:
+    """An index whose database was deleted or emptied of its settings (its pointer or KV segments
+    are there): damaged, and ``--repair`` rebuilds it, reusing the KV."""
+    lost = f"its database {DB_NAME} is missing" if not (path / DB_NAME).exists() else \
+        f"its database {DB_NAME} holds no settings"
+    raise DamagedIndexError(
+        f"The index at {path} is damaged: {lost}. Rebuild it from the sources with `lazy-rag index SOURCES "
+        f"--out {path} --repair` (SOURCES: the files and folders it was built from); the intact KV in its "
+        "segments is found and reused, not encoded again.")
+
+
 def _refuse_folder(path: Path) -> None:
     """Why ``path`` holds no committed format-2 index: a format-1 index (converted by the next
     build), a damaged pointer, or nothing."""
@@ -100,8 +111,12 @@ def _refuse_folder(path: Path) -> None:
                 f"{path} holds a lazy-rag index in format 1 (one KV file per chunk), which this lazy-rag (format "
                 f"{FORMAT_VERSION}) does not load. Convert it in place, keeping every chunk's KV: `lazy-rag index "
                 f"SOURCES --out {path}` with the sources it was built from (or index into a new folder).")
+        if version == FORMAT_VERSION:  # written after a commit only: the database was lost since
+            _refuse_lost_database(path)
         raise LazyIndexError(f"{path} is not a loadable lazy-rag index: it has a {POINTER} but {DB_NAME} holds no "
                              "committed build (if a build was interrupted, run `lazy-rag index` again).")
+    if not (path / DB_NAME).exists() and any(path.glob("kv*/seg-*.kvseg")):
+        _refuse_lost_database(path)
     if (path / DB_NAME).exists():
         raise LazyIndexError(f"{path} is not a lazy-rag index: no committed {DB_NAME} (if a build was "
                              "interrupted, run `lazy-rag index` again).")
