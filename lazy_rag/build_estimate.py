@@ -24,7 +24,7 @@ import torch
 
 from .chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
 from .documents import read_text
-from .kv_record import kv_dtype_named
+from .kv_record import check_kv_dtype, kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
 PROBE_WRITE_BYTES = 256 << 20
@@ -85,6 +85,7 @@ def estimate_build(sources, out: Path, llm, *, chunk_size: int = CHUNK_SIZE, chu
                    encoding: str | None = None) -> dict:
     """The estimate as a flat dict (see the module docstring); ``encoding``: that of text files
     that are not UTF-8 (None: detected)."""
+    check_kv_dtype(kv_dtype)  # (a name that means no dtype: the build's error, not a KeyError)
     files, skipped = discover_files(sources)
     sizes = {f: f.stat().st_size for f in files}
     total_bytes = sum(sizes.values())

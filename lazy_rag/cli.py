@@ -136,8 +136,11 @@ def index(
     _threads(threads)
     from .documents import check_encoding
 
+    from .kv_record import check_kv_dtype
+
     try:
         check_encoding(encoding)  # before any model loads
+        check_kv_dtype(kv_dtype)  # (a dry run too: the same error as the build's)
     except LazyRagError as e:
         _fail(e)
     from .index import LazyIndex

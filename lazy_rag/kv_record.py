@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from .chunk_kv import NOT_IN_MEMORY, ChunkKV
+from .errors import LazyIndexError
 
 # the dtypes a record's KV may have, by the name the index's settings and the CLI use
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -39,6 +40,14 @@ def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     if name == "auto":
         return model_dtype
     return KV_DTYPES.get(KV_DTYPE_NAMES.get(name, name))
+
+
+def check_kv_dtype(name) -> None:
+    """Refuse a stored KV dtype's name that means none (before a build makes a folder, takes a
+    lock or loads a model, and before a dry run's estimate)."""
+    if name != "auto" and kv_dtype_named(name, None) is None:
+        raise LazyIndexError(f"Unknown KV dtype {name!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
+                             f"{', '.join(KV_DTYPES)}.")
 
 
 RECORD_MAGIC = b"LRKV"
