@@ -184,3 +184,77 @@ def test_salvage_skips_records_of_another_kv_dtype(built, smollm2, embedder):
     index, rep = LazyIndex.build([src], out, llm=smollm2, embedder=embedder, repair=True, kv_dtype="bf16", **OPTS)
     assert rep.chunks_encoded == len(index.records) > 0
     assert verify_index(out)["ok"]
+
+
+def _tree(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) if folder.exists() else None
+
+
+@pytest.mark.parametrize("folder", ["new", "empty", "with_a_file"])
+def test_a_build_refused_for_its_size_leaves_a_folder_without_an_index_as_it_was(docs, tmp_path, smollm2, embedder,
+                                                                                monkeypatch, folder):
+    import shutil
+
+    import lazy_rag.index.build as build_mod
+    from lazy_rag import LazyIndex
+
+    out = tmp_path / "idx"
+    if folder != "new":
+        out.mkdir()
+    if folder == "with_a_file":
+        (out / "notes.txt").write_text("mine")
+    before = _tree(out)
+    monkeypatch.setattr(build_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
+    with pytest.raises(LazyIndexError, match=r"The KV of \d+ new chunks \([\d,]+ tokens \+ 16 chunk wrapper slots "
+                                             r"per chunk x [\d,]+ bytes\) needs [\d.]+ GiB, but .* has 0.00 GiB free\. "
+                                             r".*--kv-dtype .*--no-precompute"):
+        LazyIndex.build([docs], out, llm=smollm2, embedder=embedder, **OPTS)
+    assert _tree(out) == before  # no .lock, index.sqlite or empty kv folder left (a new folder: not even it)
+
+
+@pytest.mark.parametrize("error", ["timeout", "connection", "model_file_gone", "disk_full"])
+def test_only_a_failure_to_write_the_index_is_reported_as_one(docs, tmp_path, smollm2, embedder, monkeypatch, error):
+    """TimeoutError and ConnectionError are OSErrors, and so is a model or source file that
+    cannot be read: none of them is the index's disk, and a build must not say it was."""
+    import errno
+
+    import lazy_rag.index.build as build_mod
+    from lazy_rag import LazyIndex
+
+    out = tmp_path / "idx"
+    raised = {"timeout": TimeoutError("regular-expression match exceeded its time limit"),
+              "connection": ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+              "model_file_gone": FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "model.gguf")),
+              "disk_full": OSError(errno.ENOSPC, "No space left on device", str(out / "kv"))}[error]
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(build_mod, "check_free_space", fail)
+    if error == "disk_full":
+        with pytest.raises(LazyIndexError, match="Writing the index at .* failed: the disk is full.*no index was "
+                                                 "written"):
+            LazyIndex.build([docs], out, llm=smollm2, embedder=embedder, **OPTS)
+    else:
+        with pytest.raises(type(raised)) as e:
+            LazyIndex.build([docs], out, llm=smollm2, embedder=embedder, **OPTS)
+        assert e.value is raised  # as it was raised: no "disk is full", "Free space" or "Writing the index failed"
+    assert not out.exists()  # and no debris of the failed build in the new folder
+
+
+def test_an_unknown_kv_dtype_is_the_same_clean_error_with_and_without_dry_run(docs, tmp_path, smollm2):
+    from typer.testing import CliRunner
+
+    from lazy_rag.build_estimate import estimate_build
+    from lazy_rag.cli import app
+
+    out = tmp_path / "idx"
+    outputs = []
+    for extra in (["--dry-run"], []):
+        res = CliRunner().invoke(app, ["index", str(docs), "--out", str(out), "--kv-dtype", "int4", *extra])
+        assert res.exit_code == 2 and "Traceback" not in res.output and not isinstance(res.exception, KeyError)
+        outputs.append(res.output)
+    assert outputs[0] == outputs[1] and "Unknown KV dtype 'int4'; choose auto, fp8, bf16" in outputs[0], outputs
+    assert not out.exists()  # refused before a folder, a lock or a model
+    with pytest.raises(LazyIndexError, match="Unknown KV dtype 'int4'"):  # the estimate's API too
+        estimate_build([str(docs)], out, smollm2, kv_dtype="int4")

@@ -26,14 +26,14 @@ from ..chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
 from ..documents import Skip, check_encoding, read_text
 from ..embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
-from ..index_lock import writer_lock
-from ..kv_record import KV_DTYPE_NAMES, KV_DTYPES, kv_dtype_named
+from ..index_lock import LOCK_NAME, remove_lock_file, writer_lock
+from ..kv_record import check_kv_dtype, kv_dtype_named
 from ..llm import LazyLLM
 from ..models import DEFAULT_MODEL
 from ..progress import Progress, resolved_style
 from ..engine.recovery import DEFAULT_RECOVERY, Recovery, resolve_recovery
 from ..segments import tokenize_text
-from ..store import ChunkStore, IndexDB
+from ..store import DB_NAME, ChunkStore, IndexDB
 from ..vector_index import VectorIndex
 from ..version import __version__
 from ..wrapper import ChunkWrapper
@@ -356,8 +356,9 @@ def check_free_space(out: Path, llm, store: ChunkStore, records, slots: int = 0,
             smaller += ", " if new_index else " in a new index (another --out), "
         fix = smaller + "index fewer files, defer KV to first use (--no-precompute), use a smaller model, or " \
             "choose another --out."
+        wrapped = f" + {slots} chunk wrapper slots per chunk" if slots else ""
         raise LazyIndexError(
-            f"The KV of {len(records)} new chunks ({sum(len(r.token_ids) for r in records):,} tokens x "
+            f"The KV of {len(records)} new chunks ({sum(len(r.token_ids) for r in records):,} tokens{wrapped} x "
             f"{per_token:,.0f} bytes) needs {need / 2**30:.2f} GiB, but {out} has {free / 2**30:.2f} GiB free. "
             + fix[0].upper() + fix[1:])
 
@@ -389,20 +390,72 @@ def _check_compatible(old: dict, new: dict, out: Path) -> None:
 
 # -- a build ---------------------------------------------------------------------------------------
 
+# OSErrors of writing the index folder: of the storage itself, whatever file they name ...
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
+# ... and of a path, when the path is in the index folder (a model file or a source that cannot
+# be read, a network timeout, a library's OSError without errno: not the index's disk)
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                errno.EMFILE, errno.ENFILE, errno.ESTALE}
+
+
+def _is_write_failure(e: BaseException, out: Path) -> bool:
+    """Whether ``e`` is a failure to write the index folder ``out`` (a full disk, a read-only or
+    unwritable folder) rather than another error that happens to be an OSError (TimeoutError,
+    ConnectionError, a model that cannot be loaded)."""
+    if not isinstance(e, OSError) or isinstance(e, (TimeoutError, ConnectionError)):
+        return False
+    if e.errno in _STORAGE_ERRNOS:
+        return True
+    if e.errno not in _PATH_ERRNOS or not e.filename:
+        return False
+    try:
+        Path(os.fsdecode(e.filename)).resolve().relative_to(out.resolve())
+    except (ValueError, OSError, TypeError):
+        return False
+    return True
+
+
+def _remove_new_debris(out: Path, before: set[str], lock_was_there: bool, created_folder: bool) -> None:
+    """After a failed build into a folder that held no index: what this run created there (its
+    database, an empty KV folder, the lock file, the folder itself if it made it and it is empty)
+    goes, so that a refused build leaves the folder as it found it. Called under the lock."""
+    for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", DB_NAME + "-journal"):
+        if name not in before:
+            (out / name).unlink(missing_ok=True)
+    for d in out.glob("kv*"):
+        if d.name not in before and d.is_dir():
+            try:
+                d.rmdir()  # only if empty (this run's segments were removed by run.fail)
+            except OSError:
+                pass
+    if not lock_was_there:
+        remove_lock_file(out)
+    if created_folder:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
+
+
 def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: BuildReport | None = None,
                roots=None, unreadable=frozenset()) -> Built:
     """Check ``out``, take its writer lock, build; a failure to write (full disk, read-only
-    folder) is an error with the numbers and the fix, and leaves the previous index as it was.
+    folder) is an error with the numbers and the fix, and leaves the previous index as it was
+    (a folder that held no index: as it was before, no lock file, database or KV folder left).
     ``docs``: (source, text, metadata) of each document; ``roots``: the resolved sources they
     were read from (None: in-memory texts); ``unreadable``: files that can no longer be read."""
     out = Path(out).expanduser()
+    check_kv_dtype(options.kv_dtype)
     if out.exists() and not out.is_dir():
         raise LazyIndexError(f"--out {out} is a file, not a folder; name a folder for the index.")
+    created_folder = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise LazyIndexError(f"Cannot create the index folder {out} ({e.strerror}); choose another --out.") from e
+    lock_was_there = (out / LOCK_NAME).exists()
     with writer_lock(out, wait=options.wait_lock):
+        before = set(os.listdir(out))  # (under the lock: another writer's files are there by now)
         remove_debris(out)
         run = BuildRun()
         try:
@@ -412,7 +465,10 @@ def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: Build
             # committed generation never referred to them. After Ctrl-C the KV encoded so far is
             # kept as pending: running the same build again resumes from it
             run.fail(keep_encoded=isinstance(e, KeyboardInterrupt))
-            if not isinstance(e, OSError):
+            if not run.had_index and not run.committed and not isinstance(e, KeyboardInterrupt):
+                run.close()  # (its database closed before it is removed)
+                _remove_new_debris(out, before, lock_was_there, created_folder)
+            if not _is_write_failure(e, out):
                 raise
             why = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
                    errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded"}.get(
@@ -446,10 +502,8 @@ def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun
     else:
         model_name = getattr(llm, "model_name", None)
     chunker = TokenChunker(llm.tokenizer, o.chunk_size, o.chunk_overlap) if o.split else None
+    check_kv_dtype(o.kv_dtype)
     kv_dt = kv_dtype_named(o.kv_dtype, llm.dtype)
-    if kv_dt is None:
-        raise LazyIndexError(f"Unknown KV dtype {o.kv_dtype!r}; choose auto, {', '.join(KV_DTYPE_NAMES)}, or "
-                             f"{', '.join(KV_DTYPES)}.")
     prefix = None
     if o.shared_prefix:
         text = rag_prefix(llm.tokenizer, o.system_prompt, o.instruction)
