@@ -2,8 +2,8 @@
 for its size in a new folder, an unknown KV dtype, and errors that are no disk failure."""
 import fcntl
 import json
-import re
 import os
+import re
 import socket
 import threading
 import time
