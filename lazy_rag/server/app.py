@@ -364,7 +364,8 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/info")
-    async def info():
+    async def info(request: Request):
+        server.check_auth(request)  # the model, the device and the index's path: not for anyone without a key
         return server.info()
 
     @app.get("/v1/models")
