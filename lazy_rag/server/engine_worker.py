@@ -6,7 +6,8 @@ In: ("submit", id, token segments, uses_index, options), ("abort", id), ("stats"
 payload), ...]) at most twice per loop turn (admissions before the step, the step's output after
 it), so the pipe carries one message per step, not one per token per request; and ("stats",
 token, Engine.stats()) on request. Event kinds: admitted, rejected (the exception), logprobs (the
-step's new per-token logprobs, for requests that asked), pieces (the step's new text pieces), done (the ``GenerationResult``), failed (the message), aborted.
+step's new per-token logprobs, for requests that asked), pieces (the step's new text pieces),
+done (the ``GenerationResult``), failed (the message), aborted.
 
 The HTTP process owns this process's lifetime: SIGINT (a terminal's Ctrl-C reaches the whole
 process group) and SIGTERM (a service manager may signal every process of the service) are
