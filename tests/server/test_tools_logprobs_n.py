@@ -238,6 +238,8 @@ def test_tool_call_round_trip_with_the_openai_client(smol_server, client, smollm
 
 
 def test_auto_lets_the_model_choose_and_says_which(smol_server, client, smollm2, no_server_errors):
+    """The server's answer is in-process generation's under the same grammar, a call exactly when it
+    starts with "{" (SmolLM2-135M answers these in text; the next test covers calls under auto)."""
     plan = plan_tools([WEATHER], "auto")
     for question in ("What is the weather in Paris?", "Say hello."):
         messages = [{"role": "user", "content": question}]
@@ -252,6 +254,33 @@ def test_auto_lets_the_model_choose_and_says_which(smol_server, client, smollm2,
                                         "arguments": json.loads(m.tool_calls[0].function.arguments)}
         else:
             assert m.content == want and not m.tool_calls
+
+
+@pytest.mark.parametrize("text,kind", [
+    ('{"name":"get_weather","arguments":{"city":"Paris"}}', "call"),
+    ('{"name":"get_weather","arguments":{"city":"Pa', "cut"),     # cut at max_tokens
+    ('{"arguments":{"city":"Rome"},"name":"get_weather"}', "call"),  # another key order: known at the end
+    ("It is sunny {maybe}.", "text"),
+    (' {"name":"get_weather"} is not a call', "text"),  # auto's text may start with a space, then "{"
+])
+def test_answers_under_auto_become_content_or_one_streamed_call(text, kind):
+    from lazy_rag.server.tools import ToolCallStream, whole_message
+
+    plan = plan_tools([WEATHER], "auto")
+    s = ToolCallStream(plan)
+    deltas = [d for ch in text for d in s.feed(ch)] + s.finish()  # one character a piece
+    whole = whole_message(plan, text)
+    if kind == "text":
+        assert not s.is_call and "".join(d["content"] for d in deltas) == text == whole["content"]
+        return
+    calls = [c for d in deltas for c in d["tool_calls"]]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert whole["content"] is None and whole["tool_calls"][0]["function"]["arguments"] == args
+    if kind == "cut":
+        assert args == '{"city":"Pa' and len(calls) > 3  # streamed as generated, incomplete as generated
+    else:
+        assert json.loads(args) == json.loads(text)["arguments"]
 
 
 def test_langchain_chat_openai_bind_tools_against_the_server(smol_server, no_server_errors):
