@@ -49,6 +49,9 @@ class RequestHandle:
     first_logits: torch.Tensor | None = None
     score: object = None
     grammar: GrammarMatcher | None = None  # the output format's state (structured outputs)
+    # logprobs=k: per generated token (id, its logprob, [(id, logprob)] of the k most likely)
+    top_logprobs: int | None = None
+    logprobs: list | None = None
     result: GenerationResult | None = None
     error: RequestFailedError | None = None  # set when this request failed (the others go on)
 
@@ -92,7 +95,7 @@ class Engine:
                score_rows: int = 0, score_fn=None, cache_salt: str = "",
                tenant: str | None = None, output_format: OutputFormat | None = None,
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
-               sampling: SamplingParams | None = None) -> RequestHandle:
+               sampling: SamplingParams | None = None, logprobs: int | None = None) -> RequestHandle:
         """Queue one request. ``sampling``: how it samples (``SamplingParams``; ``max_new_tokens``,
         ``temperature``, ``top_p``, ``stop``, ``seed`` and the penalties are shorthand for its
         fields). ``source``: where its chunks were encoded and stored (an index's
@@ -110,7 +113,10 @@ class Engine:
         ``tenant``: waiting requests are admitted tenant by tenant (the tenant with the fewest
         running requests first), so that one tenant's flood cannot hold the others back.
         ``output_format``: every token must keep the output inside it (``OutputFormat``: a JSON
-        schema, any JSON object, a regex or a Lark grammar), enforced while sampling."""
+        schema, any JSON object, a regex or a Lark grammar), enforced while sampling.
+        ``logprobs=k`` (0..20): the handle's ``logprobs`` gets, per generated token, (token id, its
+        log-probability, the k most likely tokens' (id, log-probability)), of the model's
+        distribution (before penalties, the output format's mask and temperature)."""
         params = SamplingParams.of(sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    stop=stop, seed=seed, presence_penalty=presence_penalty,
                                    frequency_penalty=frequency_penalty)
@@ -132,6 +138,8 @@ class Engine:
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(params.seed if params.seed is not None else torch.seed())
             handle = RequestHandle(seq, TextAssembler(self.host.tokenizer, list(params.stop)), gen, t0)
+            if logprobs is not None:
+                handle.top_logprobs, handle.logprobs = int(logprobs), []
             if output_format is not None:
                 handle.grammar = GrammarMatcher(output_format, self.host.tokenizer, self.host.parts.vocab_rows,
                                                 self.host.eos_ids)
@@ -177,7 +185,8 @@ class Engine:
             # (16 MB at B=32 with a 128k vocabulary). The host copy waits for the step, so the
             # timers below are exact.
             if all(s.params.temperature == 0 and not (s.keep_first_logits and not s.output)
-                   and not s.params.penalised and self.handles[s.id].grammar is None for s in seqs):
+                   and not s.params.penalised and self.handles[s.id].grammar is None
+                   and self.handles[s.id].logprobs is None for s in seqs):
                 rows, toks = [None] * len(seqs), out.argmax(-1).tolist()
             else:
                 rows, toks = out.cpu(), [None] * len(seqs)
@@ -432,6 +441,7 @@ class Engine:
         p = seq.params
         if not seq.output and not h.ttft_ms and seq.keep_first_logits:
             h.first_logits = logits.clone()
+        raw = logits
         if p.penalised:
             logits = apply_penalties(logits, seq.output, p.presence_penalty, p.frequency_penalty)
         if h.grammar is not None:
@@ -446,6 +456,8 @@ class Engine:
         if h.grammar is not None:
             h.grammar.advance(tok)
         seq.output.append(tok)
+        if h.logprobs is not None:
+            h.logprobs.append(token_logprobs(raw, tok, h.top_logprobs))
         piece = h.text.push(seq.output)
         if piece:
             h.pieces.append(piece)
@@ -486,3 +498,11 @@ class Engine:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
                                     finish_reason=reason, first_logits=h.first_logits, score=h.score)
+
+
+def token_logprobs(logits: torch.Tensor, tok: int, k: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(``tok``, its log-probability, the ``k`` most likely tokens' (id, log-probability)) under ``logits``."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k) if k else None
+    return tok, float(lp[tok]), [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from .prompts import PromptBuilder
 from .protocol import APIError, GenerationRequest, bad, parse_chat, parse_completion
 from .quotas import Quotas
 from .remote_model import RemoteModel
+from .tools import ToolCallStream, whole_message
 from .tenants import ANONYMOUS, Tenant, TenantLimits, Tenants
 from .warm import PublicDocuments
 
@@ -190,6 +191,25 @@ class LazyRagServer:
         lease.started(ticket)
         return prepared, ticket
 
+    async def admit_choices(self, req: GenerationRequest, tenant: Tenant = ANONYMOUS) -> list:
+        """``admit`` for each of the request's ``n`` choices: [(prepared prompt, ticket)], choice i
+        sampled with seed + i (so that a seeded request's choices differ, and repeat). All or none:
+        a choice refused cancels those admitted before it."""
+        if req.n > self.settings.max_queue:
+            raise bad(f"'n' is {req.n}, more than this server's queue takes at once ({self.settings.max_queue}, "
+                      "--max-queue); ask for fewer choices.", "n")
+        admitted = []
+        try:
+            for i in range(req.n):
+                r = req if i == 0 or req.sampling.seed is None else \
+                    replace(req, sampling=replace(req.sampling, seed=req.sampling.seed + i))
+                admitted.append(await self.admit(r, tenant))
+        except BaseException:
+            for _, ticket in admitted:
+                self.driver.cancel(ticket)
+            raise
+        return admitted
+
     async def _prepare_and_submit(self, req: GenerationRequest, tenant: Tenant, mode: str, max_new: int, lease):
         s = req.sampling
         try:
@@ -205,9 +225,10 @@ class LazyRagServer:
                                               max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
                                               stop=list(s.stop), seed=s.seed, recovery=prepared.recovery,
                                               cache_salt=tenant.cache_salt, tenant=tenant.name,
-                                              output_format=req.output_format,
+                                              output_format=req.output_format or (req.tools and
+                                                                                  req.tools.output_format),
                                               presence_penalty=s.presence_penalty,
-                                              frequency_penalty=s.frequency_penalty)
+                                              frequency_penalty=s.frequency_penalty, logprobs=req.logprobs)
             return prepared, ticket
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
@@ -277,11 +298,13 @@ def prompt_tokens(segments) -> int:
     return sum(len(seg.content) if isinstance(seg, Chunk) else len(seg) for seg in segments)
 
 
-def usage(result) -> dict:
-    st = result.stats
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
-            "total_tokens": st.prompt_tokens + st.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": st.reused_tokens}}
+def usage(results) -> dict:
+    """OpenAI's usage of a request's choices (its results): the prompt counted once (as OpenAI
+    counts it for n choices), the completion tokens of all of them."""
+    first = results[0].stats
+    new = sum(r.stats.new_tokens for r in results)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": new, "total_tokens": first.prompt_tokens + new,
+            "prompt_tokens_details": {"cached_tokens": first.reused_tokens}}
 
 
 def lazy_rag_extra(result, prepared) -> dict:
@@ -364,7 +387,8 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/info")
-    async def info():
+    async def info(request: Request):
+        server.check_auth(request)  # the model, the device and the index's path: not for anyone without a key
         return server.info()
 
     @app.get("/v1/models")
@@ -395,66 +419,147 @@ def create_app(model, index=None, settings: ServerSettings | None = None) -> Fas
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         tenant = request.state.tenant
-        prepared, ticket = await server.admit(req, tenant)
+        admitted = await server.admit_choices(req, tenant)
         head = {"id": rid, "object": obj, "created": created, "model": server.settings.model_name}
         if req.stream:
-            return StreamingResponse(stream(req, rid, head, prepared, ticket, tenant), media_type="text/event-stream",
+            return StreamingResponse(stream(req, rid, head, admitted, tenant), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watch = asyncio.create_task(cancel_on_disconnect(request, ticket))
+        tickets = [t for _, t in admitted]
+        watch = asyncio.create_task(cancel_on_disconnect(request, tickets))
+        reads = [asyncio.create_task(whole_text(t)) for t in tickets]
         try:
-            text = "".join([p async for p in server.driver.pieces(ticket)])
+            texts = await asyncio.gather(*reads)
         except LazyRagError as e:
             raise failed(e) from None
         finally:
             watch.cancel()
-        result = ticket.result
-        server.finished(req, rid, result, tenant)
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
-        body = {**head, "choices": [choice], "usage": usage(result), "lazy_rag": lazy_rag_extra(result, prepared)}
+            for task in reads:
+                task.cancel()  # a choice that failed ends the others (their requests are cancelled)
+        choices = []
+        for i, (text, ticket) in enumerate(zip(texts, tickets)):
+            result = ticket.result
+            server.finished(req, rid, result, tenant)
+            lp = logprobs_of(req, ticket.logprobs)
+            if req.kind == "chat":
+                message = whole_message(req.tools, text)
+                finish = "tool_calls" if message.get("tool_calls") and result.finish_reason == "stop" \
+                    else result.finish_reason
+                choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lp})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": result.finish_reason, "logprobs": lp})
+        prepared, first = admitted[0][0], tickets[0].result
+        body = {**head, "choices": choices, "usage": usage([t.result for t in tickets]),
+                "lazy_rag": lazy_rag_extra(first, prepared)}
         if req.rag_top_k:
             body["sources"] = prepared.sources
         return body
 
-    async def cancel_on_disconnect(request: Request, ticket) -> None:
-        """A client that goes away before a (non-streamed) answer is done frees its request."""
-        while not ticket.finished:
+    async def whole_text(ticket) -> str:
+        return "".join([p async for p in server.driver.pieces(ticket)])
+
+    def logprobs_of(req: GenerationRequest, entries: list, offset: int = 0):
+        """OpenAI's logprobs of ``entries`` ((id, logprob, top [(id, logprob)]) per token): chat's
+        ``{"content": [...]}``, the legacy completions' ``{"tokens", "token_logprobs", ...}``
+        (``offset``: the text already sent, for ``text_offset``); None without logprobs."""
+        if req.logprobs is None:
+            return None
+        texts = server.builder.token_texts([i for e in entries for i in (e[0], *(t for t, _ in e[2]))])
+        at = iter(texts)
+        rows = [(next(at), lp, [(next(at), tlp) for _, tlp in top]) for _, lp, top in entries]
+        if req.kind == "chat":
+            def one(text, lp):
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+            return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
+                                for t, lp, top in rows], "refusal": None}
+        offsets = []
+        for t, _, _ in rows:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
+
+    async def cancel_on_disconnect(request: Request, tickets) -> None:
+        """A client that goes away before a (non-streamed) answer is done frees its requests."""
+        while not all(t.finished for t in tickets):
             if await request.is_disconnected():
-                server.driver.cancel(ticket)
+                for t in tickets:
+                    server.driver.cancel(t)
                 return
             await asyncio.sleep(0.25)
 
-    async def stream(req: GenerationRequest, rid: str, head: dict, prepared, ticket, tenant: Tenant):
+    async def stream(req: GenerationRequest, rid: str, head: dict, admitted: list, tenant: Tenant):
+        """The choices' events as they come (with n > 1, the choices' chunks interleave, each naming
+        its index); each choice's last chunk carries its finish_reason and its lazy_rag stats, and
+        with include_usage a last chunk the usage of all of them."""
         chunk = {**head, "object": f"{head['object']}.chunk"} if req.kind == "chat" else dict(head)
+        events: asyncio.Queue = asyncio.Queue()
 
-        def choice(piece: str | None, finish: str | None) -> dict:
+        async def one_choice(i: int, prepared, ticket):
+            sent_lp, text_at = 0, 0
+            tools = ToolCallStream(req.tools) if req.tools is not None else None
+
+            def choice(deltas: list[dict], finish: str | None = None) -> list[dict]:
+                nonlocal sent_lp, text_at
+                entries, sent_lp = ticket.logprobs[sent_lp:], len(ticket.logprobs)
+                lp = logprobs_of(req, entries, text_at) if entries else None
+                if lp is not None and req.kind == "completion":
+                    text_at += sum(len(t) for t in lp["tokens"])
+                if req.kind == "chat":
+                    deltas = deltas or ([{}] if finish or entries else [])
+                    return [{"index": i, "delta": d, "finish_reason": finish if k == len(deltas) - 1 else None,
+                             "logprobs": lp if k == 0 else None} for k, d in enumerate(deltas)]
+                text = "".join(d.get("content", "") for d in deltas)
+                return [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp}] \
+                    if text or finish or entries else []
+
             if req.kind == "chat":
-                delta = {} if piece is None else {"content": piece}
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
-
-        if req.kind == "chat":
-            yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None, "logprobs": None}]})
-        try:
+                await events.put({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "finish_reason": None, "logprobs": None}]})
             async for piece in server.driver.pieces(ticket):
-                yield _sse({**chunk, "choices": [choice(piece, None)]})
-        except LazyRagError as e:  # failed inside the engine after the headers went out
-            yield _sse(failed(e).body())
+                for c in choice(tools.feed(piece) if tools else [{"content": piece}]):
+                    await events.put({**chunk, "choices": [c]})
+            result = ticket.result
+            server.finished(req, rid, result, tenant)
+            finish = result.finish_reason
+            rest = tools.finish() if tools else []
+            if tools is not None and tools.is_call and finish == "stop":
+                finish = "tool_calls"
+            last = choice(rest, finish)
+            for c in last[:-1]:
+                await events.put({**chunk, "choices": [c]})
+            end = {**chunk, "choices": last[-1:], "lazy_rag": lazy_rag_extra(result, prepared)}
+            if req.rag_top_k:
+                end["sources"] = prepared.sources
+            await events.put(end)
+
+        async def run_choice(i, prepared, ticket):
+            try:
+                await one_choice(i, prepared, ticket)
+            except LazyRagError as e:  # failed inside the engine after the headers went out
+                await events.put(e)
+            finally:
+                await events.put(None)
+
+        tasks = [asyncio.create_task(run_choice(i, p, t)) for i, (p, t) in enumerate(admitted)]
+        try:
+            running = len(tasks)
+            while running:
+                event = await events.get()
+                if event is None:
+                    running -= 1
+                elif isinstance(event, LazyRagError):
+                    yield _sse(failed(event).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield _sse(event)
+            if req.include_usage:
+                yield _sse({**chunk, "choices": [], "usage": usage([t.result for _, t in admitted])})
             yield "data: [DONE]\n\n"
-            return
-        result = ticket.result
-        server.finished(req, rid, result, tenant)
-        last = {**chunk, "choices": [choice(None, result.finish_reason)], "lazy_rag": lazy_rag_extra(result, prepared)}
-        if req.rag_top_k:
-            last["sources"] = prepared.sources
-        yield _sse(last)
-        if req.include_usage:
-            yield _sse({**chunk, "choices": [], "usage": usage(result)})
-        yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:  # the client left, or a choice failed: the others' requests are cancelled
+                task.cancel()
 
     # -- the web page ---------------------------------------------------------------------------
     @app.get("/", include_in_schema=False)

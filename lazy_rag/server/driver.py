@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ..errors import LazyRagError, RequestFailedError
@@ -45,16 +45,24 @@ class ClientGoneError(LazyRagError):
     """The request was dropped because its client disconnected (nobody reads the answer)."""
 
 
+class TokenLogprobs(list):
+    """A step's per-token log-probabilities of one request (``Engine.submit(logprobs=k)``'s
+    entries: (token id, logprob, [(id, logprob)] top k)), queued before that step's pieces:
+    ``Driver.pieces`` moves them to ``Ticket.logprobs``, so that a piece read has its tokens'."""
+
+
 @dataclass
 class Ticket:
-    """One request as a driver tracks it: the queue its coroutine reads ("piece" strings, then
-    None at the end), its result or error once done, and whether the driver is done with it."""
+    """One request as a driver tracks it: the queue its coroutine reads ("piece" strings, and
+    ``TokenLogprobs`` when it asked for logprobs, then None at the end), its result or error once
+    done, and whether the driver is done with it."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     result: object = None           # GenerationResult
     error: Exception | None = None
     finished: bool = False
+    logprobs: list = field(default_factory=list)  # the entries read so far (logprobs requests)
 
 
 def post(deliveries: list[tuple[Ticket, object]]) -> None:
@@ -137,6 +145,9 @@ class Driver:
                 piece = await ticket.queue.get()
                 if piece is None:
                     break
+                if isinstance(piece, TokenLogprobs):
+                    ticket.logprobs.extend(piece)
+                    continue
                 yield piece
             if ticket.error is not None:
                 raise ticket.error
@@ -149,6 +160,7 @@ class Driver:
 class LocalTicket(Ticket):
     handle: object = None  # the engine's RequestHandle
     sent: int = 0
+    logprobs_sent: int = 0
 
 
 class EngineDriver(Driver):
@@ -266,6 +278,9 @@ class EngineDriver(Driver):
         out = []
         for t in tickets:
             h = t.handle
+            if h.logprobs is not None and len(h.logprobs) > t.logprobs_sent:
+                out.append((t, TokenLogprobs(h.logprobs[t.logprobs_sent:])))
+                t.logprobs_sent = len(h.logprobs)
             new = h.pieces[t.sent:]
             t.sent += len(new)
             out.extend((t, piece) for piece in new)

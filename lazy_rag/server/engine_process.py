@@ -33,7 +33,7 @@ from multiprocessing.connection import wait
 
 from ..errors import LazyRagError, RequestFailedError
 from . import engine_worker
-from .driver import ClientGoneError, Driver, EngineUnavailableError, Ticket, post
+from .driver import ClientGoneError, Driver, EngineUnavailableError, Ticket, TokenLogprobs, post
 from .engine_spec import EngineSpec
 
 log = logging.getLogger("lazy_rag.server")
@@ -280,6 +280,9 @@ class ProcessDriver(Driver):
                     continue
                 if kind == "pieces":
                     out.extend((t, piece) for piece in payload)
+                    continue
+                if kind == "logprobs":
+                    out.append((t, TokenLogprobs(payload)))
                     continue
                 if kind == "admitted":
                     if not t.admitted.done():  # done: cancelled while it waited (the abort follows)

@@ -5,8 +5,9 @@ In: ("submit", id, token segments, uses_index, options), ("abort", id), ("stats"
 ("shutdown",). Out: ("ready", info) or ("failed", error) once; then ("events", [(id, kind,
 payload), ...]) at most twice per loop turn (admissions before the step, the step's output after
 it), so the pipe carries one message per step, not one per token per request; and ("stats",
-token, Engine.stats()) on request. Event kinds: admitted, rejected (the exception), pieces (the
-step's new text pieces), done (the ``GenerationResult``), failed (the message), aborted.
+token, Engine.stats()) on request. Event kinds: admitted, rejected (the exception), logprobs (the
+step's new per-token logprobs, for requests that asked), pieces (the step's new text pieces),
+done (the ``GenerationResult``), failed (the message), aborted.
 
 The HTTP process owns this process's lifetime: SIGINT (a terminal's Ctrl-C reaches the whole
 process group) and SIGTERM (a service manager may signal every process of the service) are
@@ -84,7 +85,7 @@ class EngineLoop:
 
     def __init__(self, engine, conn, index_source=None):
         self.engine, self.conn, self.index_source = engine, conn, index_source
-        self.handles: dict[int, list] = {}  # request id -> [RequestHandle, pieces already sent]
+        self.handles: dict[int, list] = {}  # request id -> [RequestHandle, pieces sent, logprobs sent]
         self.events: list[tuple] = []
 
     def run(self) -> None:
@@ -102,7 +103,7 @@ class EngineLoop:
                 break
             if not stepped:
                 time.sleep(0.001)  # chunk transfers in flight
-        for h, _ in self.handles.values():
+        for h, *_ in self.handles.values():
             engine.abort(h)
 
     def _read_inbox(self, block: bool) -> bool:
@@ -129,7 +130,7 @@ class EngineLoop:
                     log.exception("submitting request %s failed", rid)
                 self.events.append((rid, "rejected", portable(e)))
             else:
-                self.handles[rid] = [handle, 0]
+                self.handles[rid] = [handle, 0, 0]
                 self.events.append((rid, "admitted", None))
         elif kind == "abort":
             entry = self.handles.pop(msg[1], None)
@@ -144,7 +145,10 @@ class EngineLoop:
 
     def _collect(self) -> None:
         for rid, entry in list(self.handles.items()):
-            h, sent = entry
+            h, sent, lp_sent = entry
+            if h.logprobs is not None and len(h.logprobs) > lp_sent:
+                self.events.append((rid, "logprobs", h.logprobs[lp_sent:]))
+                entry[2] = len(h.logprobs)
             if len(h.pieces) > sent:
                 self.events.append((rid, "pieces", h.pieces[sent:]))
                 entry[1] = len(h.pieces)
@@ -156,7 +160,7 @@ class EngineLoop:
                     self.events.append((rid, "done", h.result))
 
     def _fail_all(self, why: str) -> None:
-        for rid, (h, _) in self.handles.items():
+        for rid, (h, *_) in self.handles.items():
             if not h.done:
                 self.engine.abort(h)
                 h.error = RequestFailedError(f"Request {rid} failed: {why}.")

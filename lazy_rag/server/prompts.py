@@ -59,9 +59,22 @@ def document_segments(documents: Sequence[Document]) -> list[Segment]:
     return segs
 
 
+TOOL_RESULT = "Tool result:\n"
+
+
+def template_messages(tokenizer, messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``messages`` as the chat template takes them: a tool result (role "tool") stays one where the
+    template has a branch for tool messages (its text names "tool"), else it becomes a user turn
+    "Tool result:\n<content>" (templates without one render unknown roles verbatim or refuse them)."""
+    if not any(r == "tool" for r, _ in messages) or "tool" in (getattr(tokenizer, "chat_template", None) or ""):
+        return list(messages)
+    return [("user", TOOL_RESULT + c) if r == "tool" else (r, c) for r, c in messages]
+
+
 def chat_with_documents(tokenizer, messages: Sequence[tuple[str, str]], documents: Sequence[Document]) -> list[Segment]:
     """The conversation with the documents block at the start of the last user turn (where RAG
     templates put retrieved context), so the question follows the chunks."""
+    messages = template_messages(tokenizer, messages)
     rendered = render_messages(tokenizer, [*messages[:-1], (messages[-1][0], _SENTINEL)])
     head, tail = rendered.split(_SENTINEL)
     return [head, *document_segments(documents), messages[-1][1] + tail]
@@ -81,6 +94,7 @@ class PromptBuilder:
         self._lock = threading.Lock()           # the tokenizer is not safe to share between threads
         self.embedder_lock = threading.Lock()  # the embedder's tokenizer is not thread-safe either
         self.documents = DocumentTokens(tokenizer)
+        self._token_text: dict[int, str] = {}  # logprobs' token texts, by id
         self.matcher = None
         if index is not None:
             from ..span_match import ChunkMatcher
@@ -103,12 +117,21 @@ class PromptBuilder:
             segs = (chat_with_documents(tok, req.messages, req.documents) if req.kind == "chat"
                     else completion_with_documents(req.prompt, req.documents))
             return PreparedPrompt.of(Plan(segs, recovery=choose_recovery(mode, req.recovery)))
-        text = render_messages(tok, req.messages) if req.kind == "chat" else req.prompt
+        text = render_messages(tok, template_messages(tok, req.messages)) if req.kind == "chat" else req.prompt
         if self.matcher is None:
             return PreparedPrompt.of(Plan([text], recovery=choose_recovery(mode, req.recovery)))
         with self._lock:
             plan = plan_prompt(self.matcher, text, index=self.index, mode=mode, recovery=req.recovery)
         return PreparedPrompt.of(plan)
+
+    def token_texts(self, ids) -> list[str]:
+        """Each token id's text (OpenAI's logprobs ``token``; a byte of a longer character is "\ufffd")."""
+        missing = [i for i in set(ids) if i not in self._token_text]
+        if missing:
+            with self._lock:
+                for i in missing:
+                    self._token_text[i] = self.tokenizer.decode([i])
+        return [self._token_text[i] for i in ids]
 
     def _retrieval(self, req: GenerationRequest, mode: str) -> PreparedPrompt:
         if self.index is None:

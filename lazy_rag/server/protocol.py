@@ -7,14 +7,21 @@ shape, which OpenAI clients do not understand).
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequestError
 from ..requests import MODES
-from ..structured import OutputFormat
+from ..structured import OutputFormat, ToolPlan, plan_tools
+from ..structured import _call_schema as call_schema
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_N = 128                 # OpenAI's limit on n
+MAX_TOP_LOGPROBS = 20       # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs (OpenAI's limit)
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class APIError(Exception):
@@ -76,19 +83,18 @@ class GenerationRequest:
     mode: str | None = None
     recovery: str | None = None
     output_format: OutputFormat | None = None  # response_format: JSON mode or a JSON schema
+    n: int = 1                                 # choices: n requests to the engine
+    logprobs: int | None = None                # per-token logprobs with this many alternatives
+    tools: ToolPlan | None = None              # tools (and tool_choice): the grammar and the note
     extra: dict = field(default_factory=dict)
 
 
 # fields an OpenAI client may send that lazy-rag does not implement: (field, allowed value test, why)
 _REFUSED = [
-    ("n", lambda v: v in (None, 1), "n > 1 is not supported; send one request per answer"),
-    ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
-    ("tools", lambda v: not v, "tool calling is not supported"),
-    ("functions", lambda v: not v, "function calling is not supported"),
-    ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
-    ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
-    ("logprobs", lambda v: v in (None, False) or v == 0, "logprobs are not supported"),
-    ("top_logprobs", lambda v: v in (None, 0), "logprobs are not supported"),
+    ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported; use n for several answers"),
+    ("functions", lambda v: not v, "the deprecated function calling is not supported; use 'tools'"),
+    ("function_call", lambda v: v in (None, "none"),
+     "the deprecated function calling is not supported; use 'tools' and 'tool_choice'"),
     ("echo", lambda v: not v, "echo is not supported"),
     ("suffix", lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
@@ -148,6 +154,25 @@ def _text_content(content: Any, where: str) -> str:
     raise bad(f"{where}: 'content' must be a string or a list of text parts.", "messages")
 
 
+def _assistant_calls(calls: Any, where: str) -> str:
+    """An assistant message's ``tool_calls`` as the text the model wrote for them (the call
+    format ``tools`` constrains answers to, one call a line)."""
+    if not isinstance(calls, list) or not calls:
+        raise bad(f"{where}.tool_calls must be a non-empty list of tool calls.", "messages")
+    lines = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                      "{\"name\", \"arguments\": JSON text}}.", "messages")
+        try:
+            args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+        except ValueError:
+            args = fn["arguments"]  # as the client has it
+        lines.append(json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False, separators=(",", ":")))
+    return "\n".join(lines)
+
+
 def _messages(body: dict) -> tuple[tuple[str, str], ...]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -158,9 +183,15 @@ def _messages(body: dict) -> tuple[tuple[str, str], ...]:
             raise bad(f"messages[{i}] must be an object with 'role' and 'content'.", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}]: role {role!r} is not supported; use system, developer, user or assistant "
-                      "(tool messages are not supported).", "messages")
-        out.append((ROLES[role], _text_content(m.get("content"), f"messages[{i}]")))
+            raise bad(f"messages[{i}]: role {role!r} is not supported; use system, developer, user, assistant "
+                      "or tool.", "messages")
+        if role == "assistant" and m.get("tool_calls"):
+            text = _assistant_calls(m["tool_calls"], f"messages[{i}]")
+            if m.get("content"):
+                text = _text_content(m["content"], f"messages[{i}]") + "\n" + text
+        else:
+            text = _text_content(m.get("content"), f"messages[{i}]")
+        out.append((ROLES[role], text))
     return tuple(out)
 
 
@@ -248,7 +279,76 @@ def _common(body: Any) -> dict:
         raise bad("'stream_options' must be an object.", "stream_options")
     return {"model": model, "stream": stream, "include_usage": bool(opts.get("include_usage")),
             "sampling": _sampling(body), "documents": _documents(body), "output_format": _response_format(body),
-            **_lazy_rag_fields(body)}
+            "n": _number(body, "n", 1, 1, MAX_N, integer=True), **_lazy_rag_fields(body)}
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true: each token's logprob) and ``top_logprobs`` (0..20 alternatives)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad(f"'logprobs' must be true or false, got {lp!r} (the number of alternatives is 'top_logprobs').",
+                  "logprobs")
+    top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not lp:
+        raise bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+def _tools(body: dict, common: dict) -> ToolPlan | None:
+    """``tools`` (OpenAI function definitions) under ``tool_choice``: the grammar and the system
+    note of ``lazy_rag.structured.plan_tools``, each tool's parameters checked now."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise bad("'parallel_tool_calls' must be true or false.", "parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("'tool_choice' needs 'tools': give the functions the model may call.", "tool_choice")
+        if tools is not None and not isinstance(tools, list):
+            raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects.", "tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise bad("'tools' must be a list of at most 128 {\"type\": \"function\", \"function\": {\"name\", "
+                  "\"description\"?, \"parameters\"?}} objects.", "tools")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\"?}}}}.",
+                      "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got {name!r}.", "tools")
+        if name in names:
+            raise bad(f"tools[{i}]: two tools are named {name!r}.", "tools")
+        names.append(name)
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        try:
+            OutputFormat.json(call_schema(fn)).grammar()
+        except InvalidRequestError as e:
+            raise bad(f"tools[{i}] ({name}): its parameters cannot be enforced: {e}", "tools") from None
+    if choice is not None and choice not in ("none", "auto", "required"):
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        if not isinstance(fn, dict) or choice.get("type") != "function" or fn.get("name") not in names:
+            raise bad(f"'tool_choice' must be none, auto, required or {{\"type\": \"function\", \"function\": "
+                      f"{{\"name\": ...}}}} naming one of the tools ({', '.join(names)}), got {choice!r}.",
+                      "tool_choice")
+        choice = fn["name"]
+    plan = plan_tools(tools, choice)
+    if plan is not None and common["output_format"] is not None:
+        raise bad("Give either 'tools' or 'response_format', not both (a tool call is itself constrained JSON); "
+                  "or set 'tool_choice' to none.", "response_format")
+    return plan
+
+
+def _with_tools(messages: tuple[tuple[str, str], ...], plan: ToolPlan | None) -> tuple[tuple[str, str], ...]:
+    """The tools' note in the system message (added to the caller's first one, if any)."""
+    if plan is None:
+        return messages
+    if messages[0][0] == "system":
+        return (("system", f"{messages[0][1]}\n\n{plan.system_note}"), *messages[1:])
+    return (("system", plan.system_note), *messages)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -258,7 +358,12 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("With 'documents' or 'rag' the last message must be the user's question.", "messages")
     if common["documents"] and common["rag_top_k"]:
         raise bad("Give either 'documents' or 'rag', not both.", "rag")
-    return GenerationRequest(kind="chat", messages=messages, **common)
+    tools = _tools(body, common)
+    if tools is not None and common["rag_top_k"]:
+        raise bad("'tools' cannot be combined with 'rag' (its prompt is the retrieval template); send the "
+                  "passages as 'documents' instead.", "tools")
+    return GenerationRequest(kind="chat", messages=_with_tools(messages, tools), tools=tools,
+                             logprobs=_chat_logprobs(body), **common)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -271,4 +376,12 @@ def parse_completion(body: Any) -> GenerationRequest:
                   "are not supported).", "prompt")
     if common["rag_top_k"]:
         raise bad("'rag' needs a question: use /v1/chat/completions.", "rag")
-    return GenerationRequest(kind="completion", prompt=prompt, **common)
+    for name in ("tools", "tool_choice", "top_logprobs"):
+        if body.get(name) is not None:
+            raise bad(f"'{name}' is a chat field: use /v1/chat/completions.", name, code="unsupported_parameter")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise bad(f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives per token), "
+                  f"got {logprobs!r}.", "logprobs")
+    return GenerationRequest(kind="completion", prompt=prompt, logprobs=logprobs, **common)

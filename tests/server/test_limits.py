@@ -67,12 +67,14 @@ def test_body_size_limit(start_server, smollm2, no_server_errors):
 
 BAD = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"model": "gpt-4o"}, "model"),
-    ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # no tools
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+    ({"logprobs": 1}, "logprobs"),  # chat's is a boolean (top_logprobs counts the alternatives)
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),

@@ -10,9 +10,17 @@ function authHeaders() {
   return key ? { Authorization: "Bearer " + key } : {};
 }
 
+// /info needs the API key when the server has keys: asked again once one is typed in
 async function loadInfo() {
-  const info = await (await fetch("/info")).json();
+  const res = await fetch("/info", { headers: authHeaders() });
+  if (res.status === 401) {
+    $("served").textContent = "this server needs an API key: enter it above";
+    return;
+  }
+  if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+  const info = await res.json();
   model = info.model;
+  $("mode").replaceChildren();
   for (const m of info.modes) {
     const opt = document.createElement("option");
     opt.value = opt.textContent = m;
@@ -114,4 +122,5 @@ function handle(event) {
 }
 
 $("ask").addEventListener("submit", ask);
+$("api-key").addEventListener("change", () => { if (!model) loadInfo().catch((e) => showError(String(e))); });
 loadInfo().catch((e) => showError("Could not reach the server: " + e));
