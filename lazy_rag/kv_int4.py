@@ -52,13 +52,15 @@ _F16_MAX = 65504.0
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
-def _groups(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+def _groups(x: torch.Tensor, dim: int, group: int, fill: float | None = None) -> torch.Tensor:
     """x with ``dim`` split into (groups, group), the last group padded by repeating x's last
-    element along ``dim`` (so that a group's min and max are its real elements')."""
+    element along ``dim`` (so that a group's min and max are its real elements'), or ``fill``."""
     n = x.shape[dim]
     pad = -n % group
     if pad:
         last = x.narrow(dim, n - 1, 1)
+        if fill is not None:
+            last = torch.full_like(last, fill)
         x = torch.cat([x, last.expand(*[pad if d == dim % x.dim() else s for d, s in enumerate(last.shape)])], dim)
     shape = list(x.shape)
     d = dim % x.dim()
@@ -82,13 +84,17 @@ def quantize(x: torch.Tensor, dim: int, group: int) -> tuple[torch.Tensor, torch
     gd = (dim % xf.dim()) + 1          # the axis of a group's elements
     lo, hi = g.amin(gd), g.amax(gd)
     best = None
+    if len(CLIP_RATIOS) > 1:   # a short last group's padding counts for nothing in its error
+        shape = [1] * xf.dim()
+        shape[dim % xf.dim()] = n
+        real = _groups(torch.ones(shape, device=xf.device), dim, group, fill=0.0)
     for r in CLIP_RATIOS:
         c = (hi - lo) * (1 - r) / 2
         zero = (lo + c).clamp(-_F16_MAX, _F16_MAX).to(SCALE_DTYPE)
         scale = ((hi - c - zero.float()) / LEVELS).clamp(SCALE_MIN, _F16_MAX).to(SCALE_DTYPE)
         if len(CLIP_RATIOS) > 1:
             zf, sf = zero.float().unsqueeze(gd), scale.float().unsqueeze(gd)
-            err = (((g - zf) / sf).round().clamp(0, LEVELS) * sf + zf - g).square().sum(gd)
+            err = ((((g - zf) / sf).round().clamp(0, LEVELS) * sf + zf - g).square() * real).sum(gd)
             if best is None:
                 best = (err, zero, scale)
             else:
