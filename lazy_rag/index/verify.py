@@ -38,7 +38,8 @@ def describe_index(path) -> dict:
             "chunks": m["num_chunks"], "tokens": m["num_tokens"], "wrapper": m.get("wrapper"),
             "chunks_with_kv": table.count_rows_with_kv(db),
             "kv_bytes": (kv_bytes := sum(_size(path / folder / segment_name(s)) for s in segs)),
-            # (the segments' bytes, records' headers and dead records included, over indexed tokens)
+            # (the segments' bytes over the indexed tokens: record headers, dead records and a chunk
+            # wrapper's slots, stored with every chunk, included)
             "kv_bytes_per_token": round(kv_bytes / m["num_tokens"], 1) if m["num_tokens"] else None,
             "segments": {"count": len(segs), "live_fraction": round(live_bytes / committed, 4) if committed else None,
                          "dead_bytes": committed - live_bytes},
