@@ -5,7 +5,8 @@ Nothing is written to the index folder. The corpus is measured, not encoded:
   them when the corpus is under ``SAMPLE_BYTES``) is read and chunked exactly as the build would,
   and the rest is extrapolated by file size (tokens per byte and tokens per chunk of the sample);
 - bytes: the KV per token of this model in the stored dtype (fp8: half, plus one fp16 scale per
-  token, KV head and layer for K and V), the chunk wrapper's slots, the vectors;
+  token, KV head and layer for K and V; int4: codes two a byte plus fp16 scales and zeros per
+  group, ``kv_int4.bytes_per_token``), the chunk wrapper's slots, the vectors;
 - time: the pipeline's stages overlap (build_pipeline), so the KV stage takes the longer of
   encoding (a timed probe encode on this device) and writing (a timed, fsync'ed probe write of
   ``PROBE_WRITE_BYTES`` in the index folder's file system); embedding (a timed probe batch) and
@@ -24,7 +25,8 @@ import torch
 
 from .chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
 from .documents import read_text
-from .kv_record import check_kv_dtype, kv_dtype_named
+from . import kv_int4
+from .kv_record import INT4, check_kv_dtype, kv_dtype_named
 
 SAMPLE_BYTES = 4 << 20
 PROBE_WRITE_BYTES = 256 << 20
@@ -42,6 +44,8 @@ def kv_bytes_per_token(llm, kv_dtype) -> float:
         raise KeyError(f"unknown KV dtype {kv_dtype!r}")
     if dtype == torch.float8_e4m3fn:
         return elems + 2 * s.num_layers * s.num_kv_heads * 2  # fp8 values + one fp16 scale per row
+    if dtype == INT4:  # codes two a byte + fp16 scales and zeros per group (whole key groups)
+        return kv_int4.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim)
     return elems * dtype.itemsize
 
 

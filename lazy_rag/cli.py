@@ -107,8 +107,10 @@ def index(
     chunk_overlap: int = typer.Option(CHUNK_OVERLAP, min=0, help="Overlap between chunks in tokens."),
     shared_prefix: bool = typer.Option(False, help="Encode every chunk after the prompt's fixed head (attention sink)."),
     kv_dtype: str = typer.Option("auto", help="Stored KV dtype: auto (the model's), float32 (fp32), bfloat16 (bf16), "
-                                              "float16 (fp16), or fp8 (e4m3 with a scale per token and KV head: half "
-                                              "the disk and host memory of bf16)."),
+                                              "float16 (fp16), fp8 (e4m3 with a scale per token and KV head: half "
+                                              "the disk and host memory of bf16), or int4 (4-bit codes with fp16 "
+                                              "scales and zeros per group: ~0.27 of bf16's disk and host memory, "
+                                              "dequantised into the GPU pool)."),
     recovery: str = typer.Option(DEFAULT_RECOVERY, help=RECOVERY_HELP),
     boundary_recompute: int = typer.Option(0, help="Short for --recovery epicN."),
     precompute: bool = typer.Option(True, help="Encode all chunk KV now (--no-precompute: on first retrieval)."),

@@ -5,8 +5,9 @@ a file. A format change is made here and nowhere else.
 
 A record is a 16-byte header (``LRKV``, the CRC32 of the body, the body's length) and a body that
 is a safetensors blob: ``k`` (unrotated) and ``v`` of shape [layers, tokens, kv_heads, head_dim],
-plus ``k_scale``/``v_scale`` for quantised (fp8) KV, with metadata: the chunk id, the CRC32 of
-every tensor, a key of the token ids (``tokens_key``: the store's hash of them), the dtype and the
+plus ``k_scale``/``v_scale`` for quantised (fp8) KV, or for int4 KV uint8 codes (two a byte)
+with ``k_scale``/``v_scale``/``k_zero``/``v_zero`` (``kv_int4``'s layout; the metadata's
+``int4_groups`` names its group sizes), with metadata: the chunk id, the CRC32 of every tensor, a key of the token ids (``tokens_key``: the store's hash of them), the dtype and the
 fingerprint of the model/tokenizer/RoPE/shared prefix/wrapper that computed it. Records describe
 themselves (``--repair`` finds KV by scanning the segments) and load without unpickling
 (safetensors' bytes and a JSON header).
@@ -27,9 +28,14 @@ from .chunk_kv import NOT_IN_MEMORY, ChunkKV
 from .errors import LazyIndexError
 
 # the dtypes a record's KV may have, by the name the index's settings and the CLI use
+# int4 has no torch dtype of its own: INT4 (torch's packed 4-bit dtype, never a tensor's here) stands
+# for it wherever a stored KV dtype is a torch dtype (``ChunkStore.kv_dtype``); its name is "int4"
+INT4 = torch.quint4x2
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              # e4m3 with one fp16 scale per (layer, token, KV head): half the bytes (kernels.kv_quant)
-             "float8_e4m3fn": torch.float8_e4m3fn}
+             "float8_e4m3fn": torch.float8_e4m3fn,
+             # 4-bit codes with fp16 scales and zeros per group (kv_int4): ~0.27 of 16-bit KV's bytes
+             "int4": INT4}
 # the short names `--kv-dtype` also accepts (a benchmark run with "bf16" was refused)
 KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -42,6 +48,11 @@ def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     return KV_DTYPES.get(KV_DTYPE_NAMES.get(name, name))
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The name an index's settings and a record's metadata give a stored KV dtype."""
+    return "int4" if dtype == INT4 else str(dtype).removeprefix("torch.")
+
+
 def check_kv_dtype(name) -> None:
     """Refuse a stored KV dtype's name that means none (before a build makes a folder, takes a
     lock or loads a model, and before a dry run's estimate)."""
@@ -52,8 +63,9 @@ def check_kv_dtype(name) -> None:
 
 RECORD_MAGIC = b"LRKV"
 RECORD_HEADER = struct.Struct("<4sIQ")  # magic, CRC32 of the body, body length
-TENSOR_NAMES = ("k", "v", "k_scale", "v_scale")
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
+TENSOR_NAMES = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+              torch.uint8: "U8"}
 _ST_TO_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 
 
@@ -91,23 +103,36 @@ class PackedRecord:
 
 def pack(kv: ChunkKV, *, chunk_id: str, tokens_key: str, fingerprint: str,
          dtype: torch.dtype | None = None) -> PackedRecord:
-    """One chunk's record: the KV's tensors (cast to ``dtype`` unless quantised: fp8 values mean
-    nothing without their scales' dtype; an fp8 ``dtype`` quantises unquantised KV per row) and
-    their metadata. The costly part of a write (copies and CRCs, which release the GIL): a build
-    runs it for several chunks at once on a thread pool."""
+    """One chunk's record: the KV's tensors (cast to ``dtype`` unless fp8: fp8 values mean
+    nothing without their scales' dtype; an fp8 ``dtype`` quantises unquantised KV per row, an
+    int4 one (``INT4``) any other KV in groups, ``kv_int4``; int4 KV for another dtype is
+    dequantised first) and their metadata. The costly part of a write (copies and CRCs, which
+    release the GIL): a build runs it for several chunks at once on a thread pool."""
+    if kv.int4 and dtype != INT4:
+        kv = ChunkKV(*kv.dequantized(torch.float32 if dtype in (None, torch.float8_e4m3fn) else dtype))
     if dtype == torch.float8_e4m3fn and not kv.quantized:
         from .kernels.kv_quant import quantize_rows
 
         (k8, ks), (v8, vs) = quantize_rows(kv.k.detach()), quantize_rows(kv.v.detach())
         kv = ChunkKV(k8, v8, ks, vs)
+    if dtype == INT4 and not kv.int4:
+        from .kernels.kv_quant import dequantize_rows
+        from .kv_int4 import KEY_GROUP, VALUE_GROUP, quantize_kv
+
+        k, v = kv.k.detach(), kv.v.detach()
+        if kv.quantized:
+            k, v = dequantize_rows(k, kv.k_scale), dequantize_rows(v, kv.v_scale)
+        kv = ChunkKV.from_tensors(quantize_kv(k.to("cpu"), v.to("cpu")), (KEY_GROUP, VALUE_GROUP))
     tensors = {}
     for name, t in kv.tensors().items():
         t = t.detach().to("cpu")
-        if not kv.quantized and dtype is not None:
+        if kv.format is None and dtype is not None:
             t = t.to(dtype)
         tensors[name] = t.contiguous()
-    meta = {"format": "2", "chunk": chunk_id, "tokens": tokens_key,
-            "fingerprint": fingerprint, "dtype": str(tensors["k"].dtype).removeprefix("torch.")}
+    meta = {"format": "2", "chunk": chunk_id, "tokens": tokens_key, "fingerprint": fingerprint,
+            "dtype": "int4" if kv.int4 else str(tensors["k"].dtype).removeprefix("torch.")}
+    if kv.int4:
+        meta["int4_groups"] = ",".join(map(str, kv.groups))
     meta.update({f"{name}_crc32": tensor_crc(t) for name, t in tensors.items()})
     body = safetensors_parts(tensors, meta)
     crc = 0
@@ -244,8 +269,36 @@ def unpack(body, *, chunk_id: str, tokens_key: str, fingerprint: str,
         return None, f"unreadable ({type(e).__name__})"
     if not {"k", "v"} <= set(tensors) <= set(TENSOR_NAMES):
         return None, f"unreadable (tensors {sorted(tensors)})"
+    groups = None
+    if meta.get("dtype") == "int4" or "k_zero" in tensors:
+        groups, why = int4_groups(meta, tensors)
+        if why:
+            return None, f"unreadable ({why})"
     if tensor_crcs:
         for name, t in tensors.items():
             if meta.get(f"{name}_crc32") != tensor_crc(t):
                 return None, "checksum mismatch (corrupt)"
-    return ChunkKV.from_tensors(tensors), None
+    return ChunkKV.from_tensors(tensors, groups), None
+
+
+def int4_groups(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[tuple[int, int] | None, str | None]:
+    """An int4 record's (key group, value group), checked against its tensors' shapes
+    (``kv_int4``'s layout); or (None, what does not fit)."""
+    try:
+        gk, gv = (int(x) for x in meta["int4_groups"].split(","))
+        assert gk > 0 and gv > 0
+    except (KeyError, ValueError, AttributeError, AssertionError):
+        return None, "int4 record without its group sizes"
+    if set(tensors) != set(TENSOR_NAMES) or meta.get("dtype") != "int4":
+        return None, f"int4 tensors {sorted(tensors)}"
+    k, v = tensors["k"], tensors["v"]
+    if k.dim() != 4 or k.dtype != torch.uint8 or v.shape != k.shape or v.dtype != torch.uint8:
+        return None, "int4 codes of another shape"
+    layers, n, heads, half = k.shape
+    d = tensors["k_scale"].shape[-1] if tensors["k_scale"].dim() == 4 else -1
+    want_k = (layers, -(-n // gk), heads, d)
+    want_v = (layers, n, heads, -(-d // gv))
+    stats = [(tensors[f"{x}_{s}"], want) for s in ("scale", "zero") for x, want in (("k", want_k), ("v", want_v))]
+    if (d + 1) // 2 != half or any(tuple(t.shape) != want or t.dtype != torch.float16 for t, want in stats):
+        return None, "int4 scales of another shape"
+    return (gk, gv), None

@@ -46,8 +46,8 @@ import torch
 from .chunk_kv import NOT_IN_MEMORY, ChunkKV
 from .errors import LazyIndexError
 from .file_writes import fsync_dir, pwrite_all, start_writeback
-from .kv_record import (RECORD_HEADER, PackedRecord, first_byte_cached, pack, read_body, read_header, record_metadata,
-                        unpack)
+from .kv_record import (RECORD_HEADER, PackedRecord, first_byte_cached, kv_dtype_name, pack, read_body, read_header,
+                        record_metadata, unpack)
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
@@ -826,7 +826,7 @@ class ChunkStore:
         dtype the lost settings had may not be this build's)."""
         if meta.get("fingerprint") != self.fingerprint_id:
             return False
-        return self.kv_dtype is None or meta.get("dtype") == str(self.kv_dtype).removeprefix("torch.")
+        return self.kv_dtype is None or meta.get("dtype") == kv_dtype_name(self.kv_dtype)
 
     def salvage(self, token_ids: dict) -> int:
         """``--repair`` (in a build, after ``begin_build``): stage for each chunk named in

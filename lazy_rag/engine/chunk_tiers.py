@@ -21,6 +21,11 @@ rounded twice, Q(rot(DQ(Q(k)))), where a key written by the forward is rounded o
 (measured on keys with outlier channels: relative rms error 0.022 against 0.017, per-row max
 error <= 2^-3 of the row's largest element against 2^-4; tests/kernels/test_fp8.py). Values are
 placed as stored (one rounding).
+
+int4 (a store of ``--kv-dtype int4`` KV, ``kv_int4``): a storage format only, no pool is int4. The
+host tier holds the chunk's int4 codes with their group scales and zeros (~0.27 of 16-bit KV's
+bytes) under an "int4" key; ``place`` dequantises them on the pool's device to fp32, rotates the
+keys and writes the pool's dtype (fp8 pools quantise them again per token, as any placed KV).
 """
 from __future__ import annotations
 
@@ -53,9 +58,14 @@ def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt:
     return ("chunk", pre, _content_key(tuple(token_ids), salt))
 
 
-def host_key(key: tuple, quantized: bool) -> tuple:
-    """The host tier's key of a chunk's KV in a format: fp8 KV apart from unquantised KV."""
-    return (*key, "fp8") if quantized else key
+HOST_FORMATS = (None, "fp8", "int4")    # ChunkKV.format's values
+
+
+def host_key(key: tuple, fmt: "str | bool | None") -> tuple:
+    """The host tier's key of a chunk's KV in a format (``ChunkKV.format``: "fp8", "int4", or None
+    for unquantised; True means fp8): each format apart from the others."""
+    fmt = "fp8" if fmt is True else fmt or None
+    return (*key, fmt) if fmt else key
 
 
 @functools.lru_cache(maxsize=2048)
@@ -104,12 +114,12 @@ class ChunkTiers:
                 for name, t in tensors.items():
                     out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                     t.record_stream(stream)
-            return ChunkKV.from_tensors(out)
+            return kv.with_tensors(out)
         out = {}
         for name, t in tensors.items():
             t = t.detach().to("cpu")
             out[name] = t.pin_memory() if self.pin and not t.is_pinned() else t
-        return ChunkKV.from_tensors(out)
+        return kv.with_tensors(out)
 
     def _side_stream(self, device) -> "torch.cuda.Stream":
         if self._stream is None:
@@ -127,8 +137,8 @@ class ChunkTiers:
         left as it is. A stored file that is damaged, foreign or (in a precomputed index) missing
         is reported and will be repaired by ``keep`` after the encode. ``kv_dtype``: the asking
         pool's dtype (its format's host copy is looked up first)."""
-        fp8 = kv_dtype == FP8
-        for k in (host_key(key, fp8), host_key(key, not fp8)):  # the pool's format first
+        first = "fp8" if kv_dtype == FP8 else None
+        for k in (host_key(key, f) for f in (first, *(f for f in HOST_FORMATS if f != first))):  # the pool's first
             kv = self.host.get(k)
             if kv is not None:
                 self.counters["host_hits"] += 1
@@ -173,7 +183,7 @@ class ChunkTiers:
         # kept as stored: ``place`` converts on the pool's device (an 8B chunk's fp8 KV dequantised
         # on the host for a bf16 pool took ~25 ms of CPU per 16 MB)
         kv = self.to_host(kv)
-        self.host.put(host_key(key, kv.quantized), kv)
+        self.host.put(host_key(key, kv.format), kv)
         return kv, "disk"
 
     def keep(self, key, kv: ChunkKV, token_ids: Sequence[int], chunk_id: str | None,
@@ -185,15 +195,16 @@ class ChunkTiers:
         self.counters["encoded_tokens"] += kv.num_tokens
         writes = store is not None and chunk_id is not None
         kv = self.to_host(kv, wait=wait or writes)
-        self.host.put(host_key(key, kv.quantized), kv)
+        self.host.put(host_key(key, kv.format), kv)
         if writes:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
         return kv
 
     def place(self, pool: PagePool, pages: list[int], kv: ChunkKV, rope_table: RopeTable) -> Transfer:
         """Copy kv into ``pages``, keys rotated at chunk-local positions. On CUDA the copy and
-        rotation run on a side stream; the returned Transfer's event marks completion. fp8 KV or
-        an fp8 pool: keys dequantised, rotated in fp32 and (fp8 pool) quantised again, per token."""
+        rotation run on a side stream; the returned Transfer's event marks completion. fp8 or int4
+        KV, or an fp8 pool: keys dequantised, rotated in fp32 and (fp8 pool) quantised again, per
+        token."""
         self.counters["bytes_to_pool"] += kv.nbytes
         cuda = pool.device.type == "cuda"
         if cuda:
@@ -203,7 +214,9 @@ class ChunkTiers:
             self._stream.wait_stream(torch.cuda.current_stream(pool.device))
         with ctx:
             src = {name: t.to(pool.device, non_blocking=True) for name, t in kv.tensors().items()}
-            if kv.quantized or pool.quantized:   # rotated in fp32, quantised (fp8 pool) by write_run
+            if kv.int4:   # dequantised here, on the pool's device; rotated in fp32
+                k, v = kv.with_tensors(src).dequantized(torch.float32)
+            elif kv.quantized or pool.quantized:   # rotated in fp32, quantised (fp8 pool) by write_run
                 k = src["k"].float() if not kv.quantized else dequantize_rows(src["k"], src["k_scale"])
                 v = src["v"] if not kv.quantized else dequantize_rows(src["v"], src["v_scale"])
             else:

@@ -27,7 +27,7 @@ from ..documents import Skip, check_encoding, read_text
 from ..embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
 from ..index_lock import LOCK_NAME, remove_lock_file, writer_lock
-from ..kv_record import check_kv_dtype, kv_dtype_named
+from ..kv_record import check_kv_dtype, kv_dtype_name, kv_dtype_named
 from ..llm import LazyLLM
 from ..models import DEFAULT_MODEL
 from ..progress import Progress, resolved_style
@@ -62,7 +62,7 @@ class BuildOptions:
       one chunk whose id is the text's id (``from_texts``: frameworks' node ids).
     - ``shared_prefix``: every chunk is encoded after the prompt's fixed head (an attention sink),
       which fixes ``system_prompt`` and ``instruction`` (the RAG prompt of every query, chat.py).
-    - ``kv_dtype``: the stored KV's dtype ("auto": the model's; fp8, bf16, fp16, fp32).
+    - ``kv_dtype``: the stored KV's dtype ("auto": the model's; fp8, int4, bf16, fp16, fp32).
     - ``precompute_kv=False`` defers each chunk's KV to its first retrieval (large corpora).
     - ``recovery`` (e.g. "auto", "prophet20", "epic16", "none"; ``Recovery``): the queries' default
       quality recovery (``boundary_recompute=N`` is short for "epicN"); "auto" measures each
@@ -533,7 +533,7 @@ def _build_locked(docs, out: Path, llm, embedder, o: BuildOptions, run: BuildRun
     settings = {
         "format_version": FORMAT_VERSION, "lazy_rag_version": __version__,
         "model": {"name": model_name, "fingerprint": llm.fingerprint, "dtype": str(llm.dtype).removeprefix("torch.")},
-        "kv_dtype": str(kv_dt).removeprefix("torch."),
+        "kv_dtype": kv_dtype_name(kv_dt),
         # None: an index without vectors (retrieval happens elsewhere; chunks are named by id)
         "embedder": {"name": embedder.name, "dim": embedder.dim} if o.vectors else None,
         "chunking": chunking, "shared_prefix": prefix, "generation": 0,

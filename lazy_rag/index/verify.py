@@ -37,7 +37,10 @@ def describe_index(path) -> dict:
             "shared_prefix": bool(m.get("shared_prefix")), "files": table.count_files(db),
             "chunks": m["num_chunks"], "tokens": m["num_tokens"], "wrapper": m.get("wrapper"),
             "chunks_with_kv": table.count_rows_with_kv(db),
-            "kv_bytes": sum(_size(path / folder / segment_name(s)) for s in segs),
+            "kv_bytes": (kv_bytes := sum(_size(path / folder / segment_name(s)) for s in segs)),
+            # (the segments' bytes over the indexed tokens: record headers, dead records and a chunk
+            # wrapper's slots, stored with every chunk, included)
+            "kv_bytes_per_token": round(kv_bytes / m["num_tokens"], 1) if m["num_tokens"] else None,
             "segments": {"count": len(segs), "live_fraction": round(live_bytes / committed, 4) if committed else None,
                          "dead_bytes": committed - live_bytes},
             "vector_index": m.get("vectors"), "generation": m["generation"], "updated": m.get("updated"),
