@@ -2,9 +2,9 @@
 
 We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
 attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
-attention is plain global softmax attention over RoPE'd q/k (one RoPE table whose frequencies do
-not depend on the sequence length, no sliding window, no score soft-capping) and its decoder
-layer is one of the shapes ``LayerFamily`` describes:
+attention is plain softmax attention over RoPE'd q/k (RoPE tables whose frequencies do not
+depend on the sequence length, no score soft-capping; global, or gemma3_text's sliding windows
+below) and its decoder layer is one of the shapes ``LayerFamily`` describes:
 
 - llama, mistral, qwen2, qwen3: pre-norm -> q/k/v proj (optional bias; qwen3 norms q and k per
   head before RoPE) -> RoPE -> attention -> o_proj -> residual -> pre-norm -> MLP -> residual;
