@@ -2,9 +2,9 @@
 
 We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
 attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
-attention is plain global softmax attention over RoPE'd q/k (one RoPE table whose frequencies do
-not depend on the sequence length, no sliding window, no score soft-capping) and its decoder
-layer is one of the shapes ``LayerFamily`` describes:
+attention is plain softmax attention over RoPE'd q/k (RoPE tables whose frequencies do not
+depend on the sequence length, no score soft-capping; global, or gemma3_text's sliding windows
+below) and its decoder layer is one of the shapes ``LayerFamily`` describes:
 
 - llama, mistral, qwen2, qwen3: pre-norm -> q/k/v proj (optional bias; qwen3 norms q and k per
   head before RoPE) -> RoPE -> attention -> o_proj -> residual -> pre-norm -> MLP -> residual;
@@ -15,7 +15,24 @@ layer is one of the shapes ``LayerFamily`` describes:
   and a fused gate/up MLP (the checkpoint's own MLP module runs it);
 - olmo2: no input pre-norms; q and k normed over all heads at once (``q_norm``/``k_norm`` of
   width heads * head_dim) before RoPE; attention's and the MLP's outputs normed
-  (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual adds.
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual adds;
+- gemma3_text (Gemma 3): four norms per layer ("sandwich": pre- and post-norms around attention
+  and the MLP), q/k normed per head, Gemma's (1 + weight) RMSNorm (the checkpoint's module), the
+  embeddings scaled by sqrt(hidden) (its embedding module does it), softmax scale
+  ``query_pre_attn_scalar ** -0.5``, and two layer kinds (``config.layer_types``): sliding-window
+  layers with their own RoPE base (``rope_local_base_freq``) and global layers with the global
+  RoPE (and its scaling).
+
+Sliding windows and position-free reuse: a window is a mask over *logical* positions (a query at
+p sees keys at p - W + 1 .. p), which lazy-rag assigns at query time exactly like RoPE; a chunk
+encoded alone sees its own tokens within the window, and in a sliding layer the question sees the
+last W logical positions, as in a full forward. ``LayerKind`` holds each kind's RoPE table and
+window. The pool and stored chunk KV hold every layer's keys rotated by one table, the *storage*
+table (``ModelParts.rope_table``: the global layers'), so everything that places or re-rotates
+KV outside the forward (tiers, block copies) stays one-table; a sliding layer's keys are turned
+from the storage rotation to their own (two pure rotations) when attention reads them. Only the
+CPU torch attention implements windows: on CUDA a model with sliding layers is refused
+(``ModelRunner``) until the Triton kernels take a window.
 """
 from __future__ import annotations
 
@@ -35,7 +52,9 @@ class LayerFamily:
     qkv: str = "separate"        # "fused": one qkv_proj, split into q, k, v by head counts (phi3)
     qk_norm: str | None = None   # "head": per head (qwen3); "whole": over all heads at once (olmo2)
     norms: str = "pre"           # "pre": input_layernorm / post_attention_layernorm before the branches;
-                                 # "post": post_attention_layernorm / post_feedforward_layernorm after (olmo2)
+                                 # "post": post_attention_layernorm / post_feedforward_layernorm after (olmo2);
+                                 # "sandwich": input/pre_feedforward before, post_attention/post_feedforward
+                                 # after (gemma3_text)
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
     layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
@@ -55,6 +74,10 @@ FAMILIES: dict[str, LayerFamily] = {
                         "full rotary", tested=_PARITY),
     "olmo2": LayerFamily(qk_norm="whole", norms="post", fused_norm=False,
                          layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
+    "gemma3_text": LayerFamily(qk_norm="head", norms="sandwich", fused_norm=False,
+                               layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
+                               "layers with their own RoPE; CPU only (the GPU kernels take no window yet)",
+                               tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the
@@ -63,8 +86,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # families we know and do not run: what they need that lazy-rag lacks, and the nearest supported one
 KNOWN_UNSUPPORTED = {
     "gemma2": ("attention-score soft-capping and sliding-window layers", "olmo2 (post-norms) or llama"),
-    "gemma3": ("sliding-window layers with their own RoPE", "llama"),
-    "gemma3_text": ("sliding-window layers with their own RoPE", "llama"),
+    "gemma3": ("a vision tower (the multimodal checkpoint); its text model, model type gemma3_text, runs",
+               "gemma3_text"),
     "gemma": ("its embedding normaliser and (1 + weight) norms, not wired into lazy-rag's layer", "llama"),
     "mixtral": ("a mixture-of-experts MLP", "mistral"),
     "qwen2_moe": ("a mixture-of-experts MLP", "qwen2"),
@@ -108,7 +131,7 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE) and OLMo 2 checkpoints (model types "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2 and Gemma 3 (text, CPU) checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
 
 
@@ -147,7 +170,12 @@ def check_supported(config) -> None:
     if feature is not None:
         raise UnsupportedModelError(f"This {mt} checkpoint uses {feature}, which lazy-rag does not run; "
                                     f"use a plain {mt} checkpoint.")
-    if _sliding_window(config):
+    if windowed(config) and getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"This {mt} checkpoint uses bidirectional attention (an embedding model), which lazy-rag does not run; "
+            f"use a causal {mt} checkpoint."
+        )
+    if _sliding_window(config) and not windowed(config):
         raise UnsupportedModelError(
             f"This {mt} checkpoint uses sliding-window attention (window {getattr(config, 'sliding_window', None)}); "
             "lazy-rag needs global attention so cached chunks stay visible at any position. Use a "
@@ -155,18 +183,28 @@ def check_supported(config) -> None:
         )
     params = getattr(config, "rope_parameters", None) or {}
     if isinstance(params, dict) and params and "rope_type" not in params:
-        raise UnsupportedModelError(
-            "Per-layer-type RoPE parameters are not supported (one RoPE table per model expected)."
-        )
-    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise _rope_refusal(rope_type, mt)
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(
-            f"This {mt} checkpoint rotates only part of each head (partial_rotary_factor {partial}); lazy-rag's "
-            f"lazy RoPE rotates whole heads. Use a {mt} checkpoint with full rotary (partial_rotary_factor 1)."
-        )
+        if not windowed(config):
+            raise UnsupportedModelError(
+                "Per-layer-type RoPE parameters are not supported (one RoPE table per model expected)."
+            )
+        kinds = [params[t] or {} for t in sorted(set(config.layer_types))]   # gemma3_text: one per layer kind
+    else:
+        kinds = [params if isinstance(params, dict) else {}]
+    for params in kinds:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise _rope_refusal(rope_type, mt)
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise UnsupportedModelError(
+                f"This {mt} checkpoint rotates only part of each head (partial_rotary_factor {partial}); lazy-rag's "
+                f"lazy RoPE rotates whole heads. Use a {mt} checkpoint with full rotary (partial_rotary_factor 1)."
+            )
+
+
+def windowed(config) -> bool:
+    """Whether ``config`` is of a family whose sliding-window layers lazy-rag runs (gemma3_text)."""
+    return getattr(config, "model_type", None) == "gemma3_text"
 
 
 def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
@@ -179,9 +217,18 @@ def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
 
 def layer_fingerprint(config) -> str | None:
     """The config values outside the weights that change a family's KV or logits (granite's
-    multipliers), as a canonical string; None for families whose layer is fixed by its weights."""
+    multipliers; gemma3_text's window, layer kinds, per-kind RoPE and softmax scale), as a
+    canonical string; None for families whose layer is fixed by its weights."""
     fam = FAMILIES.get(getattr(config, "model_type", None))
-    if fam is None or not fam.multipliers:
+    if fam is None:
+        return None
+    if windowed(config):
+        # the model fingerprint's "rope" is the storage table only: the sliding layers' RoPE, which
+        # layers slide and how far change every layer after the first sliding one
+        return json.dumps({"sliding_window": int(config.sliding_window), "layer_types": list(config.layer_types),
+                           "rope_parameters": config.rope_parameters,
+                           "query_pre_attn_scalar": float(config.query_pre_attn_scalar)}, sort_keys=True)
+    if not fam.multipliers:
         return None
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return json.dumps({k: float(getattr(config, k)) for k in keys}, sort_keys=True)
@@ -199,6 +246,36 @@ def rope_table_of(model) -> RopeTable:
                      attention_scaling=float(rotary.attention_scaling), rope_type=rope_type)
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of layer's attention (gemma3_text's "sliding_attention" / "full_attention"): its
+    RoPE table and its window (a query at p sees keys at p - window + 1 .. p; None: global)."""
+    name: str
+    rope: RopeTable
+    window: int | None
+
+
+def layer_kinds(model) -> tuple[list[LayerKind], list[int]]:
+    """The model's layer kinds, the storage kind first (the global layers', whose table the pool
+    and stored KV are rotated by), and each layer's kind index. One global kind for every family
+    but gemma3_text, whose rotary module holds one table per kind (``{kind}_inv_freq``)."""
+    config = model.config
+    if not windowed(config):
+        return [LayerKind("full_attention", rope_table_of(model), None)], [0] * config.num_hidden_layers
+    rotary = model.model.rotary_emb
+    types = list(config.layer_types)[:config.num_hidden_layers]
+    names = sorted(set(types), key=lambda t: (t != "full_attention", t))
+    kinds = []
+    for name in names:
+        rope_type = rotary.rope_type[name]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise _rope_refusal(rope_type, config.model_type)
+        table = RopeTable(inv_freq=getattr(rotary, f"{name}_inv_freq").detach().to(torch.float32).clone(),
+                          attention_scaling=float(getattr(rotary, f"{name}_attention_scaling")), rope_type=rope_type)
+        kinds.append(LayerKind(name, table, int(config.sliding_window) if name == "sliding_attention" else None))
+    return kinds, [names.index(t) for t in types]
+
+
 class ModelParts:
     """The checkpoint's modules in the order our forward uses them, its shape and RoPE table, and
     its family's layer (``LayerFamily``): ``embed_scale``, ``attention_in``, ``project_qkv``,
@@ -209,7 +286,10 @@ class ModelParts:
         self.model = model
         self.config = model.config
         self.family = FAMILIES[model.config.model_type]
-        self.rope_table = rope_table_of(model)
+        # each layer's kind (RoPE table and window); the storage table every key is kept rotated by
+        self.kinds, self.layer_kind = layer_kinds(model)
+        self.rope_table = self.kinds[0].rope
+        self.windowed = any(k.window is not None for k in self.kinds)
         inner = model.model
         self.embed = inner.embed_tokens
         self.vocab_rows = int(self.embed.weight.shape[0])  # ids from here up are wrapper slots (wrapper.py)
@@ -243,13 +323,14 @@ class ModelParts:
         return x if self.embedding_multiplier is None else x * self.embedding_multiplier
 
     def attention_in(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """What the q/k/v projections read: the residual stream pre-normed, or as it is (olmo2)."""
+        """What the q/k/v projections read: the residual stream pre-normed (sandwich included), or
+        as it is (olmo2)."""
         return x if self.family.norms == "post" else self._norm(layer.input_layernorm, x)
 
     def attention_residual(self, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention, whose output ``o`` [n, H * D] is not yet projected."""
         a = layer.self_attn.o_proj(o)
-        if self.family.norms == "post":
+        if self.family.norms in ("post", "sandwich"):
             return x + self._norm(layer.post_attention_layernorm, a)
         return x + (a if self.residual_multiplier is None else a * self.residual_multiplier)
 
@@ -257,6 +338,9 @@ class ModelParts:
         """The residual stream after the layer's MLP (the checkpoint's module, fused gate/up included)."""
         if self.family.norms == "post":
             return x + self._norm(layer.post_feedforward_layernorm, layer.mlp(x))
+        if self.family.norms == "sandwich":
+            return x + self._norm(layer.post_feedforward_layernorm,
+                                  layer.mlp(self._norm(layer.pre_feedforward_layernorm, x)))
         m = layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return x + (m if self.residual_multiplier is None else m * self.residual_multiplier)
 

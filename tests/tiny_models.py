@@ -1,6 +1,6 @@
 """Tiny random checkpoints of every supported family (and a few unsupported ones)."""
 import torch
-from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -26,11 +26,27 @@ FAMILIES = {
                                                      "attention_multiplier": 0.6, "logits_scaling": 3.0}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "pad_token_id": 0}),  # fused qkv, gate/up
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"pad_token_id": 0, "eos_token_id": 2}),  # whole-q/k norms, post-norms
+    # sliding (window 8) and global layers interleaved, each kind with its own RoPE (the global one
+    # scaled), softmax scale query_pre_attn_scalar ** -0.5 far from 1/sqrt(head_dim), four norms
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 12, "sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2,
+        "bos_token_id": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                           "sliding_attention"], "num_hidden_layers": 4}),
 }
+# gemma3_text's RoPE per layer kind: the sliding layers' local base, the global layers' own (scaled)
+GEMMA3_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
 
 
 def tiny_model(family: str = "llama", rope: str = "default", vocab_size: int = 49152, seed: int = 0, **over):
     cfg_cls, model_cls, extra = FAMILIES[family]
-    cfg = cfg_cls(vocab_size=vocab_size, rope_parameters=dict(ROPES[rope]), **{**COMMON, **extra, **over})
+    ropes = {k: dict(v) for k, v in GEMMA3_ROPES.items()} if family == "gemma3_text" else dict(ROPES[rope])
+    cfg = cfg_cls(vocab_size=vocab_size, rope_parameters=ropes, **{**COMMON, **extra, **over})
     torch.manual_seed(seed)
-    return model_cls(cfg).eval()
+    model = model_cls(cfg).eval()
+    if family == "gemma3_text":   # its (1 + weight) norms start at weight 0: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
+    return model

@@ -19,6 +19,12 @@ each sequence's pages through the path that computes it exactly and fastest (``S
   logical positions (a pure rotation by rot_shift) and runs one SDPA call with the visibility
   mask: the same function as the kernels' torch reference, vectorised.
 
+Sliding-window layers (gemma3_text, ``architecture.LayerKind``): every key is written rotated by
+the storage table (the global layers'); a sliding layer's attention takes its keys rotated by its
+own table (the fresh path from the forward, the torch path turning gathered keys from the storage
+rotation to its own) and masks keys more than its window behind each query's logical position.
+The Triton kernels take no window: on CUDA such a model is refused.
+
 Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as
 (quantised to fp8 with per-token scales when the pool is fp8, like the pool's own copy).
 
@@ -42,6 +48,7 @@ from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..chunk_kv import ChunkKV
+from ..errors import UnsupportedModelError
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
 from .page_pool import PagePool
 from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,
@@ -53,6 +60,14 @@ class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
                  max_graph_tokens: int = 4096, shared_chunks: str = "auto"):
         self.parts, self.pool = parts, pool
+        if parts.windowed and pool.device.type == "cuda":
+            windows = sorted({k.window for k in parts.kinds if k.window is not None})
+            sliding = sum(parts.kinds[k].window is not None for k in parts.layer_kind)
+            raise UnsupportedModelError(
+                f"This {parts.config.model_type} model has sliding-window layers ({sliding} of "
+                f"{len(parts.layers)}, window {', '.join(map(str, windows))}), which lazy-rag runs on the CPU only: "
+                "the CUDA Triton attention kernels do not implement sliding windows yet. Load it with device='cpu'."
+            )
         self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)
         self.shared_decode_steps = 0         # eager decode steps that read shared chunks once
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
@@ -71,7 +86,8 @@ class ModelRunner:
         """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
-        ``attention(layer, q, k_stored, v)`` -> [n, H, D] with q unrotated and k as stored.
+        ``attention(layer, q, k, v)`` -> [n, H, D] with q unrotated and k rotated at ``key_pos`` by the
+        layer's own RoPE table (as stored, for every layer of the storage kind).
         ``num_layers``: stop after that many layers. ``virtual=False``: no id is a chunk wrapper's
         slot (decode steps; a captured graph must not read the wrapper table). ``capture``: keep the
         unrotated K and V of every token (True) or of the first ``capture`` tokens (an int), or
@@ -82,8 +98,9 @@ class ModelRunner:
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
         depth = len(p.layers) if num_layers is None else num_layers
-        cos, sin = p.rope_table.cos_sin(pos, p.dtype)
-        kcos, ksin = (cos, sin) if key_pos is None else p.rope_table.cos_sin(key_pos, p.dtype)
+        kp = pos if key_pos is None else key_pos
+        # each layer kind's key rotation (architecture.LayerKind); the first is the stored one
+        kcs = [kind.rope.cos_sin(kp, p.dtype) for kind in p.kinds]
         caught = capture if isinstance(capture, tuple) else None
         m = caught[0].shape[1] if caught else n if capture is True else int(capture)
         if m and caught is None:
@@ -96,10 +113,11 @@ class ModelRunner:
             q, k, v = p.project_qkv(layer, p.attention_in(layer, x))
             if m:
                 caught[0][i], caught[1][i] = k[:m], v[:m]
-            k_stored = apply_cos_sin(k, kcos, ksin)
+            k_stored = apply_cos_sin(k, *kcs[0])
             if write_page is not None:
                 self.pool.write_tokens(i, write_page, write_slot, k_stored, v)
-            o = attention(i, q, k_stored, v)
+            kind = p.layer_kind[i]
+            o = attention(i, q, k_stored if kind == 0 else apply_cos_sin(k, *kcs[kind]), v)
             x = p.attention_residual(layer, x, o.reshape(n, shp.num_heads * shp.head_dim))
             x = p.mlp_residual(layer, x)
         logits = None if logits_rows is None else p.logits(x[logits_rows])
@@ -322,7 +340,10 @@ class StepAttention:
         if self.shared is not None:
             runner.shared_decode_steps += 1
             return
-        self.cos, self.sin = p.rope_table.cos_sin(batch.pos, p.dtype)  # for the paths that take rotated q
+        # each layer kind's query rotation, for the paths that take rotated q (the storage kind's first)
+        self.qcs = [kind.rope.cos_sin(batch.pos, p.dtype) for kind in p.kinds]
+        self.cos, self.sin = self.qcs[0]
+        self.kind_of, self.windows = p.layer_kind, [kind.window for kind in p.kinds]
         paged, ape = [], []
         for j, seq in enumerate(seqs):
             a, b = batch.spans[j]
@@ -338,7 +359,7 @@ class StepAttention:
             elif path == "paged":
                 paged.append(j)
             else:
-                self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq)))
+                self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq, p)))
         self.paged = None
         if paged:
             qo = [0]
@@ -374,8 +395,11 @@ class StepAttention:
         pool = self.runner.pool
         if self.shared is not None:
             return self.shared(i, q, k_stored, v)
+        kind = self.kind_of[i]
+        cos, sin = self.qcs[kind]
+        window = self.windows[kind]
         if self.probe is not None:
-            self.probe.record(i, q, self.cos, self.sin)
+            self.probe.record(i, q, cos, sin)
         if self.paged is not None and self.paged[0] is None:  # every sequence takes the kernels
             return self._paged(i, q)
         o = torch.empty_like(q)
@@ -384,15 +408,15 @@ class StepAttention:
         for groups in self.ape:
             a, b = groups.span
             o[a:b] = groups.attend(i, q[a:b])
-        for a, b in self.fresh:
-            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), k_stored[a:b], v[a:b],
-                                 self.scaling)
-        for a, b, pages, T in self.tails:
+        for a, b in self.fresh:   # k: the layer's own rotation (ModelRunner.forward)
+            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_stored[a:b], v[a:b],
+                                 self.scaling, window)
+        for a, b, pages, T in self.tails:   # CUDA only, where no model has windows (ModelRunner)
             kk, vv = pool.run_tokens(i, pages, T)
-            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), kk.to(q.dtype),
+            o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype),
                                  vv.to(q.dtype), self.scaling)
         for a, b, keys in self.torch_paths:
-            o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], self.cos[a:b], self.sin[a:b]), self.scaling)
+            o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), self.scaling)
         return o
 
     def _paged(self, i, q):
@@ -437,11 +461,14 @@ class FreshCausal:
     """Plain causal attention over the given new tokens only (a pass that ignores the pool)."""
 
     def __init__(self, runner: ModelRunner, pos):
-        self.cos, self.sin = runner.parts.rope_table.cos_sin(pos, runner.parts.dtype)
-        self.scaling = runner.parts.scaling
+        p = runner.parts
+        self.qcs = [kind.rope.cos_sin(pos, p.dtype) for kind in p.kinds]
+        self.kind_of, self.windows = p.layer_kind, [kind.window for kind in p.kinds]
+        self.scaling = p.scaling
 
-    def __call__(self, i: int, q, k_stored, v):
-        return causal_sdpa(apply_cos_sin(q, self.cos, self.sin), k_stored, v, self.scaling)
+    def __call__(self, i: int, q, k, v):
+        kind = self.kind_of[i]
+        return causal_sdpa(apply_cos_sin(q, *self.qcs[kind]), k, v, self.scaling, self.windows[kind])
 
 
 class QuestionProbe:
@@ -453,7 +480,7 @@ class QuestionProbe:
         dev = runner.pool.device
         self.runner = runner
         self.rows = torch.tensor(rows, device=dev)
-        self.keys = TorchSequenceKeys(seq, runner.pool.page_size, batch.pos[self.rows], runner.inv_freq)
+        self.keys = TorchSequenceKeys(seq, runner.pool.page_size, batch.pos[self.rows], runner.inv_freq, runner.parts)
         index = {int(p): j for j, p in enumerate(self.keys.kpos.tolist())}
         self.columns = torch.tensor([index[p] for p in candidates], device=dev)
         self.total = torch.zeros(len(candidates), dtype=torch.float64, device=dev)
@@ -465,7 +492,7 @@ class QuestionProbe:
         k = self.keys.logical_keys(pool, i)[0].float()                                       # [m, Hkv, D]
         k = k.repeat_interleave(qr.shape[1] // k.shape[1], dim=1)
         scores = torch.einsum("nhd,mhd->hnm", qr, k) * self.runner.parts.scaling
-        scores = scores.masked_fill(~self.keys.visible[None], float("-inf"))
+        scores = scores.masked_fill(~self.keys.visible_at(i)[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         self.total += probs[:, :, self.columns].mean((0, 1)).double()
         self.layers += 1
@@ -477,9 +504,11 @@ class QuestionProbe:
 class TorchSequenceKeys:
     """One sequence's keys for torch attention: which pool slots it reads, the pure rotation that
     takes each stored key (rotated at position - rot_shift) to its logical position, and which
-    key each query may see. Hidden slots are simply not gathered."""
+    key each query may see. Hidden slots are simply not gathered. With ``parts`` (its layer kinds,
+    ``architecture.LayerKind``): a sliding layer's keys are turned from the stored rotation to
+    their logical positions in its own table, and its queries see only keys within its window."""
 
-    def __init__(self, seq, page_size: int, q_pos: torch.Tensor, inv_freq: torch.Tensor):
+    def __init__(self, seq, page_size: int, q_pos: torch.Tensor, inv_freq: torch.Tensor, parts=None):
         ids, ppos, plen, shift, slots = page_rows(seq, page_size)
         dev = q_pos.device
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
@@ -494,9 +523,26 @@ class TorchSequenceKeys:
             entry, off, kpos = entry[keep], off[keep], kpos[keep]
         self.page, self.off, self.kpos = t(ids)[entry], off, kpos
         self.rotated = any(shift)  # else every key is stored at its logical rotation (block, prefix)
-        self.cos, self.sin = rope_cos_sin(t(shift)[entry], inv_freq, 1.0)
+        kshift = t(shift)[entry]
+        self.cos, self.sin = rope_cos_sin(kshift, inv_freq, 1.0)
         self.cos, self.sin = self.cos[:, None], self.sin[:, None]  # over heads
         self.visible = kpos[None, :] <= q_pos[:, None]
+        # per layer kind (one kind, the stored one, but for gemma3_text): the visibility within its
+        # window, and for a kind other than the stored one the turn from the stored rotation
+        # (storage table at kpos - shift, times its attention_scaling) to its own at kpos: undo the
+        # one, apply the other (both pure rotations, the angles exactly as each table computes
+        # them), then the ratio of the two attention_scalings
+        self.kind_of = [] if parts is None else list(parts.layer_kind)
+        self.visibles, self.turns = [self.visible], [None]
+        for kind in ([] if parts is None else parts.kinds[1:]):
+            store = parts.kinds[0].rope
+            w = kind.window
+            self.visibles.append(self.visible if w is None else self.visible & (q_pos[:, None] - kpos[None, :] < w))
+            undo = rope_cos_sin(-(kpos - kshift), store.inv_freq.to(dev), 1.0)
+            own = rope_cos_sin(kpos, kind.rope.inv_freq.to(dev), 1.0)
+            self.turns.append((*(c[:, None] for c in undo + own), kind.rope.attention_scaling / store.attention_scaling))
+        if parts is not None and parts.kinds[0].window is not None:   # (every layer sliding)
+            self.visibles[0] = self.visible & (q_pos[:, None] - kpos[None, :] < parts.kinds[0].window)
         rec = getattr(seq, "recovery", None)
         self.ape = (rec.ape_temperature, rec.ape_scale) if rec is not None and rec.ape else None
         if self.ape:
@@ -504,20 +550,30 @@ class TorchSequenceKeys:
             for span in seq.layout.spans:
                 self.in_chunk |= (kpos >= span.start) & (kpos < span.end)
 
+    def visible_at(self, layer: int) -> torch.Tensor:
+        """bool [n, m]: which gathered key each query sees in ``layer`` (its kind's window)."""
+        return self.visibles[self.kind_of[layer]] if self.kind_of else self.visible
+
     def logical_keys(self, pool, layer: int):
-        """(the gathered keys rotated at their logical positions, fp32 [m, Hkv, D], their values
-        [m, Hkv, D] as gathered) from ``layer`` of the pool."""
+        """(the gathered keys rotated at their logical positions by ``layer``'s own table, fp32
+        [m, Hkv, D], their values [m, Hkv, D] as gathered) from ``layer`` of the pool."""
         keys, values = pool.gather(layer, self.page, self.off)
+        kind = self.kind_of[layer] if self.kind_of else 0
+        if kind:
+            ucos, usin, ocos, osin, ratio = self.turns[kind]
+            k = rotate(rotate(keys, ucos, usin), ocos, osin)
+            return (k if ratio == 1.0 else k * ratio), values
         return (rotate(keys, self.cos, self.sin) if self.rotated else keys.float()), values
 
     def attend(self, pool, layer: int, q_rot, scaling: float):
         """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
         k, v = self.logical_keys(pool, layer)
         k, v = k.to(q_rot.dtype), v.to(q_rot.dtype)   # [m, Hkv, D]
+        visible = self.visible_at(layer)
         if self.ape:
-            return ape_attention(q_rot, k, v, self.visible, self.in_chunk, scaling, *self.ape)
+            return ape_attention(q_rot, k, v, visible, self.in_chunk, scaling, *self.ape)
         o = F.scaled_dot_product_attention(q_rot.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=self.visible, scale=scaling,
+                                           v.transpose(0, 1)[None], attn_mask=visible, scale=scaling,
                                            enable_gqa=q_rot.shape[1] != k.shape[1])
         return o[0].transpose(0, 1)
 
@@ -547,15 +603,19 @@ def merge_by_lse(parts):
     return sum(w * o for w, (_, o) in zip(weights, parts)) / sum(weights)
 
 
-def causal_sdpa(q, k, v, scaling: float):
-    """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of the m positions)
-    -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies."""
+def causal_sdpa(q, k, v, scaling: float, window: int | None = None):
+    """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of m consecutive
+    positions) -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies. ``window``:
+    each query sees only the last ``window`` positions up to its own (a sliding layer)."""
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     n, m = q.shape[0], k.shape[0]
     # lower-right causal when the queries are a tail (torch's is_causal is upper-left)
     mask = None if n == m else causal_lower_right(n, m)
+    if window is not None and window < m:
+        behind = torch.arange(m - n, m, device=q.device)[:, None] - torch.arange(m, device=q.device)[None, :]
+        mask = (behind >= 0) & (behind < window)
     # 4-D [1, H, n, D]: the flash backend takes only batched 4-D inputs (3-D ones fall back to
     # the math backend, which materialises the n x n scores)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
