@@ -10,13 +10,15 @@ first, all of them above the second) with the highest agreement with `full` whos
 fraction stays within ``--budget``; on the held-out half the same policy's agreement and mean
 recompute are measured, with fixed ProphetKV beside it, and whether the risk ranks answers
 (disagreement in the top risk decile vs the bottom half). ``--write`` puts the calibration where
-the runtime finds it (``lazy_rag/risk_calibrations/``).
+the runtime finds it (``lazy_rag/risk_calibrations/``). The run's answers are kept beside its
+records; ``--answers FILE`` fits again from them without answering anything.
 
     python benchmarks/reuse_risk_calibration.py --model smollm2 --base lazy+wrapper --n 300 --write
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import statistics as stats
@@ -27,23 +29,30 @@ from pathlib import Path
 from lazy_rag.bench.records import environment, write_records
 from lazy_rag.quality.evaluate import EvalOptions, run_eval
 from lazy_rag.quality.runner import Runtime
+from lazy_rag.quality.statistics import PairedBootstrap
 from lazy_rag.reuse_risk import CALIBRATIONS, AutoPolicy, RiskCalibration, file_name
 
 BENCHMARK = "reuse_risk_calibration"
 RESULTS = Path(__file__).parent / "results"
 
 
-def simulate(rows: dict[str, dict], policy: AutoPolicy, cal: RiskCalibration, prophet: dict[float, str],
-             base: str) -> tuple[float, float]:
-    """(agreement with full, mean recompute fraction) of ``policy`` over these questions: each is
-    served as the configuration its risk picks (the reused answer, a ProphetKV fraction, or
-    `full`, which agrees with itself)."""
+def served(rows: dict[str, dict], policy: AutoPolicy, cal: RiskCalibration, prophet: dict[float, str],
+           base: str) -> tuple[list[float], list[float]]:
+    """Per question, whether ``policy``'s answer agrees with full's and the fraction it recomputes:
+    each question is served as the configuration its risk picks (the reused answer, a ProphetKV
+    fraction, or `full`, which agrees with itself)."""
     agree, recompute = [], []
     for q in rows.values():
         f = policy.fraction(cal.risk(q[base]["first_token_entropy"]))
         name = base if f == 0 else ("full" if f >= 1.0 else prophet[f])
         agree.append(q[name]["agree_with_full"])
         recompute.append(f)
+    return agree, recompute
+
+
+def simulate(rows, policy, cal, prophet, base) -> tuple[float, float]:
+    """(agreement with full, mean recompute fraction) of ``policy`` over these questions."""
+    agree, recompute = served(rows, policy, cal, prophet, base)
     return stats.fmean(agree), stats.fmean(recompute)
 
 
@@ -96,6 +105,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="write the calibration into lazy_rag/risk_calibrations/")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--answers", type=Path, default=None,
+                    help="fit from this run's answers (the .jsonl.gz written beside its records) instead of running")
     args = ap.parse_args()
 
     percents = [float(p) for p in args.fractions.split(",")]
@@ -104,12 +115,27 @@ def main() -> None:
     prophet = {p / 100: f"{args.base}+prophet{p:g}" for p in percents}
     configs = ["full", args.base, *prophet.values()]
     t0 = time.perf_counter()
+    out = args.out or RESULTS / f"{BENCHMARK}_{args.model}_{args.base.replace('+', '_')}_n{args.n}.json"
+    answers_file = args.answers or out.with_name(out.stem + "_answers.jsonl.gz")
     runtime = Runtime.load(args.model, args.device)
-    run = run_eval(EvalOptions(model=args.model, configs=tuple(configs), dataset=args.dataset, split=args.split,
-                               n=args.n, seed=args.seed, ks=(args.top_k,), max_new_tokens=args.max_new_tokens,
-                               batch_size=args.batch_size, ttft_n=0, device=args.device, progress="lines"), runtime)
+    if args.answers:
+        with gzip.open(args.answers, "rt") as f:
+            saved = [json.loads(line) for line in f]
+        meta, answers = saved[0], saved[1:]
+    else:
+        run = run_eval(EvalOptions(model=args.model, configs=tuple(configs), dataset=args.dataset,
+                                   split=args.split, n=args.n, seed=args.seed, ks=(args.top_k,),
+                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, ttft_n=0,
+                                   device=args.device, progress="lines"), runtime)
+        base_record = next(r for r in run.records if r["mode"] == args.base)
+        meta = {**{k: run.meta[k] for k in ("device", "device_name", "data_hash")},
+                "wrapper_digest": base_record["wrapper_digest"]}
+        answers = run.answers
+        with gzip.open(answers_file, "wt") as f:
+            for line in [meta, *answers]:
+                f.write(json.dumps(line) + "\n")
     by_question: dict[str, dict] = {}
-    for row in run.answers:
+    for row in answers:
         by_question.setdefault(row["question_id"], {})[row["config"]] = row
     ids = sorted(by_question)
     random.Random(args.seed).shuffle(ids)
@@ -117,12 +143,12 @@ def main() -> None:
     calib = {q: by_question[q] for q in ids[:half]}
     held = {q: by_question[q] for q in ids[half:]}
 
-    base_record = next(r for r in run.records if r["mode"] == args.base)
-    wrapper = base_record["wrapper_digest"]
+    wrapper = meta["wrapper_digest"]
     fingerprint = runtime.fingerprint_id
     source = {"dataset": args.dataset, "split": args.split, "n_calibration": len(calib), "base": args.base,
-              "top_k": args.top_k, "seed": args.seed, "data_hash": run.meta["data_hash"],
-              "date": time.strftime("%Y-%m-%d"), "device": run.meta["device_name"]}
+              "top_k": args.top_k, "seed": args.seed, "data_hash": meta["data_hash"],
+              "date": time.strftime("%Y-%m-%d"), "device": meta["device_name"],
+              "answers": answers_file.name}
     cal = RiskCalibration.fit([q[args.base]["first_token_entropy"] for q in calib.values()],
                               [not q[args.base]["agree_with_full"] for q in calib.values()],
                               fingerprint, wrapper, source=source)
@@ -132,21 +158,30 @@ def main() -> None:
     records = []
     common = {"benchmark": BENCHMARK, "model": args.model, "base": args.base, "dataset": args.dataset,
               "split": args.split, "n_held_out": len(held), "n_calibration": len(calib), "top_k": args.top_k,
-              "budget_fraction": args.budget, "device": run.meta["device"], "device_name": run.meta["device_name"],
-              "wrapper_digest": wrapper, **environment()}
+              "budget_fraction": args.budget, "device": meta["device"], "device_name": meta["device_name"],
+              "wrapper_digest": wrapper, "answers_file": answers_file.name, **environment()}
+    boot = PairedBootstrap(len(held), 5000, args.seed)
+    base_agree = [q[args.base]["agree_with_full"] for q in held.values()]
+
+    def vs_base(agree: list[float]) -> dict:
+        d = boot.mean_difference(agree, base_agree).scaled(100)
+        return {"agreement_vs_base_pct": d.estimate, "agreement_vs_base_ci_low": d.low,
+                "agreement_vs_base_ci_high": d.high}
+
     for name, f in [(args.base, 0.0), *[(c, p) for p, c in prophet.items()], ("full", 1.0)]:
-        agree = stats.fmean(q[name]["agree_with_full"] for q in held.values())
-        records.append({**common, "mode": name, "agreement_with_full_pct": 100 * agree,
-                        "recompute_fraction_mean": f})
-    agree, rec = simulate(held, policy, cal, prophet, args.base)
-    records.append({**common, "mode": f"{args.base}+auto", "agreement_with_full_pct": 100 * agree,
-                    "recompute_fraction_mean": rec, "policy_steps": [list(s) for s in policy.steps],
+        agree = [q[name]["agree_with_full"] for q in held.values()]
+        records.append({**common, "mode": name, "agreement_with_full_pct": 100 * stats.fmean(agree),
+                        "recompute_fraction_mean": f, **vs_base(agree)})
+    agree, rec = served(held, policy, cal, prophet, args.base)
+    records.append({**common, "mode": f"{args.base}+auto", "agreement_with_full_pct": 100 * stats.fmean(agree),
+                    "recompute_fraction_mean": stats.fmean(rec), **vs_base(agree),
+                    "policy_steps": [list(s) for s in policy.steps],
                     **decile_ratio(held, cal, args.base), "seconds": time.perf_counter() - t0})
-    out = args.out or RESULTS / f"{BENCHMARK}_{args.model}_{args.base.replace('+', '_')}_n{args.n}.json"
     write_records(out, records)
     for r in records:
-        print(f"{r['mode']:32s} agreement {r['agreement_with_full_pct']:5.1f}%  recompute "
-              f"{100 * r['recompute_fraction_mean']:5.1f}%")
+        print(f"{r['mode']:32s} agreement {r['agreement_with_full_pct']:5.1f}% ({r['agreement_vs_base_pct']:+.1f} "
+              f"[{r['agreement_vs_base_ci_low']:+.1f}, {r['agreement_vs_base_ci_high']:+.1f}] vs {args.base})  "
+              f"recompute {100 * r['recompute_fraction_mean']:5.1f}%")
     print(json.dumps({k: records[-1][k] for k in ("policy_steps", "disagree_top_decile_pct",
                                                    "disagree_bottom_half_pct", "top_decile_vs_bottom_half")}))
     if args.write:

@@ -51,21 +51,21 @@ def describe_risk(stats) -> str:
 
 
 def monotone_fit(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
-    """Non-decreasing least-squares fit of ``ys`` over ``xs`` (pool adjacent violators): the upper
-    edges of the fitted steps (in x) and their values."""
+    """Non-decreasing least-squares fit of ``ys`` over ``xs`` (pool adjacent violators): each
+    fitted block's mean x (its knot) and its value."""
     if len(xs) != len(ys) or not xs:
         raise LazyRagError(f"A risk calibration needs as many outcomes as entropies, and at least one "
                            f"(got {len(xs)} entropies, {len(ys)} outcomes).")
     order = sorted(range(len(xs)), key=lambda i: xs[i])
-    blocks: list[list[float]] = []   # [sum of y, count, last x]
+    blocks: list[list[float]] = []   # [sum of y, count, sum of x]
     for i in order:
         blocks.append([float(ys[i]), 1.0, float(xs[i])])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] >= blocks[-1][0] / blocks[-1][1]:
             s, n, x = blocks.pop()
             blocks[-1][0] += s
             blocks[-1][1] += n
-            blocks[-1][2] = x
-    return [b[2] for b in blocks], [b[0] / b[1] for b in blocks]
+            blocks[-1][2] += x
+    return [b[2] / b[1] for b in blocks], [b[0] / b[1] for b in blocks]
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,10 @@ class AutoPolicy:
 class RiskCalibration:
     """Entropy -> probability that the answer differs from full re-encoding's, for one model
     (``model_fingerprint``) serving chunks encoded inside one wrapper (``wrapper_digest``, None
-    for plain chunks). ``edges``/``risks``: a non-decreasing step function (risk of entropies up
-    to each edge; beyond the last edge, the last risk). ``policy``: what ``auto`` does.
+    for plain chunks). ``edges``/``risks``: the monotone fit's knots (rising entropies) and their
+    risks, interpolated linearly between knots and held beyond the ends, so the risk never falls
+    as entropy rises and orders requests finely enough for a policy's thresholds. ``policy``: what
+    ``auto`` does.
     ``source``: the evaluation it was fitted on (data, n, prompt), for the record."""
 
     model_fingerprint: str
@@ -116,10 +118,13 @@ class RiskCalibration:
                    source or {})
 
     def risk(self, entropy: float) -> float:
-        if math.isnan(entropy):
+        if math.isnan(entropy) or entropy >= self.edges[-1]:
             return self.risks[-1]
-        return self.risks[min(bisect_right(self.edges, entropy - 1e-12), len(self.risks) - 1)] \
-            if entropy > self.edges[0] else self.risks[0]
+        if entropy <= self.edges[0]:
+            return self.risks[0]
+        i = bisect_right(self.edges, entropy)   # edges[i - 1] < entropy < edges[i]
+        x0, x1, y0, y1 = self.edges[i - 1], self.edges[i], self.risks[i - 1], self.risks[i]
+        return y0 + (y1 - y0) * (entropy - x0) / (x1 - x0)
 
     def with_policy(self, policy: AutoPolicy) -> "RiskCalibration":
         return RiskCalibration(self.model_fingerprint, self.wrapper_digest, self.edges, self.risks, policy,

@@ -23,10 +23,13 @@ def test_entropy_of_a_certain_and_of_a_uniform_distribution():
 
 
 def test_the_fit_never_falls_and_averages_where_the_outcomes_do():
-    edges, risks = monotone_fit([0.1, 0.2, 0.3, 0.4, 0.5], [0, 1, 0, 1, 1])
-    assert risks == sorted(risks) and risks == [0.0, 0.5, 1.0] and edges == [0.1, 0.3, 0.5]
+    knots, risks = monotone_fit([0.1, 0.2, 0.3, 0.4, 0.5], [0, 1, 0, 1, 1])
+    assert risks == [0.0, 0.5, 1.0] and knots == pytest.approx([0.1, 0.25, 0.45])
     cal = RiskCalibration.fit([0.1, 0.2, 0.3, 0.4, 0.5], [False, True, False, True, True], "m", None)
-    assert [cal.risk(e) for e in (0.0, 0.1, 0.25, 0.3, 0.45, 9.0)] == [0.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    got = [cal.risk(e) for e in (0.0, 0.1, 0.25, 0.3, 0.45, 9.0, float("nan"))]
+    assert got == pytest.approx([0.0, 0.0, 0.5, 0.625, 1.0, 1.0, 1.0])
+    grid = [cal.risk(e / 100) for e in range(60)]
+    assert grid == sorted(grid)  # never falls as entropy rises
     with pytest.raises(LazyRagError, match="as many outcomes"):
         monotone_fit([0.1], [])
 
