@@ -88,10 +88,13 @@ def _cli_index_query_inspect(tmp_path):
     assert set(obj) == {"answer", "sources", "stats"} and len(obj["sources"]) == 2
     assert obj["stats"]["cached_tokens"] > 0 and obj["stats"]["ttft_ms"] > 0
     assert obj["stats"]["threads"] == physical_cores()
+    # a new index's recovery is auto, and SmolLM2 with its wrapper has a bundled risk calibration
+    assert obj["stats"]["recovery"] == "auto" and 0.0 <= obj["stats"]["reuse_risk"] <= 1.0
     res = runner.invoke(app, ["query", str(out), "Who designed the lighthouse tower?", "--mode", "block",
                               "--max-new-tokens", "6", "--device", "cpu", "--threads", "1"])
     assert res.exit_code == 0 and "TTFT" in res.output and "Sources" in res.output, res.output
     assert res.output.rstrip().endswith("| 1 thread"), res.output
+    assert "| reuse risk " in res.output, res.output
     res = runner.invoke(app, ["inspect", str(out), "--json"])
     info = json.loads(res.output)
     assert info["chunks"] >= 3 and info["kv_bytes"] > 0 and info["fingerprint"]["id"]

@@ -14,8 +14,9 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def index(smollm2, tiny_docs, tmp_path_factory):
+    # recovery none: these tests count the tokens served from cache (auto may recompute a risky answer's)
     index = LazyIndex.from_texts(list(tiny_docs.values()), tmp_path_factory.mktemp("lc") / "index", llm=smollm2,
-                                 ids=list(tiny_docs), split=False, progress=False)
+                                 ids=list(tiny_docs), split=False, progress=False, recovery="none")
     assert index.wrapper is not None  # what a user gets by default: SmolLM2's bundled chunk wrapper
     return index
 
