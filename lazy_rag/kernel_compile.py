@@ -240,7 +240,7 @@ def _calibration_not_kept():
 def parse_kv_dtypes(text: str, model_dtype) -> list:
     """``--kv-dtype``'s comma list (auto, or a store's names: fp8, bf16, ...) as torch dtypes,
     without repeats."""
-    from .kv_record import KV_DTYPE_NAMES, kv_dtype_named
+    from .kv_record import INT4, KV_DTYPE_NAMES, kv_dtype_named
 
     out = []
     for name in (n.strip() for n in text.split(",")):
@@ -250,6 +250,8 @@ def parse_kv_dtypes(text: str, model_dtype) -> list:
         if dt is None:
             raise LazyRagError(f"Unknown KV dtype {name!r} in --kv-dtype {text!r}; choose from auto, "
                                f"{', '.join(KV_DTYPE_NAMES)}, comma-separated (e.g. auto,fp8).")
+        if dt is INT4:  # int4 is a storage format: its chunks are dequantised into the model's pool dtype
+            dt = model_dtype
         if dt not in out:
             out.append(dt)
     if not out:

@@ -39,8 +39,9 @@ def test_kv_dtypes_are_named_as_index_names_them():
     assert parse_kv_dtypes("auto,fp8", torch.bfloat16) == [torch.bfloat16, FP8]
     assert parse_kv_dtypes("bf16, auto ,bfloat16", torch.bfloat16) == [torch.bfloat16]
     assert parse_kv_dtypes("fp32", torch.bfloat16) == [torch.float32]
-    with pytest.raises(LazyRagError, match=r"'int4' in --kv-dtype 'fp8,int4'.*auto,fp8"):
-        parse_kv_dtypes("fp8,int4", torch.bfloat16)
+    assert parse_kv_dtypes("int4,bf16", torch.bfloat16) == [torch.bfloat16]  # int4 stores, the pool holds bf16
+    with pytest.raises(LazyRagError, match=r"'int2' in --kv-dtype 'fp8,int2'.*auto,fp8"):
+        parse_kv_dtypes("fp8,int2", torch.bfloat16)
     with pytest.raises(LazyRagError, match="names no KV dtype"):
         parse_kv_dtypes(" , ", torch.bfloat16)
 

@@ -251,10 +251,10 @@ def test_an_unknown_kv_dtype_is_the_same_clean_error_with_and_without_dry_run(do
     out = tmp_path / "idx"
     outputs = []
     for extra in (["--dry-run"], []):
-        res = CliRunner().invoke(app, ["index", str(docs), "--out", str(out), "--kv-dtype", "int4", *extra])
+        res = CliRunner().invoke(app, ["index", str(docs), "--out", str(out), "--kv-dtype", "int2", *extra])
         assert res.exit_code == 2 and "Traceback" not in res.output and not isinstance(res.exception, KeyError)
         outputs.append(res.output)
-    assert outputs[0] == outputs[1] and "Unknown KV dtype 'int4'; choose auto, fp8, bf16" in outputs[0], outputs
+    assert outputs[0] == outputs[1] and "Unknown KV dtype 'int2'; choose auto, fp8, bf16" in outputs[0], outputs
     assert not out.exists()  # refused before a folder, a lock or a model
-    with pytest.raises(LazyIndexError, match="Unknown KV dtype 'int4'"):  # the estimate's API too
-        estimate_build([str(docs)], out, smollm2, kv_dtype="int4")
+    with pytest.raises(LazyIndexError, match="Unknown KV dtype 'int2'"):  # the estimate's API too
+        estimate_build([str(docs)], out, smollm2, kv_dtype="int2")
