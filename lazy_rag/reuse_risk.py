@@ -26,10 +26,7 @@ CALIBRATIONS = Path(__file__).parent / "risk_calibrations"
 
 def first_token_entropy(logits) -> float:
     """Entropy (nats) of softmax(``logits``) over the vocabulary (a [vocab] tensor)."""
-    import torch
-
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return float(-(logp.exp() * logp).sum())
+    return first_token_entropies(logits[None])[0]
 
 
 def first_token_entropies(logits) -> list[float]:

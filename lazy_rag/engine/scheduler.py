@@ -60,22 +60,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def preempt(self, seq: Sequence) -> None:
+    def _requeue(self, seq: Sequence) -> None:
+        """Its KV released, it waits at the front of the queue to be admitted (and computed) again."""
         self.planner.release(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
         seq.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def serve_again(self, seq: Sequence) -> None:
         """Its prefill's answer is not taken (recovery ``auto`` found it risky): its KV is released
         and it is admitted again first, with the recovery the engine has set on it."""
-        self.planner.release(seq)
-        self.running.remove(seq)
-        seq.status = Status.WAITING
-        seq.kv_len = 0
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.planner.release(seq)
