@@ -601,7 +601,8 @@ def tune(
                                                         "train`): the prompts as retrieval hands them over."),
     gold_position: str = typer.Option("retrieved", help="With --retrieval: retrieved (the ranking's order, the gold "
                                                         "paragraph where it was ranked) or random."),
-    prompts: str = typer.Option("mixed", help="Training prompts' instruction: mixed, frozen (the eval's) or default."),
+    prompts: str = typer.Option("mixed", help="Training prompts' instruction: mixed (default, frozen and longform in "
+                                              "turn), frozen (the eval's), default or longform."),
     top_k: int = typer.Option(4, "--k", help="Chunks per prompt."),
     steps: int = typer.Option(240, help="Optimizer steps."),
     lr: float = typer.Option(2e-3, help="AdamW learning rate (linear decay to 0)."),

@@ -34,7 +34,10 @@ def main() -> None:
     p.add_argument("--torch", default="2.11.0+cu130", help="With --report: the torch version of a run whose records "
                                                            "do not name it (the GPU image's).")
     p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--dataset", default="squad", help="squad, reddit or amazon_reviews (the file: --data)")
     p.add_argument("--data", type=Path)
+    p.add_argument("--prompts", default="system-short", help="comma-separated prompt names (longform: 128 tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--retrieval", type=Path)
     p.add_argument("--configs", default="full,lazy")
     p.add_argument("--split", default="test")
@@ -66,7 +69,8 @@ def main() -> None:
         for what, path in paths.items():
             print(f"{what} -> {path}")
         return
-    options = EvalOptions(model=a.model, configs=a.configs, data=a.data, split=a.split, n=a.n, seed=a.seed,
+    options = EvalOptions(model=a.model, configs=a.configs, dataset=a.dataset, data=a.data, split=a.split, n=a.n,
+                          seed=a.seed, prompts=tuple(a.prompts.split(",")), max_new_tokens=a.max_new_tokens,
                           ks=tuple(int(k) for k in a.k.split(",")), gold_positions=tuple(a.gold_position.split(",")),
                           retrieval_file=a.retrieval, ttft_n=a.ttft_n, batch_size=a.batch_size, device=a.device,
                           dtype=a.dtype, progress="lines")

@@ -9,8 +9,9 @@
   where a wrapper trained with the gold at a uniformly random place lost its points (Qwen2.5-1.5B,
   QUALITY.md). ``gold_position="random"`` (and any run without a ranking file) places the gold at a
   random place; distractors then come from the ranking, or else half from the same article and
-  half from others. ``prompts``: "mixed" alternates between the
-  runtime's default instruction and the eval's frozen prompt; "frozen" or "default" uses one.
+  half from others. ``prompts``: "mixed" rotates through the runtime's default instruction, the
+  eval's frozen short-answer prompt and its long-form prompt (a wrapper must keep every answer
+  style the user's prompts ask for, not only short spans); "frozen", "default" or "longform" uses one.
 - ``index_examples``: a user's own index, no labels. For a random chunk the model writes a
   question that the chunk answers (full attention, the chunk alone in the prompt); the training
   prompt is that question over the chunks the index retrieves for it (random chunks without
@@ -44,7 +45,7 @@ class Example:
                                   self.system_prompt, self.instruction)
 
 
-PROMPT_CHOICES = ("mixed", "frozen", "default")
+PROMPT_CHOICES = ("mixed", "frozen", "default", "longform")
 GOLD_POSITIONS = ("retrieved", "random")
 
 
@@ -54,9 +55,10 @@ def _prompts(choice: str) -> tuple[tuple[str, str | None], ...]:
 
     if choice not in PROMPT_CHOICES:
         raise LazyRagError(f"Unknown prompt choice {choice!r}; choose one of {', '.join(PROMPT_CHOICES)}.")
-    frozen = get_prompt(FROZEN)
-    both = {"default": (DEFAULT_INSTRUCTION, None), "frozen": (frozen.instruction, frozen.system_prompt)}
-    return tuple(both.values()) if choice == "mixed" else (both[choice],)
+    frozen, longform = get_prompt(FROZEN), get_prompt("longform")
+    styles = {"default": (DEFAULT_INSTRUCTION, None), "frozen": (frozen.instruction, frozen.system_prompt),
+              "longform": (longform.instruction, longform.system_prompt)}
+    return tuple(styles.values()) if choice == "mixed" else (styles[choice],)
 
 
 def gold_placement(retrieval, gold_position: str) -> str:

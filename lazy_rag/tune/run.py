@@ -33,7 +33,7 @@ def tune_model(model: str, options: TuneOptions, out: Path | None = None, data: 
                prompts: str = "mixed", init: str | None = "none", gold_position: str = "retrieved"):
     """Train a general wrapper for ``model`` (a bundled name, a folder or a .gguf) on prompts from
     SQuAD v1.1 dev's train articles (``retrieval``: their ranking file, for retrieved distractors;
-    ``prompts``: mixed, frozen or default; ``gold_position``: "retrieved" keeps the ranking's order,
+    ``prompts``: mixed, frozen, default or longform; ``gold_position``: "retrieved" keeps the ranking's order,
     "random" places the gold paragraph anywhere; ``options.gold_weight``: add cross-entropy on SQuAD's
     gold answers); returns (wrapper, report). ``out`` default: ``wrapper-<model>.safetensors`` in
     the current folder. ``init``: a wrapper (name or path) to start from, or "none"."""
