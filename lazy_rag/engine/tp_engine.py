@@ -29,7 +29,7 @@ from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
 from .read_or_encode import ReadAlways
-from .tensor_parallel import HeadShard, RankGroup, ShardedParts
+from .tensor_parallel import HeadShard, RankFailedError, RankGroup, ShardedParts, check_shardable
 
 # Engine.submit's keywords that are shorthand for SamplingParams fields
 _SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
@@ -60,9 +60,10 @@ class TPEngine(Engine):
     def __init__(self, host, config, tiers=None):
         size = config.tensor_parallel
         check_tensor_parallel(host, size)
+        check_shardable(host.parts, size)   # before any process starts
         self.ranks = RankPool.get(size)
         group = self.ranks.group
-        parts = ShardedParts(host.parts, group)   # refuses sizes that do not divide the heads first
+        parts = ShardedParts(host.parts, group)
         self.eid = self.ranks.new_engine_id()
         with self.ranks.lock:
             # the whole model travels as shared memory; each worker keeps its own share of it
@@ -81,7 +82,8 @@ class TPEngine(Engine):
                 options["score_fn"] = _drop_score   # (a caller's callable stays here)
             try:
                 self.ranks.send("submit", self.eid, handle.seq.id, segments, options, sorted(self.host.eos_ids))
-            except LazyRagError:
+            except LazyRagError:   # a rank is gone: no rank may hold the request
+                super().abort(handle)
                 raise
             except Exception as e:   # it could not be pickled: no rank holds it then, nor may this one
                 super().abort(handle)
@@ -91,8 +93,15 @@ class TPEngine(Engine):
 
     def step(self) -> bool:
         with self.lock, self.ranks.lock:
-            self.ranks.send("step", self.eid)
-            return super().step()
+            try:
+                self.ranks.send("step", self.eid)
+                return super().step()   # (a forward's failure fails its requests there)
+            except RankFailedError as e:   # the step could not run on every rank: nothing in flight can finish
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    if seq in self.scheduler.waiting:
+                        self.scheduler.waiting.remove(seq)
+                    self._fail(seq, e)
+                return True
 
     def abort(self, handle) -> None:
         with self.lock, self.ranks.lock:
