@@ -60,7 +60,9 @@ class RankPool:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(rank, size, store.port, theirs, timeout_s,
                                                          torch.get_num_threads()),
-                               daemon=True, name=f"lazy-rag-tp-rank{rank}")
+                               # daemonic when they may be (a daemonic process, the server's engine
+                               # process, may not have daemonic children): they exit with rank 0's pipe
+                               daemon=not mp.current_process().daemon, name=f"lazy-rag-tp-rank{rank}")
             proc.start()
             theirs.close()
             self.conns.append(ours)

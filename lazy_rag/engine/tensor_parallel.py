@@ -228,4 +228,6 @@ class HeadShard:
         return kv.with_tensors({k: t[:, :, self.heads].contiguous() for k, t in kv.tensors().items()})
 
     def whole(self, kv: ChunkKV) -> ChunkKV:
-        return kv.with_tensors({k: torch.cat(self.group.all_gather(t), dim=2) for k, t in kv.tensors().items()})
+        # gathered as bytes: gloo takes no float8 (the heads axis is not the last, which the view rescales)
+        return kv.with_tensors({k: torch.cat(self.group.all_gather(t.contiguous().view(torch.uint8)), dim=2).view(t.dtype)
+                                for k, t in kv.tensors().items()})

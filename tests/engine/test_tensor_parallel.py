@@ -109,3 +109,18 @@ def test_gpu_models_are_refused_naming_the_fix():
 
     with pytest.raises(LazyRagError, match="device='cpu'.*tensor_parallel=1"):
         check_tensor_parallel(SimpleNamespace(device=torch.device("cuda")), 2)
+
+
+def test_encoded_chunk_kv_holds_every_head_as_one_process_writes_it(pair):
+    """What an index build under TP stores: each rank encodes its KV heads, rank 0 returns all of
+    them (fp32 and fp8), as the single-process engine encodes them."""
+    tp, one = pair
+    rng = random.Random(4)
+    chunks = [_ids(rng, 11), _ids(rng, 26)]
+    for quantize in (False, True):
+        got = tp.engine.encode_chunks(chunks, cache=False, quantize=quantize)
+        want = one.engine.encode_chunks(chunks, cache=False, quantize=quantize)
+        for a, b in zip(got, want):
+            assert a.k.shape == b.k.shape and a.k.shape[2] == one.shape.num_kv_heads
+            for name, t in b.tensors().items():
+                assert rel_err(a.tensors()[name].float(), t.float()) < (TP_TOL if not quantize else 0.07), name
