@@ -8,7 +8,7 @@ budget, preemption), ``page_table`` (runs -> the kernels' page table), ``model_r
 forward and its attention paths), ``cuda_graphs`` (captured decode steps), ``engine`` (submit /
 step / generate / stream / encode), ``recovery`` (what a quality recovery is, and which chunk
 tokens a request recomputes); tensor parallelism: ``tensor_parallel`` (a rank's share of the
-model and of chunk KV, the collectives), ``rank_pool`` (the worker processes), ``tp_engine``
+model and of chunk KV, the collectives), ``rank_pool`` (the worker processes), ``rank_worker`` (a rank's engine and commands), ``tp_engine``
 (the engine over N ranks in lockstep).
 """
 from importlib import import_module

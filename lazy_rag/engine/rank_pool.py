@@ -129,7 +129,7 @@ def worker_main(rank: int, size: int, port: int, conn, timeout_s: float, threads
 
     import torch.distributed as dist
 
-    from .tp_engine import open_rank_engine, run_rank_command
+    from .rank_worker import open_rank_engine, run_rank_command
 
     torch.set_num_threads(threads)   # rank 0's: the same kernels, the same reductions
     store = dist.TCPStore("127.0.0.1", port, size, False, datetime.timedelta(seconds=_STORE_TIMEOUT_S))

@@ -22,14 +22,12 @@ from __future__ import annotations
 import random
 import weakref
 
-import torch
-
 from ..errors import LazyRagError
 from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
-from .read_or_encode import ReadAlways
-from .tensor_parallel import HeadShard, RankFailedError, RankGroup, ShardedParts, check_shardable
+from .rank_worker import attach, encode_whole
+from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
 
 # Engine.submit's keywords that are shorthand for SamplingParams fields
 _SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
@@ -38,14 +36,6 @@ _SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "pre
 def engine_for(host, config) -> Engine:
     """The engine ``config`` asks for: over ``config.tensor_parallel`` ranks, or this process alone."""
     return TPEngine(host, config) if config.tensor_parallel > 1 else Engine(host, config)
-
-
-def attach(engine: Engine, group: RankGroup) -> Engine:
-    """Make ``engine`` (built over ``ShardedParts``) one rank of ``group``: its tiers keep this
-    rank's heads of stored KV and write every rank's, and stored KV is always read."""
-    engine.tiers.heads = HeadShard(group, engine.host.shape.num_kv_heads)
-    engine.planner.chooser = ReadAlways()
-    return engine
 
 
 def check_tensor_parallel(host, size: int) -> None:
@@ -118,7 +108,7 @@ class TPEngine(Engine):
         prefix = tuple(int(t) for t in shared_prefix)
         with self.lock, self.ranks.lock:
             self.ranks.send("encode_chunks", self.eid, chunks, prefix, wrapper, cache, quantize)
-            return _encode_whole(self, chunks, prefix, wrapper, cache, quantize)
+            return encode_whole(self, chunks, prefix, wrapper, cache, quantize)
 
     def clear_cache(self) -> None:
         with self.lock, self.ranks.lock:
@@ -127,11 +117,6 @@ class TPEngine(Engine):
 
     def stats(self) -> dict:
         return {**super().stats(), "tensor_parallel": self.ranks.size}
-
-
-def _encode_whole(engine: Engine, chunks, prefix, wrapper, cache, quantize) -> list:
-    kvs = Engine.encode_chunks(engine, chunks, prefix, wrapper, cache, quantize)
-    return [engine.tiers.heads.whole(kv) for kv in kvs]
 
 
 def _portable(options: dict) -> dict:
@@ -165,42 +150,3 @@ def _close(ranks: RankPool, eid: int) -> None:
             ranks.send("close", eid)
         except LazyRagError:
             pass   # the pool failed: its workers are gone with this engine's share
-
-
-# -- the worker side (rank_pool.worker_main) --------------------------------------------------------
-def open_rank_engine(group: RankGroup, model, tokenizer, model_name, default_source, config) -> Engine:
-    """A worker's engine: the same host as rank 0's (model, tokenizer, default chunk source) and
-    the same configuration, over this rank's share of the model."""
-    from ..model_host import ModelHost
-
-    host = ModelHost(model, tokenizer, model_name=model_name)
-    host.default_source = default_source
-    engine = Engine(host, config, parts=ShardedParts(host.parts, group))
-    engine.remote_handles = {}
-    return attach(engine, group)
-
-
-def run_rank_command(engine: Engine, op: str, *args) -> None:
-    """Do on this rank what rank 0's ``TPEngine`` did. A request rank 0 accepted is accepted here
-    too (the same checks on the same input); its results are rank 0's to report."""
-    handles = engine.remote_handles
-    if op == "submit":
-        rid, segments, options, eos = args
-        engine.host.eos_ids = set(eos)
-        handles[rid] = engine.submit(segments, **options)
-    elif op == "step":
-        engine.step()
-        for rid in [rid for rid, h in handles.items() if h.done]:
-            del handles[rid]
-    elif op == "abort":
-        handle = handles.pop(args[0], None)
-        if handle is not None:
-            engine.abort(handle)
-    elif op == "encode_chunks":
-        chunks, prefix, wrapper, cache, quantize = args
-        with torch.inference_mode():
-            _encode_whole(engine, chunks, prefix, wrapper, cache, quantize)
-    elif op == "clear_cache":
-        engine.clear_cache()
-    else:
-        raise LazyRagError(f"unknown tensor-parallel command {op!r}")
