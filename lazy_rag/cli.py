@@ -38,6 +38,8 @@ RECOVERY_HELP = ("Default quality recovery of queries: auto (each answer's reuse
 
 THREADS_HELP = (f"CPU threads for torch (default: ${THREADS_ENV}, else the physical cores this process may use; "
                 "lower it on a machine shared with other work).")
+TENSOR_PARALLEL_HELP = ("Split the model over N processes (Megatron-style tensor parallelism, gloo on the CPU; "
+                        "N must divide its attention and KV heads; default 1: this process alone).")
 
 
 def _version(value: bool) -> None:
@@ -131,6 +133,8 @@ def index(
                                                           "of the files and timed probes on this machine); write "
                                                           "nothing."),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
+    tensor_parallel: Optional[int] = typer.Option(None, min=1, help=TENSOR_PARALLEL_HELP + " The records written hold every "
+                                                       "KV head, as a build on one process writes them."),
 ):
     """Chunk, embed and precompute position-free KV for every chunk of SOURCES (an index of an older
     lazy-rag in --out is converted in place, keeping its KV)."""
@@ -152,7 +156,13 @@ def index(
         return
 
     try:
-        idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, model=model, device=device,
+        llm = None
+        if tensor_parallel:   # the build's model, loaded here to split it
+            from .index.build import model_for
+            from .llm import LazyLLM
+
+            llm = LazyLLM.from_pretrained(model_for(out_dir, model), device=device, tensor_parallel=tensor_parallel)
+        idx, rep = LazyIndex.build([str(s) for s in sources], out_dir, llm=llm, model=model, device=device,
                                    chunk_size=chunk_size, chunk_overlap=chunk_overlap, shared_prefix=shared_prefix,
                                    kv_dtype=kv_dtype, progress=True, precompute_kv=precompute,
                                    boundary_recompute=boundary_recompute, recovery=recovery, repair=repair,
@@ -342,6 +352,8 @@ def serve(
                                                              "encodes them before serving, so their first requests "
                                                              "read cached KV."),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP + " The engine process uses the same."),
+    tensor_parallel: Optional[int] = typer.Option(None, min=1, help=TENSOR_PARALLEL_HELP + " Chunks come with the requests: "
+                                                       "an index is not served under tensor parallelism yet."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
     /metrics and a web page at /, over cached chunk KV; with --replicas / --ray-address, on Ray
@@ -356,8 +368,16 @@ def serve(
         from .server.run import run_app
         from .server.warm import read_warm_documents
 
+        from .engine import EngineConfig
+
+        engine_config = EngineConfig().with_options(**({"tensor_parallel": tensor_parallel} if tensor_parallel else {}))
+        if engine_config.tensor_parallel > 1 and index_dir is not None:
+            raise LazyRagError(f"--tensor-parallel {tensor_parallel} does not serve an index yet (its ranks would each "
+                               "read their heads of the store); serve the index with --tensor-parallel 1, or serve "
+                               "without an index and send the documents with the requests.")
         spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir),
-                          warm_documents=read_warm_documents(warm_documents) if warm_documents else ())
+                          warm_documents=read_warm_documents(warm_documents) if warm_documents else (),
+                          engine_config=engine_config)
         name = served_model_name or spec.model_name
         import os
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, engine_for
 from .model_host import ModelHost
 from .engine.recovery import Recovery
 from .requests import ChunkSource, GenerationResult, GenerationStream, SamplingParams
@@ -27,7 +27,8 @@ class LazyLLM:
     ``wrapper``: the chunk wrapper those chunks are encoded inside (``from_pretrained`` default
     "auto": the bundled wrapper of a bundled model; "none" for none; an index brings its own).
     ``engine_config`` / keyword options (``kv_bytes``, ``page_size``, ``max_num_seqs``, ``policy``,
-    ...: ``EngineConfig``) size the engine, which is created on first use.
+    ``tensor_parallel``, ...: ``EngineConfig``) size the engine, which is created on first use;
+    ``tensor_parallel=N`` splits the model over N processes (``engine/tp_engine.py``).
     """
 
     def __init__(self, model, tokenizer, *, shared_prefix: str | Sequence[int] | None = None,
@@ -55,7 +56,7 @@ class LazyLLM:
         if self._engine is None:
             with self._engine_guard:
                 if self._engine is None:
-                    self._engine = Engine(self.host, self.engine_config)
+                    self._engine = engine_for(self.host, self.engine_config)
         return self._engine
 
     @property

@@ -7,7 +7,9 @@ runs of KV), ``kv_planner`` (where a request's KV lives, per mode), ``scheduler`
 budget, preemption), ``page_table`` (runs -> the kernels' page table), ``model_runner`` (the one
 forward and its attention paths), ``cuda_graphs`` (captured decode steps), ``engine`` (submit /
 step / generate / stream / encode), ``recovery`` (what a quality recovery is, and which chunk
-tokens a request recomputes).
+tokens a request recomputes); tensor parallelism: ``tensor_parallel`` (a rank's share of the
+model and of chunk KV, the collectives), ``rank_pool`` (the worker processes), ``rank_worker`` (a rank's engine and commands), ``tp_engine``
+(the engine over N ranks in lockstep).
 """
 from importlib import import_module
 
@@ -15,10 +17,10 @@ from importlib import import_module
 # never run the engine, which pulls in torch and the kernels
 _EXPORTS = {"Engine": "engine", "RequestHandle": "engine", "EngineConfig": "config", "PageManager": "page_manager",
             "OutOfPages": "page_pool", "PagePool": "page_pool", "RequestTooLarge": "scheduler",
-            "Scheduler": "scheduler", "Sequence": "sequence"}
+            "Scheduler": "scheduler", "Sequence": "sequence", "engine_for": "tp_engine"}
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle", "PagePool", "PageManager", "Scheduler", "Sequence",
-           "OutOfPages", "RequestTooLarge"]
+           "OutOfPages", "RequestTooLarge", "engine_for"]
 
 
 def __getattr__(name):

@@ -98,6 +98,9 @@ class ChunkTiers:
         self.host: ByteLRU[ChunkKV] = ByteLRU(host_bytes, lambda c: c.nbytes)
         self.counters: Counter = Counter()
         self._stream = None       # CUDA side stream: host -> pool placements, pool -> host copies
+        # a tensor-parallel rank's KV heads (``tensor_parallel.HeadShard``): it keeps only its
+        # heads of what it reads from a store and writes every rank's heads of what it encoded
+        self.heads = None
 
     def to_host(self, kv: ChunkKV, wait: bool = True) -> ChunkKV:
         """A host copy of ``kv`` (every tensor: an fp8 chunk's scales too; pinned on a CUDA
@@ -182,7 +185,7 @@ class ChunkTiers:
         self.counters["bytes_from_disk"] += kv.nbytes
         # kept as stored: ``place`` converts on the pool's device (an 8B chunk's fp8 KV dequantised
         # on the host for a bf16 pool took ~25 ms of CPU per 16 MB)
-        kv = self.to_host(kv)
+        kv = self.to_host(kv if self.heads is None else self.heads.mine(kv))
         self.host.put(host_key(key, kv.format), kv)
         return kv, "disk"
 
@@ -196,7 +199,11 @@ class ChunkTiers:
         writes = store is not None and chunk_id is not None
         kv = self.to_host(kv, wait=wait or writes)
         self.host.put(host_key(key, kv.format), kv)
-        if writes:
+        if writes and self.heads is not None:   # the record holds every rank's heads; rank 0 writes it
+            whole = self.heads.whole(kv)
+            if self.heads.writes:
+                self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), whole)
+        elif writes:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
         return kv
 

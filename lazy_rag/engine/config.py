@@ -46,7 +46,10 @@ class EngineConfig:
     model still computes in its dtype. ``shared_chunks``: decode attention over a chunk that several
     sequences of a step hold reads its KV once for all of them (``kernels/shared_chunks.py``);
     "auto" groups when the step's sharing pays (``engine/shared_chunks.py``), "on" groups every chunk
-    held by two or more sequences, "off" never groups."""
+    held by two or more sequences, "off" never groups. ``tensor_parallel``: the number of ranks
+    (processes) the model's layers are split over, Megatron-style (``engine/tensor_parallel.py``;
+    CPU and gloo in this version); each rank's pool holds its KV heads of every chunk within the
+    KV budget above, which is per rank."""
 
     kv_bytes: int | None = None
     gpu_memory_fraction: float | None = None
@@ -60,6 +63,7 @@ class EngineConfig:
     append_graph_tokens: int = 4096
     kv_dtype: str | None = None
     shared_chunks: str = "auto"
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
@@ -73,7 +77,7 @@ class EngineConfig:
         if self.append_graph_tokens < 0:
             raise LazyRagError(f"EngineConfig.append_graph_tokens must be >= 0 (0: no append graphs), got "
                                f"{self.append_graph_tokens}.")
-        for name in ("max_num_seqs", "max_batched_tokens"):
+        for name in ("max_num_seqs", "max_batched_tokens", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise LazyRagError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}.")
         if self.page_size is not None and not (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0):

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
+from ..architecture import ModelParts
 from ..model_host import ModelHost
 from ..errors import LazyRagError, RequestFailedError
 from ..requests import CHUNK_MODES, ChunkSource, GenerationResult, GenerationStats, SamplingParams
@@ -61,11 +62,15 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, host: ModelHost, config: EngineConfig | None = None, tiers: ChunkTiers | None = None):
-        """``tiers``: share one host tier between engines (benchmarks)."""
+    def __init__(self, host: ModelHost, config: EngineConfig | None = None, tiers: ChunkTiers | None = None,
+                 parts: ModelParts | None = None):
+        """``tiers``: share one host tier between engines (benchmarks). ``parts``: the model this
+        engine runs and sizes its pool by, when not the host's whole model (a tensor-parallel
+        rank's share, ``tensor_parallel.ShardedParts``)."""
         self.host = host
         self.config = config = config or EngineConfig()
-        shp, dev = host.shape, host.device
+        parts = parts or host.parts
+        shp, dev = parts.shape, host.device
         dt = config.resolved_kv_dtype(host.dtype)   # storage: the model's dtype, or fp8
         page_size = config.resolved_page_size(dev)
         num_pages = config.num_pages or PagePool.pages_for_budget(
@@ -73,7 +78,7 @@ class Engine:
         self.pool = PagePool(shp.num_layers, num_pages, shp.num_kv_heads, page_size, shp.head_dim, dt, dev)
         self.pm = PageManager(self.pool, config.policy)
         self.tiers = tiers or ChunkTiers(config.host_bytes)
-        self.runner = ModelRunner(host.parts, self.pool, config.cuda_graphs, config.max_num_seqs,
+        self.runner = ModelRunner(parts, self.pool, config.cuda_graphs, config.max_num_seqs,
                                   config.append_graph_tokens, config.shared_chunks)
         self.planner = KVPlanner(self.pm, self.tiers, host.rope_table, self.runner)
         self.scheduler = Scheduler(self.planner, config.max_num_seqs, config.max_batched_tokens)

@@ -68,6 +68,9 @@ class ModelRunner:
                 f"{len(parts.layers)}, window {', '.join(map(str, windows))}), which lazy-rag runs on the CPU only: "
                 "the CUDA Triton attention kernels do not implement sliding windows yet. Load it with device='cpu'."
             )
+        # a tensor-parallel rank's group (``tensor_parallel.RankGroup``): forwards check lockstep
+        # and the recovery selectors' scores, sums over this rank's heads, are summed over all ranks
+        self.group = getattr(parts, "group", None)
         self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)
         self.shared_decode_steps = 0         # eager decode steps that read shared chunks once
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
@@ -98,6 +101,8 @@ class ModelRunner:
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
         depth = len(p.layers) if num_layers is None else num_layers
+        if self.group is not None:
+            self.group.check_lockstep([n, depth, int(ids.sum()), int(pos.sum())], "a forward")
         kp = pos if key_pos is None else key_pos
         # each layer kind's key rotation (architecture.LayerKind); the first is the stored one
         kcs = [kind.rope.cos_sin(kp, p.dtype) for kind in p.kinds]
@@ -242,7 +247,10 @@ class ModelRunner:
         probe = QuestionProbe(self, seq, rows, batch, candidates)
         self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                      StepAttention(self, [seq], batch, probe=probe), key_pos=batch.key_pos)
-        return probe.scores()
+        scores = probe.scores()
+        if self.group is not None:   # the mean over this rank's heads -> over every head
+            scores = self.group.all_reduce(scores) / self.group.size
+        return scores
 
     @torch.inference_mode()
     def kv_deviation(self, seq, candidates: list[int], layer: int) -> torch.Tensor:
@@ -264,9 +272,11 @@ class ModelRunner:
         cos, sin = self.parts.rope_table.cos_sin(cand - shift, dt)   # the cached key's rotation
         fresh_k = apply_cos_sin(k[layer, cand], cos, sin).float()
         cached_k, cached_v = (x.float() for x in self.pool.gather(layer, page, slot))
-        dk = (fresh_k - cached_k).pow(2).sum((-1, -2)) / cached_k.pow(2).sum((-1, -2)).clamp_min(1e-12)
-        dv = (v[layer, cand].float() - cached_v).pow(2).sum((-1, -2)) / cached_v.pow(2).sum((-1, -2)).clamp_min(1e-12)
-        return (dk + dv).cpu()
+        sums = torch.stack([(fresh_k - cached_k).pow(2).sum((-1, -2)), cached_k.pow(2).sum((-1, -2)),
+                            (v[layer, cand].float() - cached_v).pow(2).sum((-1, -2)), cached_v.pow(2).sum((-1, -2))])
+        if self.group is not None:   # sums over this rank's KV heads -> over every head
+            sums = self.group.all_reduce(sums)
+        return (sums[0] / sums[1].clamp_min(1e-12) + sums[2] / sums[3].clamp_min(1e-12)).cpu()
 
     def _pack(self, seqs) -> "PackedBatch":
         tok = step_tokens(seqs, self.pool.page_size)

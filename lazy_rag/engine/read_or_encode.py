@@ -201,3 +201,18 @@ class ReadOrEncode:
                 "encode_forward_ms": None if self.forward_s is None else round(self.forward_s * 1e3, 3),
                 "encode_tokens_per_s": None if not self.token_s else round(1 / self.token_s, 1),
                 "encodes_measured": self.encodes_measured, "calibration": self.calibration}
+
+
+class ReadAlways(ReadOrEncode):
+    """Stored KV is always read, never encoded instead: the choice of tensor-parallel ranks,
+    which must all make the same one, and the timings the estimates rest on differ from process
+    to process (a rank that encodes a chunk its peers read leaves lockstep)."""
+
+    calibrated = True   # (nothing to measure: the probe encodes would be timed per process)
+
+    def __init__(self):
+        super().__init__()
+        self.calibration = "read always (tensor parallel)"
+
+    def should_encode(self, nbytes: int, tokens: int, batch_tokens: int = 0, cached: bool = False) -> bool:
+        return False

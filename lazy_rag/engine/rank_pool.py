@@ -1,0 +1,160 @@
+"""The processes of tensor parallelism: rank 0 is the caller's process, ranks 1..N-1 are workers
+it spawns (``RankPool``), each running the same engine on its share of the model
+(``tp_engine``). A worker does what rank 0's engine is told, in the same order: open or close an
+engine, submit, step, abort, encode chunks, clear the cache (``worker_main``). Commands travel
+over one pipe per worker; tensors inside them (a model's weights) travel as shared memory.
+
+One pool per TP size serves every tensor-parallel engine of the process (spawning workers and
+joining a process group costs seconds): its ``lock`` keeps each engine's command and its
+collectives together, so that two engines stepping from two threads cannot interleave their
+collectives differently on different ranks.
+
+Faults: a worker that dies closes its connections, so rank 0's next collective fails at once and
+``describe_failure`` names the rank, its exit code and the error it reported; a worker that
+hangs is bounded by the collectives' timeout. Workers exit when rank 0 does (their pipe closes).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import traceback
+
+import torch
+
+from .tensor_parallel import COLLECTIVE_TIMEOUT_S, RankFailedError, RankGroup
+
+_STORE_TIMEOUT_S = 120.0   # ranks joining the group at start (a worker imports torch and lazy_rag first)
+
+
+class RankPool:
+    _pools: dict[int, "RankPool"] = {}
+    _guard = threading.Lock()
+
+    @classmethod
+    def get(cls, size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> "RankPool":
+        """The live pool of ``size`` ranks (one is started when there is none, or the last one failed)."""
+        with cls._guard:
+            pool = cls._pools.get(size)
+            if pool is None or not pool.healthy():
+                if pool is not None:
+                    pool.shutdown()
+                pool = cls._pools[size] = RankPool(size, timeout_s)
+            return pool
+
+    def __init__(self, size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        import datetime
+
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.size = size
+        self.lock = threading.RLock()
+        self._ids = itertools.count()
+        self.errors: dict[int, str] = {}
+        store = dist.TCPStore("127.0.0.1", 0, size, True, datetime.timedelta(seconds=_STORE_TIMEOUT_S),
+                              wait_for_workers=False)
+        ctx = mp.get_context("spawn")   # a fork would copy the caller's threads and CUDA state
+        self.conns, self.procs = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, size, store.port, theirs, timeout_s,
+                                                         torch.get_num_threads()),
+                               # daemonic when they may be (a daemonic process, the server's engine
+                               # process, may not have daemonic children): they exit with rank 0's pipe
+                               daemon=not mp.current_process().daemon, name=f"lazy-rag-tp-rank{rank}")
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+        self.group = RankGroup(0, size, store, timeout_s, describe_failure=self.describe_failure)
+        self._store = store   # (the workers' rendezvous: kept while they live)
+        atexit.register(self.shutdown)
+
+    def new_engine_id(self) -> int:
+        return next(self._ids)
+
+    def healthy(self) -> bool:
+        return self.group.broken is None and all(p.is_alive() for p in self.procs)
+
+    def send(self, *command) -> None:
+        """Send one command to every worker (the caller holds ``lock``)."""
+        if self.group.broken is not None:
+            raise self.group.broken
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send(command)
+            except (OSError, ValueError) as e:
+                self.group.broken = RankFailedError(
+                    f"Tensor-parallel rank {rank} of {self.size} cannot be reached ({self.describe_failure() or e}). "
+                    "Requests fail; create the LazyLLM (or restart the server) again.")
+                raise self.group.broken from e
+
+    def describe_failure(self) -> str:
+        """Which workers exited (rank, exit code, the error each reported), or ''."""
+        out = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
+            try:
+                while conn.poll():
+                    kind, text = conn.recv()
+                    self.errors[rank] = text
+            except (OSError, EOFError):
+                pass
+            proc.join(timeout=0.5 if rank not in self.errors else 5.0)
+            if not proc.is_alive():
+                said = self.errors.get(rank)
+                out.append(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                           + (f" after an error: {said.strip().splitlines()[-1]}" if said else ""))
+        return "; ".join(out)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("exit",))
+                conn.close()
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        self.procs = [p for p in self.procs if p.is_alive()]
+
+
+def worker_main(rank: int, size: int, port: int, conn, timeout_s: float, threads: int) -> None:
+    """Rank ``rank``'s loop: join the group, then run each command rank 0 sends until it says exit
+    or its pipe closes. An error ends the worker after it reports it (rank 0's collectives then
+    fail naming this rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .rank_worker import open_rank_engine, run_rank_command
+
+    torch.set_num_threads(threads)   # rank 0's: the same kernels, the same reductions
+    store = dist.TCPStore("127.0.0.1", port, size, False, datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    group = RankGroup(rank, size, store, timeout_s)
+    engines: dict[int, object] = {}
+    try:
+        while True:
+            try:
+                command = conn.recv()
+            except (EOFError, OSError):
+                return   # rank 0 is gone
+            op, *args = command
+            if op == "exit":
+                return
+            if op == "open":
+                eid, *spec = args
+                engines[eid] = open_rank_engine(group, *spec)
+            elif op == "close":
+                engines.pop(args[0], None)
+            else:
+                run_rank_command(engines[args[0]], op, *args[1:])
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(limit=8)))
+        except (OSError, ValueError):
+            pass
+        raise
+

@@ -1,0 +1,152 @@
+"""``TPEngine``: the engine over N tensor-parallel ranks (``EngineConfig.tensor_parallel``).
+
+Rank 0 (this process) is an ``Engine`` whose model is its share of every layer
+(``tensor_parallel.ShardedParts``) and whose pool holds its KV heads of every chunk; each worker
+rank (``rank_pool``) runs the same engine on its share. Lockstep: rank 0's scheduler decides
+every step, and the workers reach the same decisions because every input to them is replicated
+in order: rank 0 forwards each request as it accepts it (a sampling seed filled in, so that
+sampled tokens agree), each step, abort, chunk encode and cache clear, before running it
+itself. Everything a decision reads is then equal on every rank: the requests, the pages, and
+the logits (the residual stream is whole on every rank after each all-reduce, and the LM head
+is whole), so every rank samples the same tokens. The two inputs that are not, timings, are
+kept out of decisions (``read_or_encode.ReadAlways``); ``RankGroup.check_lockstep`` compares the
+ranks' tokens before every forward, so a rank that left lockstep fails the step with an error
+instead of hanging.
+
+What a request may hold is what can cross a process: a callable ``score_fn`` stays on rank 0
+(the workers compute the same rows and drop them); chunk adapters (LoRA deltas hooked on the
+whole model's modules) and index stores are refused under TP for now.
+"""
+from __future__ import annotations
+
+import random
+import weakref
+
+from ..errors import LazyRagError
+from ..requests import SamplingParams
+from .engine import Engine
+from .rank_pool import RankPool
+from .rank_worker import attach, encode_whole
+from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
+
+# Engine.submit's keywords that are shorthand for SamplingParams fields
+_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
+
+
+def engine_for(host, config) -> Engine:
+    """The engine ``config`` asks for: over ``config.tensor_parallel`` ranks, or this process alone."""
+    return TPEngine(host, config) if config.tensor_parallel > 1 else Engine(host, config)
+
+
+def check_tensor_parallel(host, size: int) -> None:
+    if host.device.type != "cpu":
+        raise LazyRagError(
+            f"tensor_parallel={size} runs on the CPU (gloo) in this version; the GPU path (NCCL, a CUDA graph per "
+            "rank, transfers made deterministic across ranks) is not built yet. Load the model with device='cpu', "
+            "or serve it on one GPU with tensor_parallel=1.")
+
+
+class TPEngine(Engine):
+    def __init__(self, host, config, tiers=None):
+        size = config.tensor_parallel
+        check_tensor_parallel(host, size)
+        check_shardable(host.parts, size)   # before any process starts
+        self.ranks = RankPool.get(size)
+        group = self.ranks.group
+        parts = ShardedParts(host.parts, group)
+        self.eid = self.ranks.new_engine_id()
+        with self.ranks.lock:
+            # the whole model travels as shared memory; each worker keeps its own share of it
+            self.ranks.send("open", self.eid, host.model, host.tokenizer, host.model_name, host.default_source,
+                            config)
+        super().__init__(host, config, tiers, parts=parts)
+        attach(self, group)
+        weakref.finalize(self, _close, self.ranks, self.eid)
+
+    # -- the replicated commands ------------------------------------------------------------------
+    def submit(self, segments, **options):
+        with self.lock, self.ranks.lock:
+            options = _portable(options)
+            handle = super().submit(segments, **options)
+            if options.get("score_fn") is not None:
+                options["score_fn"] = _drop_score   # (a caller's callable stays here)
+            try:
+                self.ranks.send("submit", self.eid, handle.seq.id, segments, options, sorted(self.host.eos_ids))
+            except LazyRagError:   # a rank is gone: no rank may hold the request
+                super().abort(handle)
+                raise
+            except Exception as e:   # it could not be pickled: no rank holds it then, nor may this one
+                super().abort(handle)
+                raise LazyRagError(f"This request cannot be sent to the other tensor-parallel ranks "
+                                   f"({type(e).__name__}: {e}); pass plain values (token ids, text, dataclasses).") from e
+            return handle
+
+    def step(self) -> bool:
+        with self.lock, self.ranks.lock:
+            try:
+                self.ranks.send("step", self.eid)
+                return super().step()   # (a forward's failure fails its requests there)
+            except RankFailedError as e:   # the step could not run on every rank: nothing in flight can finish
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    if seq in self.scheduler.waiting:
+                        self.scheduler.waiting.remove(seq)
+                    self._fail(seq, e)
+                return True
+
+    def abort(self, handle) -> None:
+        with self.lock, self.ranks.lock:
+            if not handle.done and handle.seq.id in self.handles:   # (what Engine.abort acts on)
+                self.ranks.send("abort", self.eid, handle.seq.id)
+            super().abort(handle)
+
+    def encode_chunks(self, chunks, shared_prefix=(), wrapper=None, cache: bool = True, quantize: bool = False,
+                      host_alloc=None):
+        """Every rank encodes its heads; the KV returned holds all of them (gathered), as a
+        single process's would (``host_alloc`` is not used: the gathered tensors are new)."""
+        _check_wrapper(wrapper)
+        chunks = [[int(t) for t in ids] for ids in chunks]
+        prefix = tuple(int(t) for t in shared_prefix)
+        with self.lock, self.ranks.lock:
+            self.ranks.send("encode_chunks", self.eid, chunks, prefix, wrapper, cache, quantize)
+            return encode_whole(self, chunks, prefix, wrapper, cache, quantize)
+
+    def clear_cache(self) -> None:
+        with self.lock, self.ranks.lock:
+            self.ranks.send("clear_cache", self.eid)
+            super().clear_cache()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "tensor_parallel": self.ranks.size}
+
+
+def _portable(options: dict) -> dict:
+    """``submit``'s options as every rank must see them: the sampling parameters in one
+    ``SamplingParams`` with a seed whenever it samples (else each rank would draw its own)."""
+    options = dict(options)
+    sampling = SamplingParams.of(options.pop("sampling", None), **{k: options.pop(k, None) for k in _SAMPLING_KEYS})
+    if sampling.temperature > 0 and sampling.seed is None:
+        sampling = SamplingParams.of(sampling, seed=random.getrandbits(63))
+    source = options.get("source")
+    if source is not None and source.store is not None:
+        raise LazyRagError("tensor_parallel does not serve an index's stored chunks yet (each rank would read its "
+                           "heads of the store); pass the chunks' text, or use tensor_parallel=1 for an index.")
+    _check_wrapper(source.wrapper if source is not None else None)
+    return {**options, "sampling": sampling}
+
+
+def _check_wrapper(wrapper) -> None:
+    if wrapper is not None and getattr(wrapper, "adapter", None) is not None:
+        raise LazyRagError("tensor_parallel does not run chunk adapters yet (their LoRA deltas hook the whole "
+                           "model's layers); use a wrapper without an adapter, or tensor_parallel=1.")
+
+
+def _drop_score(logits):
+    return None
+
+
+def _close(ranks: RankPool, eid: int) -> None:
+    with ranks.lock:
+        try:
+            ranks.send("close", eid)
+        except LazyRagError:
+            pass   # the pool failed: its workers are gone with this engine's share
