@@ -669,6 +669,10 @@ def tune(
     except LazyRagError as e:
         _fail(e)
     h = report["history"]
+    agree = [report.get(f"held_out_agreement_{end}") for end in ("start", "end")]
+    if None not in agree:
+        out.print(f"answers equal to full re-encoding's on {report['held_out_examples']} held-out questions: "
+                  f"{100 * agree[0]:.0f}% before, {100 * agree[1]:.0f}% after", markup=False, highlight=False)
     out.print(f"held-out KL {h[0]['held_out_kl']:.4f} -> {h[-1]['held_out_kl']:.4f} after {options.steps} steps "
               f"({report['train_seconds']:.0f} s, teacher {report['teacher_seconds']:.0f} s on {report['device']}); "
               f"wrapper {wrapper.digest} -> " + (f"index {index_dir} (KV re-encoded)" if index_dir else report["path"]),

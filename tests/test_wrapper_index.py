@@ -117,6 +117,8 @@ def test_tune_reduces_held_out_kl_and_writes_a_loadable_wrapper(llm, tmp_path):
                                     tmp_path / "work", progress="none", log=lambda m: None)
     kl = [h["held_out_kl"] for h in report["history"]]
     assert kl[-1] < kl[0] * 0.9, kl
+    assert 0 <= report["held_out_agreement_start"] <= 1 and 0 <= report["held_out_agreement_end"] <= 1
+    assert report["held_out_examples"] == 4  # a tenth of 40 examples (at least 4, at most held_out)
     back = ChunkWrapper.load(tmp_path / "w.safetensors")
     assert back.digest == wrapper.digest and back.matches(llm.fingerprint["id"]) and back.recipe["steps"] == 16
     assert list((tmp_path / "work").glob("teacher-*.pt")) and list((tmp_path / "work").glob("checkpoint-wrapper-*.pt"))
@@ -125,6 +127,35 @@ def test_tune_reduces_held_out_kl_and_writes_a_loadable_wrapper(llm, tmp_path):
     again, _ = train_wrapper(llm, _examples(40, random.Random(0)), options, tmp_path / "w2.safetensors",
                              tmp_path / "work", progress="none", log=lines.append)
     assert any("resuming" in s for s in lines) and again.digest == wrapper.digest
+
+
+def test_held_out_agreement_is_the_engines_greedy_answer_equal_to_full(tokenizer):
+    """What `lazy-rag tune` reports as agreement before and after: per prompt, the trainer's
+    teacher-forced check says "equal" exactly when the engine's greedy answer under the wrapper
+    (lazy) is full's answer token for token."""
+    from lazy_rag.requests import ChunkSource
+    from lazy_rag.tune.teacher import STOP, teacher_outputs
+    from lazy_rag.tune.trainer import _greedy_agreement, _items
+
+    # small weights: lazy and full answers agree on about a third of these prompts
+    llm = small_llm(tiny_model("llama", seed=2, initializer_range=0.02), tokenizer)
+    examples = _examples(24, random.Random(6))
+    teacher = teacher_outputs(llm, examples, None, top_k=8, max_new_tokens=3, progress="none")
+    items = _items(llm, examples, teacher, {}, TuneOptions(header=2, trailer=2, max_answer_tokens=3))
+    seen = []
+    for seed in (1, 2):
+        w = _wrapper(llm, seed, header=2, trailer=2)
+        w.vectors.mul_(0.1)
+        vectors = w.vectors.to(llm.host.parts.device)
+        lazy = llm.engine.generate([dict(segments=e.segments(llm.tokenizer), mode="lazy", max_new_tokens=3,
+                                         stop=list(STOP), source=ChunkSource(wrapper=w)) for e in examples])
+        for it, res in zip(items, lazy):
+            equal = list(res.token_ids) == teacher.answers[it["i"]]
+            assert _greedy_agreement(llm, vectors, [it], teacher, 8, 3) == float(equal), (seed, it["i"])
+            seen.append(equal)
+    assert set(seen) == {True, False}  # both outcomes occur, so the check can fail either way
+    both = _greedy_agreement(llm, vectors, items, teacher, 8, 3)   # the share over many, in micro-batches
+    assert both == sum(seen[len(items):]) / len(items)
 
 
 def test_tune_lora_trains_a_chunk_adapter_that_the_engine_serves(llm, tmp_path):

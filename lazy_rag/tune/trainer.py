@@ -194,6 +194,25 @@ def _items(llm, examples, teacher, gold: dict[int, list[int]], options) -> list[
     return out
 
 
+def _greedy_agreement(llm, vectors, items, teacher, micro_batch: int, max_tokens: int,
+                      column: int | None = None) -> float:
+    """The share of ``items`` whose greedy answer under the wrapper is full's own, token for token.
+    Teacher-forced, the student's argmax equals the teacher's at every answer row and at the row
+    that ends the answer exactly when greedy decoding retraces the teacher's path, so one forward
+    per example measures what `lazy-rag eval` calls agreement with full (an answer cut at
+    ``max_tokens`` is compared over its tokens only)."""
+    same = 0
+    with torch.no_grad():
+        for s in range(0, len(items), micro_batch):
+            part = items[s:s + micro_batch]
+            for lp, it in zip(student_logp(llm, vectors, [it["input"] for it in part], column), part):
+                answer = teacher.answers[it["i"]]
+                rows = len(answer) + (len(answer) < max_tokens)
+                want = teacher.top_ids[it["i"]][:rows, 0].to(lp["kl"].device)
+                same += bool(torch.equal(lp["kl"][:rows].argmax(-1), want))
+    return same / max(len(items), 1)
+
+
 def _sample_answers(llm, vectors, items, teacher, n: int = 2, column: int | None = None) -> list[str]:
     """The student's next-token choices along the teacher's answer, next to the teacher's own."""
     out = []
@@ -302,7 +321,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
             raise LazyRagError(f"The loss or its gradient was not finite for {len(dropped)} of {len(items)} examples; "
                                f"train in float32 (--dtype float32) or lower --lr (now {options.lr}).")
 
-    def held_out() -> dict:
+    def held_out(agreement: bool = False) -> dict:
         bad: list[int] = []
         saved: list[int] = []
         sums = _loss_of(llm, vectors, held, teacher, options.micro_batch, column=column, dropped=bad, rescued=saved,
@@ -311,12 +330,16 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
         out = {"held_out_kl": float(sums["kl"]) / held_rows["kl"]}
         if held_rows["gold"]:
             out["held_out_gold_ce"] = float(sums["gold"]) / held_rows["gold"]
+        if agreement:   # before and after: a forward per micro-batch, not worth every eval
+            out["held_out_agreement"] = _greedy_agreement(llm, vectors, held, teacher, options.micro_batch,
+                                                          options.max_answer_tokens, column)
         return out
 
     try:
         if not history:
-            history.append({"step": 0, **held_out()})
-            log(f"step 0: held-out KL {history[-1]['held_out_kl']:.4f} ({n_hold} held-out examples, {len(train)} to train on)")
+            history.append({"step": 0, **held_out(agreement=True)})
+            log(f"step 0: held-out KL {history[-1]['held_out_kl']:.4f}, greedy answers equal to full's "
+                f"{100 * history[-1]['held_out_agreement']:.0f}% ({n_hold} held-out examples, {len(train)} to train on)")
         t_train = time.perf_counter()
         what = "the wrapper and its chunk adapter" if adapter else "the wrapper"
         with Progress(options.steps, f"tuning {what}", progress) as bar:
@@ -353,7 +376,8 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
                 step += 1
                 if step % options.eval_every == 0 or step == options.steps:
                     history.append({"step": step, "train_kl": loss,
-                                    **({"train_gold_ce": gold_ce} if gold_ce is not None else {}), **held_out()})
+                                    **({"train_gold_ce": gold_ce} if gold_ce is not None else {}),
+                                    **held_out(agreement=step == options.steps)})
                     for line in _sample_answers(llm, vectors, held, teacher, column=column):
                         bar.say(f"  step {step}: {line}")
                     if ckpt is not None:
@@ -369,6 +393,9 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     recipe = {**settings, **({"data": data} if data else {}),
               "teacher_seconds": round(t_teacher, 1), "train_seconds": round(seconds, 1),
               "held_out_kl_start": history[0]["held_out_kl"], "held_out_kl_end": history[-1]["held_out_kl"],
+              "held_out_agreement_start": history[0].get("held_out_agreement"),
+              "held_out_agreement_end": history[-1].get("held_out_agreement"),
+              "held_out_examples": len(held),
               "examples_left_out": len(dropped), "examples_math_attention": len(slow),
               "device": str(llm.device)}
     if adapter is not None:
