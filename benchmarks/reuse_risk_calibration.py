@@ -11,13 +11,21 @@ fraction stays within ``--budget``; on the held-out half the same policy's agree
 recompute are measured, with fixed ProphetKV beside it, and whether the risk ranks answers
 (disagreement in the top risk decile vs the bottom half). ``--write`` puts the calibration where
 the runtime finds it (``lazy_rag/risk_calibrations/``). The run's answers are kept beside its
-records; ``--answers FILE`` fits again from them without answering anything.
+records; ``--answers FILE`` fits again from them without answering anything, and also takes the
+answers a `lazy-rag eval` run (or ``benchmarks/device/quality_gpu.py``) wrote beside its records.
+``--fractions ""`` runs no partial recompute: the policy can then only send risky requests to
+`full`. ``--transfer FILE ...`` checks the fitted calibration and policy on other sets' eval
+answers (every question held out: a transfer test).
 
     python benchmarks/reuse_risk_calibration.py --model smollm2 --base lazy+wrapper --n 300 --write
+    python benchmarks/reuse_risk_calibration.py --model qwen2.5-0.5b --base lazy+wrapper:faithful --fractions "" \
+        --answers benchmarks/results/faithful_qwen05_squad_h200_n1000_answers.jsonl.gz \
+        --transfer benchmarks/results/faithful_qwen05_{reddit,amazon}_h200_n1000_answers.jsonl.gz --write
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import random
@@ -62,8 +70,9 @@ def choose_policy(rows, cal, prophet, base, budget: float, fraction: float) -> A
     risks = sorted({cal.risk(q[base]["first_token_entropy"]) for q in rows.values()})
     cuts = [r for r in risks if r > 0] + [float("inf")]
     best = (-1.0, 0.0, AutoPolicy())
-    for some, every in product(cuts, cuts):
-        if every < some:
+    partial = cuts if prophet else [float("inf")]   # without ProphetKV answers: full or nothing
+    for some, every in product(partial, cuts):
+        if every < some != float("inf"):   # the partial step comes first; "inf" means none
             continue
         steps = tuple(s for s in ((some, fraction), (every, 1.0)) if s[0] != float("inf"))
         if len(steps) == 2 and steps[0][0] == steps[1][0]:
@@ -87,6 +96,22 @@ def decile_ratio(rows, cal, base) -> dict:
             "top_decile_vs_bottom_half": d_top / d_bottom if d_bottom else None}
 
 
+def load_answers(path: Path, base: str) -> tuple[dict, list[dict]]:
+    """(meta, answer rows) of a saved run: this script's own file (meta on its first line) or an
+    eval's answers, whose meta comes from the records file beside it."""
+    with gzip.open(path, "rt") as f:
+        saved = [json.loads(line) for line in f]
+    if "question_id" not in saved[0]:
+        return saved[0], saved[1:]
+    records = json.loads(path.with_name(path.name.removesuffix("_answers.jsonl.gz") + ".json").read_text())
+    rec = next((r for r in records if r["mode"] == base), None)
+    if rec is None:
+        raise SystemExit(f"{path} has no {base!r} answers (its configurations: "
+                         f"{', '.join(r['mode'] for r in records)}); choose one with --base")
+    return {"device": rec["device"], "device_name": rec.get("device_name"), "data_hash": rec["data_hash"],
+            "wrapper_digest": rec.get("wrapper_digest"), "dataset": rec["dataset"]}, saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -107,10 +132,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--answers", type=Path, default=None,
                     help="fit from this run's answers (the .jsonl.gz written beside its records) instead of running")
+    ap.add_argument("--transfer", type=Path, nargs="*", default=[],
+                    help="eval answers of other sets to check the fitted calibration and policy on")
+    ap.add_argument("--also-fingerprint", default=None,
+                    help="with --write, also file the calibration under this fingerprint id: the same weights "
+                         "loaded by another transformers version (a GPU image's), as the wrapper file lists")
     args = ap.parse_args()
 
-    percents = [float(p) for p in args.fractions.split(",")]
-    if args.fraction not in percents:
+    percents = [float(p) for p in args.fractions.split(",") if p.strip()]
+    if percents and args.fraction not in percents:
         ap.error(f"--fraction {args.fraction:g} must be one of --fractions {args.fractions}")
     prophet = {p / 100: f"{args.base}+prophet{p:g}" for p in percents}
     configs = ["full", args.base, *prophet.values()]
@@ -119,9 +149,7 @@ def main() -> None:
     answers_file = args.answers or out.with_name(out.stem + "_answers.jsonl.gz")
     runtime = Runtime.load(args.model, args.device)
     if args.answers:
-        with gzip.open(args.answers, "rt") as f:
-            saved = [json.loads(line) for line in f]
-        meta, answers = saved[0], saved[1:]
+        meta, answers = load_answers(args.answers, args.base)
     else:
         run = run_eval(EvalOptions(model=args.model, configs=tuple(configs), dataset=args.dataset,
                                    split=args.split, n=args.n, seed=args.seed, ks=(args.top_k,),
@@ -177,15 +205,33 @@ def main() -> None:
                     "recompute_fraction_mean": stats.fmean(rec), **vs_base(agree),
                     "policy_steps": [list(s) for s in policy.steps],
                     **decile_ratio(held, cal, args.base), "seconds": time.perf_counter() - t0})
+    for path in args.transfer:   # the same calibration and policy on another set, every question held out
+        t_meta, t_answers = load_answers(path, args.base)
+        rows: dict[str, dict] = {}
+        for row in t_answers:
+            rows.setdefault(row["question_id"], {})[row["config"]] = row
+        agree, rec = served(rows, policy, cal, prophet, args.base)
+        base = [q[args.base]["agree_with_full"] for q in rows.values()]
+        d = PairedBootstrap(len(rows), 5000, args.seed).mean_difference(agree, base).scaled(100)
+        records.append({**common, "mode": f"{args.base}+auto", "transfer": path.name,
+                        "dataset": t_meta.get("dataset"), "n_held_out": len(rows), "n_calibration": 0,
+                        "base_agreement_with_full_pct": 100 * stats.fmean(base),
+                        "agreement_with_full_pct": 100 * stats.fmean(agree), "recompute_fraction_mean": stats.fmean(rec),
+                        "agreement_vs_base_pct": d.estimate, "agreement_vs_base_ci_low": d.low,
+                        "agreement_vs_base_ci_high": d.high, "policy_steps": [list(s) for s in policy.steps],
+                        **decile_ratio(rows, cal, args.base)})
     write_records(out, records)
     for r in records:
-        print(f"{r['mode']:32s} agreement {r['agreement_with_full_pct']:5.1f}% ({r['agreement_vs_base_pct']:+.1f} "
+        print(f"{r.get('transfer', r['dataset'])[:28]:28s} {r['mode']:32s} agreement {r['agreement_with_full_pct']:5.1f}% ({r['agreement_vs_base_pct']:+.1f} "
               f"[{r['agreement_vs_base_ci_low']:+.1f}, {r['agreement_vs_base_ci_high']:+.1f}] vs {args.base})  "
               f"recompute {100 * r['recompute_fraction_mean']:5.1f}%")
     print(json.dumps({k: records[-1][k] for k in ("policy_steps", "disagree_top_decile_pct",
                                                    "disagree_bottom_half_pct", "top_decile_vs_bottom_half")}))
     if args.write:
         print("calibration:", cal.save(CALIBRATIONS / file_name(fingerprint, wrapper)))
+        if args.also_fingerprint:
+            twin = dataclasses.replace(cal, model_fingerprint=args.also_fingerprint)
+            print("calibration:", twin.save(CALIBRATIONS / file_name(args.also_fingerprint, wrapper)))
     print("records:", out)
 
 
