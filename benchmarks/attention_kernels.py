@@ -239,7 +239,8 @@ def decode_cases(shape, rec, batches, ctxs, tuning_sets=None,
     import torch
     import torch.nn.functional as F
 
-    from lazy_rag.kernels import block_attention_decode, lazy_decode
+    from lazy_rag.bench.block_attention import block_attention_decode
+    from lazy_rag.kernels import lazy_decode
 
     H, HKV, D = shape.H, shape.HKV, shape.D
     for B in batches:
@@ -400,7 +401,8 @@ def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning
     num_warps, num_stages, split_target)."""
     import torch
 
-    from lazy_rag.kernels import block_attention_decode, lazy_decode
+    from lazy_rag.bench.block_attention import block_attention_decode
+    from lazy_rag.kernels import lazy_decode
     from lazy_rag.kernels.shared_chunks import shared_chunk_decode
 
     for popularity in popularities:

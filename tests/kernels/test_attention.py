@@ -1,13 +1,15 @@
-"""lazy_decode / lazy_prefill / block copy against the torch reference (fp64 oracle)."""
+"""lazy_decode / lazy_prefill, and the benchmarks' Block-Attention baseline
+(lazy_rag.bench.block_attention), against the torch reference (fp64 oracle)."""
 import inspect
 
 import pytest
 import torch
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
-from lazy_rag.kernels import (DEFAULT_ROPE_MODE, apply_rope, block_attention_decode,
-                              block_gather_rotate, block_gather_rotate_ref, lazy_decode,
-                              lazy_prefill, paged_attention_ref, plan_prefill)
+from lazy_rag.bench.block_attention import (block_attention_decode, block_gather_rotate,
+                                            block_gather_rotate_ref)
+from lazy_rag.kernels import (DEFAULT_ROPE_MODE, apply_rope, lazy_decode, lazy_prefill,
+                              paged_attention_ref, plan_prefill)
 
 ROPE_MODES = ["rotate_k", "rotate_q", "none"]
 

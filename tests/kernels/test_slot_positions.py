@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
-from lazy_rag.kernels import (HIDDEN_POS, PageTable, block_attention_decode, block_gather_rotate,
-                              block_gather_rotate_ref, lazy_decode, lazy_prefill,
+from lazy_rag.bench.block_attention import (block_attention_decode, block_gather_rotate,
+                                            block_gather_rotate_ref)
+from lazy_rag.kernels import (HIDDEN_POS, PageTable, lazy_decode, lazy_prefill,
                               paged_attention_ref, rope_cos_sin, rotate)
 
 ROPE_MODES = ["rotate_q", "rotate_k", "none"]
