@@ -156,11 +156,12 @@ def each(calls):
     return lambda: [c() for c in calls]
 
 
+LAUNCHED = None   # main's record of the attention kernels' launches (lazy_rag.bench.launches)
+
+
 def kernel_report():
     """Registers, spills and shared memory of the last attention kernel launched."""
-    from lazy_rag.kernels import paged_attention
-
-    k = paged_attention.LAST_KERNEL
+    k = LAUNCHED.last if LAUNCHED is not None else None
     if k is None:
         return {}
     return dict(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
@@ -795,6 +796,7 @@ def main(argv=None):
     import torch
     import triton
 
+    from lazy_rag.bench.launches import recorded_launches
     from lazy_rag.bench.records import environment, format_table, write_records
 
     if not torch.cuda.is_available():
@@ -810,28 +812,30 @@ def main(argv=None):
     print("# bf16 check, rel err vs fp64 reference:", check_once(shape), flush=True)
     print("# fp8 check, rel err vs fp64 reference over the dequantised pages:",
           check_fp8_once(shape), flush=True)
-    rec = Recorder(env)
-    t0 = time.time()
-    if args.sweep and args.only != "fp8":     # fp8's own sweep runs inside fp8_cases
-        sweep(shape, rec, rng, args.sweep)
-    quick = args.quick
-    if args.only == "shared":
-        shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
-                            tuning_sets=[{}] + SHARED_TUNING)
-    if args.only in (None, "fp8"):
-        fp8_cases(shape, rec, [1, 16, 32] if quick else [1, 8, 16, 32, 128],
-                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
-                  sweep=bool(args.sweep) and args.only == "fp8")
-    if args.only in (None, "decode"):
-        decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
-                     [8192] if quick else [2048, 8192, 32768])
-        shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
-    if args.only in (None, "prefill"):
-        prefill_cases(shape, rec, [1, 16], [32, 512], rng)
-    if args.only in (None, "decode"):
-        slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
-    if args.only in (None, "prefill"):
-        slot_pos_cases(shape, rec, [16], [512], rng)
+    global LAUNCHED
+    with recorded_launches() as LAUNCHED:   # kernel_report's source
+        rec = Recorder(env)
+        t0 = time.time()
+        if args.sweep and args.only != "fp8":     # fp8's own sweep runs inside fp8_cases
+            sweep(shape, rec, rng, args.sweep)
+        quick = args.quick
+        if args.only == "shared":
+            shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
+                                tuning_sets=[{}] + SHARED_TUNING)
+        if args.only in (None, "fp8"):
+            fp8_cases(shape, rec, [1, 16, 32] if quick else [1, 8, 16, 32, 128],
+                      [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
+                      sweep=bool(args.sweep) and args.only == "fp8")
+        if args.only in (None, "decode"):
+            decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+                         [8192] if quick else [2048, 8192, 32768])
+            shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
+        if args.only in (None, "prefill"):
+            prefill_cases(shape, rec, [1, 16], [32, 512], rng)
+        if args.only in (None, "decode"):
+            slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
+        if args.only in (None, "prefill"):
+            slot_pos_cases(shape, rec, [16], [512], rng)
     tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
     # the fp8 or shared cases alone: a file of their own
     suffix = f"_{args.only}" if args.only in ("fp8", "shared") else ""

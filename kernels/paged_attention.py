@@ -571,9 +571,6 @@ def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stri
         tl.store(LSE_OUT + t * stride_lot + h * stride_loh, lse_row * LN2)
 
 
-LAST_KERNEL = None   # the last compiled attention kernel launched (register / smem report)
-
-
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -798,8 +795,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         if maxnreg:
             meta["maxnreg"] = maxnreg
     grid = (tile_seq.numel(), Hkv, num_splits)
-    global LAST_KERNEL
-    LAST_KERNEL = _paged_attn_kernel[grid](
+    _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],

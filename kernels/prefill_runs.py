@@ -442,7 +442,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         meta["num_warps"] = num_warps or tun["num_warps"]
         meta["num_stages"] = num_stages or tun["num_stages"]
     grid = (tile_seq.numel(), Hkv, num_splits)
-    paged_attention.LAST_KERNEL = _prefill_runs_kernel[grid](
+    _prefill_runs_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],

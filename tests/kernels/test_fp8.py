@@ -548,6 +548,7 @@ def test_fp8_decode_under_capped_registers():
     """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take: with
     FP8_DECODE_STAGES on Hopper) and at a caller's own cap equals the reference; on the GPU the
     cap holds."""
+    from lazy_rag.bench.launches import recorded_launches
     from lazy_rag.kernels import paged_attention as pa
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
@@ -555,11 +556,12 @@ def test_fp8_decode_under_capped_registers():
     ref = _ref(c, deq, "rotate_q")
     for cap, stages in ((pa.FP8_DECODE_MAXNREG, None), (pa.FP8_DECODE_MAXNREG,
                                                          pa.FP8_DECODE_STAGES), (128, None)):
-        out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
-                          k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2,
-                          num_stages=stages)
+        with recorded_launches() as launched:
+            out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
+                              k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2,
+                              num_stages=stages)
         assert rel_err(out, ref) < TOL[DTYPES[0]]
         if DEV == "cuda":
-            assert pa.LAST_KERNEL.n_regs <= cap
+            assert launched.last.n_regs <= cap
             if stages:
-                assert pa.LAST_KERNEL.metadata.num_stages == stages
+                assert launched.last.metadata.num_stages == stages
