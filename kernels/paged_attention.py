@@ -1,7 +1,7 @@
-"""The tiles attention kernel: lazy_decode's, and lazy_prefill's for rope_mode="rotate_k" (or
-with kernel="tiles"); its split merge and the split-KV helpers the runs kernel shares.
+"""The tiles attention kernel: lazy_decode's; its split merge and the split-KV helpers the runs
+kernel shares.
 
-Prefill with rope_mode "rotate_q" or "none" runs prefill_runs.py by default: there a program
+Prefill runs prefill_runs.py: there a program
 walks its page list as runs of equal rot_shift with a plain flash-attention inner loop (query
 rotated once per run, loop-invariant; no causal mask where every key is visible; one K=D QK
 dot), because this kernel's per-tile shift handling (below) keeps the query loop-carried and,
@@ -24,8 +24,6 @@ False and the kernel is the one it was before they existed.
 
 RoPE (ROPE_MODE):
   0 none      q and keys used as given (keys stored rotated at logical positions).
-  1 rotate_k  keys stored unrotated: the query is rotated once at m, every loaded key tile at
-              its keys' positions (one cos/sin per key and frequency, shared by all G heads).
   2 rotate_q  keys stored rotated at (pos - rot_shift): the query is rotated by (m - s0), s0 the
               shift of the tile's first entry, and only re-rotated when s0 changes (once per
               chunk, not per tile); keys are used as stored. Keys of a tile entry whose shift
@@ -356,11 +354,8 @@ def _paged_attn_kernel(
         q2 = q2 * q_mul
         qk_scale_log2 = qk_scale_log2 * q_div
 
-    if ROPE_MODE == 1:
-        qa, qb = _rotate_query(q1, q2, qp, freq, rope_scale, qk_dtype, FAST_TRIG)
-    else:
-        qa = q1.to(qk_dtype)
-        qb = q2.to(qk_dtype)
+    qa = q1.to(qk_dtype)
+    qb = q2.to(qk_dtype)
     p_start = tl.load(INDPTR + b)
     cur_shift = p_start * 0 - 2147483647       # no shift seen yet
     cur_shift1 = cur_shift                      # MULTI_SHIFT 4: row group 1's
@@ -408,13 +403,7 @@ def _paged_attn_kernel(
             k_ok = k_ok & (kpos != 2147483647)
         k_base = pid.to(tl.int64)[:, None] * stride_kp + off[:, None] * stride_kt + dh[None, :]
 
-        if ROPE_MODE == 1:
-            # cos/sin of the tile's keys: once per key and frequency, shared by the G query
-            # heads of the KV head
-            ck, sk = cos_sin(kpos.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-            ck = ck * rope_scale
-            sk = sk * rope_scale
-        elif ROPE_MODE == 2:
+        if ROPE_MODE == 2:
             if MULTI_SHIFT == 4:
                 # row group 0 scores the tile's first page, group 1 its second (vis below):
                 # each group's query rotated by its own page's shift, and again only when that
@@ -466,11 +455,6 @@ def _paged_attn_kernel(
             else:
                 s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
                 ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
-        if ROPE_MODE == 1:
-            k1f = k1.to(tl.float32)
-            k2f = k2.to(tl.float32)
-            k1 = (k1f * ck - k2f * sk).to(qk_dtype)
-            k2 = (k2f * ck + k1f * sk).to(qk_dtype)
         sc = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
         sc = tl.dot(qb, tl.trans(k2), acc=sc, input_precision=DOT_PREC)
         if ROPE_MODE == 2:
@@ -737,9 +721,10 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | None = None, maxnreg: int | None = None):
-    """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
-    kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
+           qk_f16: bool | str = True, maxnreg: int | None = None):
+    """The tiles kernel's launcher (lazy_decode's; with block_m > 1 the kernel benchmarks' tiles
+    prefill, lazy_rag.bench.tiles_prefill; the runs kernel's launch_runs takes the same
+    arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
     host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
@@ -750,16 +735,15 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
-    q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 (qk_f16_scale; None: with
-    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop)."""
+    q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 with bf16 compute
+    (qk_f16_scale; fp8_args)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
     v_layout = v_args(v_pages)
     mode = rope_mode_code(rope_mode, table)
-    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale,
-                      qk_f16 if qk_f16 is not None else mode != ROPE_MODES["rotate_k"])
+    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)

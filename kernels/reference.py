@@ -60,8 +60,7 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
     q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
     (sequence b's queries are rows qo_indptr[b]..qo_indptr[b+1]-1), q_pos [Tq] logical positions.
     Explicit slot positions (table.slot_pos) are honoured; hidden slots are dropped.
-    rope_mode: "rotate_k" keys stored unrotated, rotated at their logical positions;
-               "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by
+    rope_mode: "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by
                           (m - rot_shift);
                "none"     q and keys already rotated.
     Returns [Tq, H, D] in q.dtype. A query with no visible key gets zeros.
@@ -92,12 +91,6 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
         mpos = q_pos[qs:qe].long().to(q.device)
         if rope_mode == "none":
             scores = torch.einsum("thd,nhd->htn", qb.to(compute_dtype), k.to(compute_dtype))
-        elif rope_mode == "rotate_k":
-            cq, sq = rope_cos_sin(mpos, inv_freq, attention_scaling)
-            ck, sk = rope_cos_sin(kpos, inv_freq, attention_scaling)
-            qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
-            kr = rotate(k, ck[:, None], sk[:, None]).to(compute_dtype)
-            scores = torch.einsum("thd,nhd->htn", qr, kr)
         elif rope_mode == "rotate_q":
             scores = torch.empty(H, qe - qs, k.shape[0], dtype=compute_dtype, device=q.device)
             kc = k.to(compute_dtype)

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from lazy_rag.kernels.kv_quant import FP8
-from lazy_rag.kernels.page_table import (DEFAULT_ROPE_MODE, PageTable, interpreting, rope_mode_code,
-                                         use_triton)
+from lazy_rag.kernels.page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, use_triton
 from lazy_rag.kernels.reference import gather_tokens
 from lazy_rag.kernels.rope import apply_rope, cos_sin, rope_cos_sin, rotate
 from lazy_rag.kernels.triton_import import tl, triton
+
+# How the pool stores keys (the gather kernel's ROPE_MODE): the lazy kernels' two storages and
+# "rotate_k", keys stored unrotated (the storage Block-Attention itself assumes)
+BLOCK_ROPE_MODES = {"none": 0, "rotate_k": 1, "rotate_q": 2}
 
 
 @triton.jit
@@ -86,7 +89,11 @@ def block_gather_rotate(k_pages: torch.Tensor, v_pages: torch.Tensor, table: Pag
                                                   attention_scaling, max_len)
         return k, v, kv_len
     refuse_slot_pos(table, "block_gather_rotate")
-    mode = rope_mode_code(rope_mode, table)
+    if rope_mode not in BLOCK_ROPE_MODES:
+        raise ValueError(f"unknown rope_mode {rope_mode!r}: one of {sorted(BLOCK_ROPE_MODES)}")
+    if rope_mode == "rotate_q" and table.rot_shift is None:
+        raise ValueError("rope_mode='rotate_q' needs table.rot_shift")
+    mode = BLOCK_ROPE_MODES[rope_mode]
     num_pages, Hkv, page, D = k_pages.shape
     B = table.batch_size
     T = max_len if max_len is not None else table.max_pages * page
