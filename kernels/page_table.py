@@ -38,8 +38,9 @@ They let one request see a shared chunk page with some of its tokens hidden (rec
 privately for that request) without writing the shared page, and store those recomputed tokens
 compactly in private pages whose slots carry scattered positions. RoPE does not change: a key's
 stored rotation is still described by its entry's rot_shift (rotate_q: stored rotated at its
-logical position - rot_shift), "none" uses keys as stored. Explicit rows only exist for the attention kernels
-(lazy_decode, lazy_prefill, paged_attention_ref); the Block-Attention copies refuse them.
+logical position - rot_shift), "none" uses keys as stored. Explicit rows only exist for the
+attention kernels (lazy_decode, lazy_prefill, paged_attention_ref); the benchmarks'
+Block-Attention copy (lazy_rag.bench.block_attention) refuses them.
 
 Key visibility: key at logical position p is visible to a query at position m iff p <= m
 (queries sit below HIDDEN_POS, so a hidden slot is never visible; a query row with no visible

@@ -25,34 +25,31 @@ False and the kernel is the one it was before they existed.
 RoPE (ROPE_MODE):
   0 none      q and keys used as given (keys stored rotated at logical positions).
   2 rotate_q  keys stored rotated at (pos - rot_shift): the query is rotated by (m - s0), s0 the
-              shift of the tile's first entry, and only re-rotated when s0 changes (once per
-              chunk, not per tile); keys are used as stored. Keys of a tile entry whose shift
-              differs from s0 (a chunk boundary inside the tile) get their scores from a second
-              pair of QK dots with the query rotated by (m - s_j), so every score uses the
-              reference's exact fp32 angle (rotating those keys by s_j - s0 instead would cost
-              fp32 angle error proportional to |s_j - s0|). In decode where registers are
-              short (RELOAD_Q, reload_query) each re-rotation loads q again (_query_halves)
-              instead of keeping an fp32 copy live across the KV loop: fp8 decode under its
-              register cap then spills almost nothing (BENCHMARKS.md, "fp8 decode: two K/V
-              buffers"). MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
-              (nothing to do); with two pages per tile in decode (page 64, 128 keys: the GPU
-              decode case) 4 where the Q tile's padded rows have room for the heads twice
-              (2 * GP <= 16: GQA up to 8), two row groups: rows h and GP + h both hold head h,
-              group 0 sees only the tile's first page and group 1 its second, each group's query
-              rotated by its own page's shift (re-rotated when either changes), and the groups
-              of a head merged by their maxima in the epilogue (_merge_row_groups), so a tile
-              across a chunk boundary costs no extra dot and no branch, and the K tile is not
-              held live for one; else 3, a uniform scalar `if s1 != s0` redoing the dots; 2
-              otherwise, a `while` loop over the tile's distinct shifts. The while loop is exact
-              but stops Triton from software-pipelining the KV loop (no cp.async in the PTX): on
-              an H200 it cost +34% in decode (B32 x 8k: 342 us vs 257 us with variant 3 vs
-              255 us for rope_mode="none"). Variant 4 took the fp8 decode loop (B32 x 8k) from
-              1,474 to 1,119 sm_90 SASS instructions and its spills to none (BENCHMARKS.md,
-              "fp8 decode: two row groups").
+              shift of the tile's first entry, and only re-rotated when s0 changes (once per chunk,
+              not per tile); keys are used as stored. Keys of a tile entry whose shift differs from
+              s0 (a chunk boundary inside the tile) get their scores from a second pair of QK dots
+              with the query rotated by (m - s_j), so every score uses the reference's exact fp32
+              angle (rotating those keys by s_j - s0 instead would cost fp32 angle error
+              proportional to |s_j - s0|). In decode where registers are short (RELOAD_Q,
+              reload_query) each re-rotation loads q again (_query_halves) instead of keeping an
+              fp32 copy live across the KV loop: fp8 decode under its register cap then spills
+              almost nothing. MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
+              (nothing to do); with two pages per tile in decode (page 64, 128 keys: the GPU decode
+              case) 4 where the Q tile's padded rows have room for the heads twice (2 * GP <= 16:
+              GQA up to 8), two row groups: rows h and GP + h both hold head h, group 0 sees only
+              the tile's first page and group 1 its second, each group's query rotated by its own
+              page's shift (re-rotated when either changes), and the groups of a head merged by
+              their maxima in the epilogue (_merge_row_groups), so a tile across a chunk boundary
+              costs no extra dot and no branch, and the K tile is not held live for one; else 3, a
+              uniform scalar `if s1 != s0` redoing the dots; 2 otherwise, a `while` loop over the
+              tile's distinct shifts. The while loop is exact but stops Triton from
+              software-pipelining the KV loop (no cp.async in the PTX): on an H200 it cost +34% in
+              decode (B32 x 8k: 342 us vs 257 us with variant 3 vs 255 us for rope_mode="none").
+              Variant 4 took the fp8 decode loop (B32 x 8k) from 1,474 to 1,119 sm_90 SASS
+              instructions and its spills to none (counted by benchmarks/ptx_fp8_loop.py).
 
-History: on the H200 (B32 x 8k, BENCHMARKS.md) rotating the query in every tile, both second-page
-dots unconditionally, cos/sin tables and programs covering several KV heads were all measured
-slower than the choices above, and were removed.
+Measured slower than the choices above on the H200 (B32 x 8k): rotating the query in every tile,
+both second-page dots unconditionally, cos/sin tables, and programs covering several KV heads.
 
 Online softmax in base 2 (fp32); output either written directly (one split) or as per-split
 fp32 partials + log2-sum-exp merged by _merge_kernel (flash-decoding).
@@ -66,9 +63,8 @@ takes each fold back out (l += p_n / v_scale_n = 2^(score_n - m)), so o = acc / 
 log2-sum-exp m + log2 l keep their meaning, and an approximate log2 or reciprocal (the SFU's,
 value_fold) scales a key's term in the numerator and the denominator alike. The tiles' scales
 are loaded one tile ahead. Fewer instructions per tile and fewer spills under the decode
-register cap: faster on an H200, unchanged for batched decode on an H100, faster there at B1
-(BENCHMARKS.md, "the value scales folded into the scores, again"). Prefill keeps _scaled_pv:
-the fold measured slower in the runs kernel.
+register cap: faster on an H200, unchanged for batched decode on an H100, faster there at B1.
+Prefill keeps _scaled_pv: the fold measured slower in the runs kernel.
 
 Row log-sum-exp (launch(return_lse=True)): the natural-log log-sum-exp of each query row's
 visible scaled scores (sm_scale * q.k), -inf for a row that sees no key, so that a caller can
@@ -568,8 +564,7 @@ def _multi_shift_variant(rope_mode_code: int, pages_per_tile: int, rows: int, bl
     where the padded query rows hold a second copy of the heads (two row groups), 3 two pages
     per tile in other decode (uniform scalar branch), 2 otherwise (while loop over the tile's
     distinct shifts). A table with explicit slot positions keeps 3: with their per-tile loads
-    (synchronous in the software pipeline) 4 measured 10-15% slower on an H100
-    (BENCHMARKS.md, "fp8 decode: two row groups")."""
+    (synchronous in the software pipeline) 4 measured 10-15% slower on an H100."""
     if rope_mode_code != ROPE_MODES["rotate_q"] or pages_per_tile == 1:
         return 0
     if pages_per_tile == 2 and block_m == 1 and 2 * gp <= rows and not slot_pos:
@@ -633,16 +628,14 @@ def wave_splits(n_programs: int, n_kv_tiles: int, slots: int) -> int:
 # fp8 decode (the tiles kernel at <= 64 rows, 4 warps, keys-major V): the loop is bound by
 # latency, with two programs (8 warps) per SM at the ~250 registers the compiler takes; capped at
 # 168 registers, three programs share an SM (65,536 / (128 threads x 168)) for a few spilled
-# bytes, and wave_splits fills whole waves of them (BENCHMARKS.md, "fp8 decode: three programs
-# per SM").
+# bytes, and wave_splits fills whole waves of them.
 FP8_DECODE_MAXNREG = 168
 FP8_DECODE_PER_SM = 3
 # ... and a deeper software pipeline for them: Triton gives the K/V tiles one shared-memory buffer
 # at num_stages 2-4 (the page-id load they depend on takes a stage of its own) and two from 5, so
-# that the next tile's bytes are in flight while this one is read (BENCHMARKS.md, "fp8 decode:
-# two K/V buffers"). Two buffers take ~72 KB a program: three programs fit the 227 KB of a
-# Hopper (or Blackwell data-centre) SM; on a GPU with less shared memory per SM the launch keeps
-# the default stages, which leave room for the three.
+# that the next tile's bytes are in flight while this one is read. Two buffers take ~72 KB a
+# program: three programs fit the 227 KB of a Hopper (or Blackwell data-centre) SM; on a GPU with
+# less shared memory per SM the launch keeps the default stages, which leave room for the three.
 FP8_DECODE_STAGES = 5
 FP8_DECODE_STAGES_SMEM = 3 * 72 * 1024
 
