@@ -9,10 +9,8 @@ from __future__ import annotations
 import torch
 
 from lazy_rag.kernels import paged_attention
-from lazy_rag.kernels.decode import copy_into
 from lazy_rag.kernels.page_table import DEFAULT_ROPE_MODE, PageTable, use_triton
-from lazy_rag.kernels.prefill import PrefillPlan, plan_split_target, query_tiles
-from lazy_rag.kernels.reference import paged_attention_ref
+from lazy_rag.kernels.prefill import PrefillPlan, lazy_prefill, plan_prefill
 from lazy_rag.kernels.triton_import import triton
 
 
@@ -36,32 +34,29 @@ def tiles_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
 def plan_tiles_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
                        block_m: int | None = None,
                        dtype: torch.dtype | None = None) -> PrefillPlan:
-    """As kernels.plan_prefill, with tiles_block_m's tiles by default."""
-    ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
-    longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
+    """kernels.plan_prefill's plan, with tiles_block_m's tiles by default."""
     if block_m is None:
+        bounds = qo_indptr.tolist() if torch.is_tensor(qo_indptr) else list(qo_indptr)
+        longest = max((int(b) - int(a) for a, b in zip(bounds, bounds[1:])), default=0)
         block_m = tiles_block_m(longest, num_qo_heads, num_kv_heads, device, dtype)
-    seq, q0 = query_tiles(ptr, block_m)
-    mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return PrefillPlan(mk(seq), mk(q0), block_m, plan_split_target(longest, num_qo_heads,
-                                                                   num_kv_heads))
+    return plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device, block_m=block_m,
+                        dtype=dtype)
 
 
 def tiles_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                   k_pages: torch.Tensor, v_pages: torch.Tensor, table: PageTable,
-                  inv_freq: torch.Tensor, *, rope_mode: str = DEFAULT_ROPE_MODE,
-                  attention_scaling: float = 1.0, sm_scale: float | None = None,
-                  plan: PrefillPlan | None = None, num_splits: int | None = None,
-                  out: torch.Tensor | None = None, return_lse: bool = False,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """kernels.lazy_prefill's arguments and result, through the tiles kernel (the plan's
-    split_target is the runs kernel's: this launch keeps its own, tuning's or 2 per SM)."""
-    if not use_triton(q):
-        res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
-                                  rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
-                                  k_scale=k_scale, v_scale=v_scale)
-        return copy_into(out, res)
+                  inv_freq: torch.Tensor, *, plan: PrefillPlan | None = None,
+                  rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
+                  sm_scale: float | None = None, num_splits: int | None = None,
+                  out: torch.Tensor | None = None,
+                  **options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """kernels.lazy_prefill's arguments (``options``: return_lse, k_scale, v_scale and the
+    tuning) and result, through the tiles kernel. The plan's split_target is the runs kernel's:
+    this launch keeps its own (the tuning's, or 2 programs per SM)."""
+    if not use_triton(q):    # no kernel runs: lazy_prefill's torch reference
+        return lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
+                            rope_mode=rope_mode, attention_scaling=attention_scaling,
+                            sm_scale=sm_scale, out=out, **options)
     if plan is None:
         plan = plan_tiles_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
                                   dtype=q.dtype)
@@ -69,5 +64,4 @@ def tiles_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
-        num_splits=num_splits, out=out, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
-        **tuning)
+        num_splits=num_splits, out=out, **options)
