@@ -7,15 +7,15 @@ Needs a CUDA device and the package installed (`pip install -e .`, as tests/kern
 does). Shape: Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, llama3 RoPE),
 bf16, page size 64 (one KV head of a page is a 16 KiB contiguous run). Modes per case:
   lazy            lazy_decode / lazy_prefill, field `rope_mode` = rotate_q (chunk-local store,
-                  query rotated once per chunk; the default) or rotate_k (unrotated store, keys
-                  rotated in the kernel)
+                  query rotated once per chunk; the engine's)
   no_rope         the same kernel with rope_mode="none" on the same pages (keys taken as rotated)
   Prefill modes carry the kernel in their name, both timed on the same inputs: lazy_runs /
-  no_rope_runs = kernels/prefill_runs.py (lazy_prefill's default for rotate_q and none: runs of
-  equal rot_shift, query rotated once per run), lazy_tiles / no_rope_tiles = the tiles kernel of
-  paged_attention.py (lazy_prefill(kernel="tiles"); rotate_k's only kernel). Field `kernel`.
+  no_rope_runs = kernels/prefill_runs.py (lazy_prefill's: runs of equal rot_shift, query
+  rotated once per run), lazy_tiles / no_rope_tiles = the tiles kernel of paged_attention.py
+  with several query rows per program (lazy_rag.bench.tiles_prefill). Field `kernel`.
   sdpa_contiguous torch SDPA decode over the same KV laid out contiguously, keys rotated
-  block           Block-Attention: fused gather + re-rotate copy, then SDPA
+  block           Block-Attention (lazy_rag.bench.block_attention): fused gather + re-rotate
+                  copy of an unrotated store (rope_mode rotate_k), then SDPA
 Cases: decode (each sequence on its own permuted pages), decode_shared and prefill (Zipf-shared
 2048-token chunks), decode_slot_pos / prefill_slot_pos (rotate_q on the shared case, field
 `slot_pos`: "absent" = no explicit positions, "rows_-1" = explicit rows all -1, the kernel
@@ -54,7 +54,7 @@ L2_FLUSH_BYTES = 256 << 20
 HIDE_FRACTION = 0.2      # slot_pos cases: share of each chunk page's slots hidden (recomputed)
 TABLE_COLUMNS = ["benchmark", "case", "mode", "rope_mode", "kernel", "slot_pos", "kv_dtype",
                  "time_us", "gbps", "pct_of_copy_bw", "bw_vs_bf16", "tflops", "pct_of_roofline"]
-PREFILL_KERNELS = ("runs", "tiles")   # lazy_prefill(kernel=...): the default first
+PREFILL_KERNELS = ("runs", "tiles")   # lazy_prefill's, then tiles_prefill (prefill_fn)
 
 
 def parse_args(argv=None):
@@ -156,11 +156,12 @@ def each(calls):
     return lambda: [c() for c in calls]
 
 
+LAUNCHED = None   # main's record of the attention kernels' launches (lazy_rag.bench.launches)
+
+
 def kernel_report():
     """Registers, spills and shared memory of the last attention kernel launched."""
-    from lazy_rag.kernels import paged_attention
-
-    k = paged_attention.LAST_KERNEL
+    k = LAUNCHED.last if LAUNCHED is not None else None
     if k is None:
         return {}
     return dict(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
@@ -194,11 +195,14 @@ def lazy_mode(rope_mode):
     return "no_rope" if rope_mode == "none" else "lazy"
 
 
-def prefill_kernels(rope_mode, kernels=PREFILL_KERNELS):
-    """The prefill kernels of `kernels` that serve rope_mode (runs: rotate_q and none)."""
-    from lazy_rag.kernels.prefill_runs import RUNS_ROPE_MODES
-
-    return [k for k in kernels if k != "runs" or rope_mode in RUNS_ROPE_MODES]
+def prefill_fn(kernel):
+    """(prefill, plan) of a prefill kernel: lazy_prefill and plan_prefill for "runs", the lab's
+    tiles_prefill and plan_tiles_prefill for "tiles"."""
+    if kernel == "runs":
+        from lazy_rag.kernels import lazy_prefill, plan_prefill
+        return lazy_prefill, plan_prefill
+    from lazy_rag.bench.tiles_prefill import plan_tiles_prefill, tiles_prefill
+    return tiles_prefill, plan_tiles_prefill
 
 
 def prefill_mode(rope_mode, kernel):
@@ -234,12 +238,12 @@ def decode_inputs(shape, B, T):
     return kv_bytes, n_sets, k_pages, v_pages, tables, qs, q_pos
 
 
-def decode_cases(shape, rec, batches, ctxs, tuning_sets=None,
-                 rope_modes=("rotate_q", "rotate_k", "none")):
+def decode_cases(shape, rec, batches, ctxs, tuning_sets=None, rope_modes=("rotate_q", "none")):
     import torch
     import torch.nn.functional as F
 
-    from lazy_rag.kernels import block_attention_decode, lazy_decode
+    from lazy_rag.bench.block_attention import block_attention_decode
+    from lazy_rag.kernels import lazy_decode
 
     H, HKV, D = shape.H, shape.HKV, shape.D
     for B in batches:
@@ -393,14 +397,15 @@ def shared_chunks_of(case, shape, rows=None):
 
 
 def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning_sets=None):
-    """decode_shared: per-sequence lazy_decode (rotate_q / rotate_k / none), Block-Attention and
+    """decode_shared: per-sequence lazy_decode (rotate_q / none), Block-Attention and
     shared_chunk_decode (mode `shared`: the engine's plan, each chunk read once per work tile of
     the sequences holding it, their own pages too; `bytes` = the unique pages it reads) on the same inputs; `speedup_vs_lazy` = lazy rotate_q's time over
     this record's. tuning_sets: shared_chunk_decode variants (rows per work tile, block_n,
     num_warps, num_stages, split_target)."""
     import torch
 
-    from lazy_rag.kernels import block_attention_decode, lazy_decode
+    from lazy_rag.bench.block_attention import block_attention_decode
+    from lazy_rag.kernels import lazy_decode
     from lazy_rag.kernels.shared_chunks import shared_chunk_decode
 
     for popularity in popularities:
@@ -417,7 +422,7 @@ def shared_decode_cases(shape, rec, batches, rng, popularities=("zipf",), tuning
                         case=f"B{B} 5/100 {'zipf2.1' if popularity == 'zipf' else popularity}")
             o = torch.empty_like(q)
             t_lazy = None
-            for rope_mode in ("rotate_q", "rotate_k", "none"):
+            for rope_mode in ("rotate_q", "none"):
                 t, timer = bench(partial(lazy_decode, q, case.k_pages, case.v_pages, case.table,
                                          q_pos, shape.inv_freq, rope_mode=rope_mode, out=o))
                 t_lazy = t_lazy or t
@@ -462,12 +467,10 @@ def prefill_inputs(shape, B, n_new, cached):
 
 
 def prefill_cases(shape, rec, batches, news, rng, tuning_sets=None,
-                  rope_modes=("rotate_q", "rotate_k", "none"), kernels=PREFILL_KERNELS):
-    """Every (rope_mode, kernel) of prefill_kernels side by side on the same inputs; with
-    tuning_sets, each set (block_m goes to plan_prefill, the rest to lazy_prefill)."""
+                  rope_modes=("rotate_q", "none"), kernels=PREFILL_KERNELS):
+    """Every (rope_mode, kernel) side by side on the same inputs; with tuning_sets, each set
+    (block_m goes to the kernel's plan, the rest to its prefill: prefill_fn)."""
     import torch
-
-    from lazy_rag.kernels import lazy_prefill, plan_prefill
 
     for B in batches:
         for n_new in news:
@@ -479,16 +482,17 @@ def prefill_cases(shape, rec, batches, news, rng, tuning_sets=None,
                         page_size=PAGE, case=f"B{B} +{n_new} / 10k")
             o = torch.empty_like(q)
             for rope_mode in rope_modes:
-                for kernel in prefill_kernels(rope_mode, kernels):
+                for kernel in kernels:
+                    prefill, plan_of = prefill_fn(kernel)
                     for tun in (tuning_sets or [{}]):
                         tun = dict(tun)
-                        plan = plan_prefill(qo.cpu(), shape.H, shape.HKV, DEVICE,
-                                            block_m=tun.pop("block_m", None), kernel=kernel)
+                        plan = plan_of(qo.cpu(), shape.H, shape.HKV, DEVICE,
+                                       block_m=tun.pop("block_m", None))
                         try:
                             t, timer = bench(partial(
-                                lazy_prefill, q, qo, q_pos, case.k_pages, case.v_pages,
+                                prefill, q, qo, q_pos, case.k_pages, case.v_pages,
                                 case.table, shape.inv_freq, rope_mode=rope_mode, plan=plan,
-                                out=o, kernel=kernel, **tun))
+                                out=o, **tun))
                         except Exception as exc:  # noqa: BLE001  (OutOfResources of a variant)
                             print(f"  prefill {rope_mode} {kernel} {tun}: "
                                   f"{type(exc).__name__}", flush=True)
@@ -546,7 +550,7 @@ def check_once(shape):
     import numpy as np
     import torch
 
-    from lazy_rag.kernels import lazy_prefill, paged_attention_ref
+    from lazy_rag.kernels import paged_attention_ref
 
     rng = np.random.default_rng(1)
     case = SharedCase(shape, 2, 40, rng, n_chunks=6, per_seq=2, q_tokens=0,
@@ -554,12 +558,12 @@ def check_once(shape):
     q, qo, q_pos, _ = prefill_inputs(shape, 2, 40, case.T - 40)
     errs = {}
     for name, table in (("plain", case.table), ("slot_pos", case.hidden_and_compact(rng)[0])):
-        for rope_mode in ("rotate_q", "rotate_k"):
+        for rope_mode in ("rotate_q", "none"):
             r = paged_attention_ref(q, qo, q_pos, case.k_pages, case.v_pages, table,
                                     shape.inv_freq, rope_mode, compute_dtype=torch.float64)
-            for kernel in prefill_kernels(rope_mode):
-                o = lazy_prefill(q, qo, q_pos, case.k_pages, case.v_pages, table,
-                                 shape.inv_freq, rope_mode=rope_mode, kernel=kernel)
+            for kernel in PREFILL_KERNELS:
+                o = prefill_fn(kernel)[0](q, qo, q_pos, case.k_pages, case.v_pages, table,
+                                          shape.inv_freq, rope_mode=rope_mode)
                 err = ((o.double() - r).abs().max() / r.abs().max()).item()
                 errs[f"{name}/{rope_mode}/{kernel}"] = float(f"{err:.3g}")
     return errs
@@ -793,6 +797,7 @@ def main(argv=None):
     import torch
     import triton
 
+    from lazy_rag.bench.launches import recorded_launches
     from lazy_rag.bench.records import environment, format_table, write_records
 
     if not torch.cuda.is_available():
@@ -808,28 +813,30 @@ def main(argv=None):
     print("# bf16 check, rel err vs fp64 reference:", check_once(shape), flush=True)
     print("# fp8 check, rel err vs fp64 reference over the dequantised pages:",
           check_fp8_once(shape), flush=True)
-    rec = Recorder(env)
-    t0 = time.time()
-    if args.sweep and args.only != "fp8":     # fp8's own sweep runs inside fp8_cases
-        sweep(shape, rec, rng, args.sweep)
-    quick = args.quick
-    if args.only == "shared":
-        shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
-                            tuning_sets=[{}] + SHARED_TUNING)
-    if args.only in (None, "fp8"):
-        fp8_cases(shape, rec, [1, 16, 32] if quick else [1, 8, 16, 32, 128],
-                  [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
-                  sweep=bool(args.sweep) and args.only == "fp8")
-    if args.only in (None, "decode"):
-        decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
-                     [8192] if quick else [2048, 8192, 32768])
-        shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
-    if args.only in (None, "prefill"):
-        prefill_cases(shape, rec, [1, 16], [32, 512], rng)
-    if args.only in (None, "decode"):
-        slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
-    if args.only in (None, "prefill"):
-        slot_pos_cases(shape, rec, [16], [512], rng)
+    global LAUNCHED
+    with recorded_launches() as LAUNCHED:   # kernel_report's source
+        rec = Recorder(env)
+        t0 = time.time()
+        if args.sweep and args.only != "fp8":     # fp8's own sweep runs inside fp8_cases
+            sweep(shape, rec, rng, args.sweep)
+        quick = args.quick
+        if args.only == "shared":
+            shared_decode_cases(shape, rec, [8, 32, 128], rng, popularities=("zipf", "uniform"),
+                                tuning_sets=[{}] + SHARED_TUNING)
+        if args.only in (None, "fp8"):
+            fp8_cases(shape, rec, [1, 16, 32] if quick else [1, 8, 16, 32, 128],
+                      [8192] if quick else [8192, 32768], [1, 16], [32, 512], rng,
+                      sweep=bool(args.sweep) and args.only == "fp8")
+        if args.only in (None, "decode"):
+            decode_cases(shape, rec, [1, 32] if quick else [1, 8, 32, 128],
+                         [8192] if quick else [2048, 8192, 32768])
+            shared_decode_cases(shape, rec, [8, 32] if quick else [8, 32, 128], rng)
+        if args.only in (None, "prefill"):
+            prefill_cases(shape, rec, [1, 16], [32, 512], rng)
+        if args.only in (None, "decode"):
+            slot_pos_cases(shape, rec, [32] if quick else [8, 32], [1], rng)
+        if args.only in (None, "prefill"):
+            slot_pos_cases(shape, rec, [16], [512], rng)
     tag = env["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
     # the fp8 or shared cases alone: a file of their own
     suffix = f"_{args.only}" if args.only in ("fp8", "shared") else ""

@@ -2,7 +2,7 @@
 the writeback probe and for the index build's own write path (issue 24).
 
 On the GPU machines a fresh disk writes its new blocks slower than it rewrites freed ones, and
-its rate on new blocks drifts as they fill (BENCHMARKS.md, "A fresh machine's disk"). A first
+its rate on new blocks drifts as they fill (BENCHMARKS.md, "The store's write path against the disk"). A first
 index build writes new blocks, so a probe that rewrites freed ones (index_build.py's probe at the
 end) overstates the disk it had, and a probe just before it takes other new blocks than the
 build's. This measures the effect without a model, in one folder:

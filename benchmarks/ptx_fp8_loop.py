@@ -2,7 +2,7 @@
 instruction counts of the KV loop (PTX and SASS), registers and spills. No GPU needed.
 
     python3 benchmarks/ptx_fp8_loop.py [--dump DIR] [--arch 90] [--only decode|prefill|tiles]
-        [--v-dims-major] [--rope-mode rotate_q|rotate_k|none]
+        [--v-dims-major] [--rope-mode rotate_q|none]
 
 The launchers (paged_attention.launch, prefill_runs.launch_runs) are called on small CPU tensors
 of the benchmark's shape (Llama-3.1-8B attention: H 32, Hkv 8, d 128, page 64; the strides, and so
@@ -12,7 +12,7 @@ binder (same signature, constexprs and divisibility attributes as a real launch)
 count and shared memory per SM are the H100 SXM's, so that the split-KV choice and the fp8
 decode's stages are the GPU's. Cases: decode (tiles kernel) at B32 and B1 x 8k and at B32 over
 a table with explicit slot positions (rows -1); prefill through the runs kernel; `tiles`, a
-prefill through the tiles kernel (rope_mode "rotate_k"). Compile with the GPU machine's Triton
+prefill through the tiles kernel (lazy_rag.bench.tiles_prefill's launch). Compile with the GPU machine's Triton
 (a wheel installed into a folder put first on PYTHONPATH) to see the code it runs.
 
 Counts: per kernel, over the whole PTX and over the software-pipelined KV loop body (the PTX
@@ -50,7 +50,8 @@ from lazy_rag.kernels.v_layout import to_keys_major  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 64
 V_KEYS_MAJOR = True     # fp8 V pages as the pool lays them out; --v-dims-major: the layout before
-ROPE_MODE = "rotate_q"  # the decode cases' (--rope-mode: "none" compiles the bound without RoPE)
+ROPE_MODE = "rotate_q"  # the decode and tiles cases' (--rope-mode: "none" compiles the bound
+                        # without RoPE)
 NUM_SMS = 132
 SMEM_PER_SM = 228 * 1024     # H100 SXM: the fp8 decode's num_stages depend on it
 
@@ -112,9 +113,10 @@ def decode(batch: int, ctx: int, fp8: bool, slot_rows: bool = False):
 
 
 def prefill(batch: int, new: int, cached: int, fp8: bool, kernel: str = "runs"):
-    """A prefill of `new` tokens over `cached` per sequence through the runs kernel, or, with
-    kernel="tiles", through the tiles kernel (rope_mode "rotate_k", which always takes it)."""
-    from lazy_rag.kernels.prefill import plan_prefill
+    """A prefill of `new` tokens over `cached` per sequence through the runs kernel (rotate_q),
+    or, with kernel="tiles", through the tiles kernel (ROPE_MODE) as tiles_prefill plans it."""
+    from lazy_rag.bench.tiles_prefill import tiles_block_m
+    from lazy_rag.kernels.prefill import default_block_m, plan_prefill
     total = cached + new
     pps = -(-total // PAGE)
     t = table(batch, pps, total - (pps - 1) * PAGE)
@@ -123,11 +125,11 @@ def prefill(batch: int, new: int, cached: int, fp8: bool, kernel: str = "runs"):
     q = torch.zeros(batch * new, H, D, dtype=torch.bfloat16)
     q_pos = torch.arange(cached, total, dtype=torch.int32).repeat(batch)
     # the GPU's plan (rows per tile from the SM count)
-    from lazy_rag.kernels import prefill as pf
-    block_m = pf.default_block_m(new, H, HKV, "cuda", kernel, total=batch * new)
+    block_m = (tiles_block_m(new, H, HKV, "cuda") if kernel == "tiles"
+               else default_block_m(new, H, HKV, "cuda", total=batch * new))
     plan = plan_prefill(qo, H, HKV, "cpu", block_m=block_m)
     if kernel == "tiles":
-        paged_attention.launch(q, qo, q_pos, k, v, t, torch.ones(D // 2), rope_mode="rotate_k",
+        paged_attention.launch(q, qo, q_pos, k, v, t, torch.ones(D // 2), rope_mode=ROPE_MODE,
                                attention_scaling=1.0, sm_scale=None, tile_seq=plan.tile_seq,
                                tile_q0=plan.tile_q0, block_m=plan.block_m,
                                max_tiles_hint=t.max_pages, num_splits=None, out=None,
@@ -148,7 +150,7 @@ CASES = {
     "runs B1+512": ("prefill", lambda fp8: prefill(1, 512, 10240, fp8)),
     "runs B16+32": ("prefill", lambda fp8: prefill(16, 32, 10240, fp8)),
     "runs B16+512": ("prefill", lambda fp8: prefill(16, 512, 10240, fp8)),
-    "tiles B16+512 rotate_k": ("tiles", lambda fp8: prefill(16, 512, 10240, fp8, "tiles")),
+    "tiles B16+512": ("tiles", lambda fp8: prefill(16, 512, 10240, fp8, "tiles")),
 }
 
 PTX_CLASSES = {
@@ -262,8 +264,8 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--v-dims-major", action="store_true",
                     help="fp8 V pages dims-major (the layout before the pool's keys-major one)")
-    ap.add_argument("--rope-mode", default="rotate_q", choices=("rotate_q", "rotate_k", "none"),
-                    help="the decode cases' rope mode")
+    ap.add_argument("--rope-mode", default="rotate_q", choices=("rotate_q", "none"),
+                    help="the decode and tiles cases' rope mode")
     args = ap.parse_args()
     global V_KEYS_MAJOR, ROPE_MODE
     V_KEYS_MAJOR = not args.v_dims_major

@@ -8,8 +8,8 @@ has its own KV pool: the engine's own ``PageManager`` (GDSF eviction, as the eng
 pool of ``budget`` x the corpus (``--budgets 0.1,0.25``: the fraction of the 100 documents one
 GPU's pool holds). Every replica serves FIFO with a service time per request of ``base_ms`` +
 ``miss_ms`` per chunk missing from its pool: 17.0 ms + 12.9 ms per miss fits the H200's offline
-measurements of the 8B-shape lazy engine at budget 0.25 (BENCHMARKS.md, "GPU (H200, the paper's
-workload)": Zipf 43.9 req/s at hit ratio 0.91, uniform 18.0 req/s at 0.40; 12.9 ms is about one
+measurements of the 8B-shape lazy engine at budget 0.25 (BENCHMARKS.md, "Saturation and TTFT
+under load": Zipf 43.9 req/s at hit ratio 0.91, uniform 18.0 req/s at 0.40; 12.9 ms is about one
 256 MiB chunk from pinned host memory at ~20 GB/s). The load is a closed loop of
 ``--concurrency`` requests in flight per replica (the engine's running batch), so throughput is
 the system's saturated rate (counted while the loop is full: from the first counted request

@@ -1,8 +1,8 @@
 """The index build's write side alone, on this machine's disk (issue 24): how much of the disk's
 sequential write bandwidth the KV store's build path reaches when nothing else limits it.
 
-The GPU build of the 8B shape is bound by its writes (BENCHMARKS.md, "Indexing at scale": 50-66%
-of the disk's measured bandwidth). This takes the model out: synthetic KV of a model's shape,
+The GPU build of the 8B shape is bound by its writes (BENCHMARKS.md, "The 8B build against the disk's
+write bandwidth"). This takes the model out: synthetic KV of a model's shape,
 in chunks of ``--chunk-tokens`` tokens, batched as the build batches them (``--batch-tokens``),
 goes through the build's own path (``build_pipeline.KVWriter``: records prepared on its thread
 pool, appended in order by its writer thread to ``ChunkStore``'s segments, a checkpoint commit

@@ -18,6 +18,8 @@ _DONE = object()
 GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "mode", "stop", "boundary_recompute", "recovery",
                    "output_format", "presence_penalty", "frequency_penalty")
 _ALIASES = {"max_tokens": "max_new_tokens"}
+# the adapters' LLMs' default max_new_tokens (alias max_tokens), LangChain's and LlamaIndex's alike
+MAX_NEW_TOKENS = 256
 
 
 class RunStream:

@@ -36,7 +36,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 from lazy_rag.errors import LazyRagError
 from lazy_rag.models import canonical_name as _canonical
 
-from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
+from ._runtime import MAX_NEW_TOKENS, LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
 from .tool_calls import parse_tool_call, plan_tools
 
 __all__ = ["LazyRAGLLM", "ChatLazyRAG", "LazyRAGRetriever", "LazyRAGChain"]
@@ -50,7 +50,7 @@ _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"
 # lazy-rag's own; a keyword that is neither is refused (a misspelt option must not pass unnoticed)
 _MODEL_CONFIG = ConfigDict(arbitrary_types_allowed=True, extra="forbid", populate_by_name=True,
                            protected_namespaces=())
-_MAX_TOKENS = dict(default=256, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
+_MAX_TOKENS = dict(default=MAX_NEW_TOKENS, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
                    description="Most tokens generated per call (max_tokens is the same).")
 _MODEL = dict(default=None, alias="model", description="The model: a bundled name, an HF folder or a .gguf file, "
                                                        "loaded when neither llm= nor index= is given; else the "

@@ -53,7 +53,7 @@ from pydantic import AliasChoices
 from lazy_rag.chunking import CHUNK_OVERLAP, CHUNK_SIZE
 from lazy_rag.errors import LazyRagError
 
-from ._runtime import LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
+from ._runtime import MAX_NEW_TOKENS, LazyRuntime, Plan, RuntimeBacked, aiter_in_thread
 
 __all__ = ["LazyRAGLLM", "LazyRAGEmbedding", "LazyRAGRetriever", "LazyRAGSynthesizer", "LazyRAGQueryEngine",
            "nodes_from_documents", "index_from_nodes", "index_from_documents"]
@@ -72,7 +72,7 @@ class LazyRAGLLM(RuntimeBacked, CustomLLM):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", populate_by_name=True)
     mode: str = Field(default="lazy", description="lazy | block | prefix | full")
-    max_new_tokens: int = Field(default=256, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
+    max_new_tokens: int = Field(default=MAX_NEW_TOKENS, validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
                                 description="Most tokens generated per call (max_tokens is the same).")
     temperature: float = Field(default=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0)

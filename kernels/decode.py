@@ -36,8 +36,7 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
     q_pos    [B] int32   logical position of each new token
     inv_freq [D/2] fp32  model's RoPE inverse frequencies; attention_scaling multiplies cos/sin
     rope_mode            how the pool stores keys: "rotate_q" (the default: chunk-local
-                         rotation, table.rot_shift), "rotate_k" (unrotated), "none" (q and keys
-                         already rotated)
+                         rotation, table.rot_shift), "none" (q and keys already rotated)
     sm_scale             softmax scale of q.k (default head_dim ** -0.5)
     num_splits, tuning   split-KV programs per sequence; block_n, num_warps, num_stages,
                          split_target (paged_attention.launch)

@@ -38,9 +38,9 @@ They let one request see a shared chunk page with some of its tokens hidden (rec
 privately for that request) without writing the shared page, and store those recomputed tokens
 compactly in private pages whose slots carry scattered positions. RoPE does not change: a key's
 stored rotation is still described by its entry's rot_shift (rotate_q: stored rotated at its
-logical position - rot_shift), rotate_k rotates each key at its logical (explicit where given)
-position, "none" uses keys as stored. Explicit rows only exist for the attention kernels
-(lazy_decode, lazy_prefill, paged_attention_ref); the Block-Attention copies refuse them.
+logical position - rot_shift), "none" uses keys as stored. Explicit rows only exist for the
+attention kernels (lazy_decode, lazy_prefill, paged_attention_ref); the benchmarks'
+Block-Attention copy (lazy_rag.bench.block_attention) refuses them.
 
 Key visibility: key at logical position p is visible to a query at position m iff p <= m
 (queries sit below HIDDEN_POS, so a hidden slot is never visible; a query row with no visible
@@ -61,12 +61,13 @@ from . import compiler_setup
 
 # How the pool stores keys, and so how the kernels apply RoPE (the `rope_mode` of every entry
 # point): "none" keys stored rotated at their logical positions (q passed already rotated),
-# "rotate_k" keys stored unrotated (rotated in the kernel), "rotate_q" keys stored rotated at
-# chunk-local positions (position - rot_shift; the query is rotated once per chunk).
-ROPE_MODES = {"none": 0, "rotate_k": 1, "rotate_q": 2}
+# "rotate_q" keys stored rotated at chunk-local positions (position - rot_shift; the query is
+# rotated once per chunk). Keys stored unrotated and rotated per key in the loop cost 32% over
+# "none" in H200 decode (B32 x 8k: 328 vs 248 us; benchmarks/results/kernels_h200.json, rope
+# "rotate_k"), so no kernel serves that storage. The codes are the kernels' ROPE_MODE constexpr.
+ROPE_MODES = {"none": 0, "rotate_q": 2}
 # The engine's store format and every entry point's default: on the H200, rotate_q decode costs
-# <= 2% over "none" at batch >= 32 and context >= 8k, rotate_k ~29% (per-key cos/sin on the SFU
-# and keys staged through registers; BENCHMARKS.md).
+# <= 2% over "none" at batch >= 32 and context >= 8k (BENCHMARKS.md, "Decode, bf16").
 DEFAULT_ROPE_MODE = "rotate_q"
 # slot_pos value of a slot no query sees (int32 max: above every query position).
 HIDDEN_POS = 2**31 - 1

@@ -1,7 +1,7 @@
-"""The tiles attention kernel: lazy_decode's, and lazy_prefill's for rope_mode="rotate_k" (or
-with kernel="tiles"); its split merge and the split-KV helpers the runs kernel shares.
+"""The tiles attention kernel: lazy_decode's; its split merge and the split-KV helpers the runs
+kernel shares.
 
-Prefill with rope_mode "rotate_q" or "none" runs prefill_runs.py by default: there a program
+Prefill runs prefill_runs.py: there a program
 walks its page list as runs of equal rot_shift with a plain flash-attention inner loop (query
 rotated once per run, loop-invariant; no causal mask where every key is visible; one K=D QK
 dot), because this kernel's per-tile shift handling (below) keeps the query loop-carried and,
@@ -24,37 +24,32 @@ False and the kernel is the one it was before they existed.
 
 RoPE (ROPE_MODE):
   0 none      q and keys used as given (keys stored rotated at logical positions).
-  1 rotate_k  keys stored unrotated: the query is rotated once at m, every loaded key tile at
-              its keys' positions (one cos/sin per key and frequency, shared by all G heads).
   2 rotate_q  keys stored rotated at (pos - rot_shift): the query is rotated by (m - s0), s0 the
-              shift of the tile's first entry, and only re-rotated when s0 changes (once per
-              chunk, not per tile); keys are used as stored. Keys of a tile entry whose shift
-              differs from s0 (a chunk boundary inside the tile) get their scores from a second
-              pair of QK dots with the query rotated by (m - s_j), so every score uses the
-              reference's exact fp32 angle (rotating those keys by s_j - s0 instead would cost
-              fp32 angle error proportional to |s_j - s0|). In decode where registers are
-              short (RELOAD_Q, reload_query) each re-rotation loads q again (_query_halves)
-              instead of keeping an fp32 copy live across the KV loop: fp8 decode under its
-              register cap then spills almost nothing (BENCHMARKS.md, "fp8 decode: two K/V
-              buffers"). MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
-              (nothing to do); with two pages per tile in decode (page 64, 128 keys: the GPU
-              decode case) 4 where the Q tile's padded rows have room for the heads twice
-              (2 * GP <= 16: GQA up to 8), two row groups: rows h and GP + h both hold head h,
-              group 0 sees only the tile's first page and group 1 its second, each group's query
-              rotated by its own page's shift (re-rotated when either changes), and the groups
-              of a head merged by their maxima in the epilogue (_merge_row_groups), so a tile
-              across a chunk boundary costs no extra dot and no branch, and the K tile is not
-              held live for one; else 3, a uniform scalar `if s1 != s0` redoing the dots; 2
-              otherwise, a `while` loop over the tile's distinct shifts. The while loop is exact
-              but stops Triton from software-pipelining the KV loop (no cp.async in the PTX): on
-              an H200 it cost +34% in decode (B32 x 8k: 342 us vs 257 us with variant 3 vs
-              255 us for rope_mode="none"). Variant 4 took the fp8 decode loop (B32 x 8k) from
-              1,474 to 1,119 sm_90 SASS instructions and its spills to none (BENCHMARKS.md,
-              "fp8 decode: two row groups").
+              shift of the tile's first entry, and only re-rotated when s0 changes (once per chunk,
+              not per tile); keys are used as stored. Keys of a tile entry whose shift differs from
+              s0 (a chunk boundary inside the tile) get their scores from a second pair of QK dots
+              with the query rotated by (m - s_j), so every score uses the reference's exact fp32
+              angle (rotating those keys by s_j - s0 instead would cost fp32 angle error
+              proportional to |s_j - s0|). In decode where registers are short (RELOAD_Q,
+              reload_query) each re-rotation loads q again (_query_halves) instead of keeping an
+              fp32 copy live across the KV loop: fp8 decode under its register cap then spills
+              almost nothing. MULTI_SHIFT picks how, from the tile shape: 0 with one page per tile
+              (nothing to do); with two pages per tile in decode (page 64, 128 keys: the GPU decode
+              case) 4 where the Q tile's padded rows have room for the heads twice (2 * GP <= 16:
+              GQA up to 8), two row groups: rows h and GP + h both hold head h, group 0 sees only
+              the tile's first page and group 1 its second, each group's query rotated by its own
+              page's shift (re-rotated when either changes), and the groups of a head merged by
+              their maxima in the epilogue (_merge_row_groups), so a tile across a chunk boundary
+              costs no extra dot and no branch, and the K tile is not held live for one; else 3, a
+              uniform scalar `if s1 != s0` redoing the dots; 2 otherwise, a `while` loop over the
+              tile's distinct shifts. The while loop is exact but stops Triton from
+              software-pipelining the KV loop (no cp.async in the PTX): on an H200 it cost +34% in
+              decode (B32 x 8k: 342 us vs 257 us with variant 3 vs 255 us for rope_mode="none").
+              Variant 4 took the fp8 decode loop (B32 x 8k) from 1,474 to 1,119 sm_90 SASS
+              instructions and its spills to none (counted by benchmarks/ptx_fp8_loop.py).
 
-History: on the H200 (B32 x 8k, BENCHMARKS.md) rotating the query in every tile, both second-page
-dots unconditionally, cos/sin tables and programs covering several KV heads were all measured
-slower than the choices above, and were removed.
+Measured slower than the choices above on the H200 (B32 x 8k): rotating the query in every tile,
+both second-page dots unconditionally, cos/sin tables, and programs covering several KV heads.
 
 Online softmax in base 2 (fp32); output either written directly (one split) or as per-split
 fp32 partials + log2-sum-exp merged by _merge_kernel (flash-decoding).
@@ -68,9 +63,8 @@ takes each fold back out (l += p_n / v_scale_n = 2^(score_n - m)), so o = acc / 
 log2-sum-exp m + log2 l keep their meaning, and an approximate log2 or reciprocal (the SFU's,
 value_fold) scales a key's term in the numerator and the denominator alike. The tiles' scales
 are loaded one tile ahead. Fewer instructions per tile and fewer spills under the decode
-register cap: faster on an H200, unchanged for batched decode on an H100, faster there at B1
-(BENCHMARKS.md, "the value scales folded into the scores, again"). Prefill keeps _scaled_pv:
-the fold measured slower in the runs kernel.
+register cap: faster on an H200, unchanged for batched decode on an H100, faster there at B1.
+Prefill keeps _scaled_pv: the fold measured slower in the runs kernel.
 
 Row log-sum-exp (launch(return_lse=True)): the natural-log log-sum-exp of each query row's
 visible scaled scores (sm_scale * q.k), -inf for a row that sees no key, so that a caller can
@@ -356,11 +350,8 @@ def _paged_attn_kernel(
         q2 = q2 * q_mul
         qk_scale_log2 = qk_scale_log2 * q_div
 
-    if ROPE_MODE == 1:
-        qa, qb = _rotate_query(q1, q2, qp, freq, rope_scale, qk_dtype, FAST_TRIG)
-    else:
-        qa = q1.to(qk_dtype)
-        qb = q2.to(qk_dtype)
+    qa = q1.to(qk_dtype)
+    qb = q2.to(qk_dtype)
     p_start = tl.load(INDPTR + b)
     cur_shift = p_start * 0 - 2147483647       # no shift seen yet
     cur_shift1 = cur_shift                      # MULTI_SHIFT 4: row group 1's
@@ -408,13 +399,7 @@ def _paged_attn_kernel(
             k_ok = k_ok & (kpos != 2147483647)
         k_base = pid.to(tl.int64)[:, None] * stride_kp + off[:, None] * stride_kt + dh[None, :]
 
-        if ROPE_MODE == 1:
-            # cos/sin of the tile's keys: once per key and frequency, shared by the G query
-            # heads of the KV head
-            ck, sk = cos_sin(kpos.to(tl.float32)[:, None] * freq[None, :], FAST_TRIG)
-            ck = ck * rope_scale
-            sk = sk * rope_scale
-        elif ROPE_MODE == 2:
+        if ROPE_MODE == 2:
             if MULTI_SHIFT == 4:
                 # row group 0 scores the tile's first page, group 1 its second (vis below):
                 # each group's query rotated by its own page's shift, and again only when that
@@ -466,11 +451,6 @@ def _paged_attn_kernel(
             else:
                 s_off = pid.to(tl.int64) * stride_ksp + kvh * stride_ksh + off
                 ks = tl.load(K_SCALE + s_off, mask=k_ok, other=0.0).to(tl.float32)
-        if ROPE_MODE == 1:
-            k1f = k1.to(tl.float32)
-            k2f = k2.to(tl.float32)
-            k1 = (k1f * ck - k2f * sk).to(qk_dtype)
-            k2 = (k2f * ck + k1f * sk).to(qk_dtype)
         sc = tl.dot(qa, tl.trans(k1), input_precision=DOT_PREC)
         sc = tl.dot(qb, tl.trans(k2), acc=sc, input_precision=DOT_PREC)
         if ROPE_MODE == 2:
@@ -571,9 +551,6 @@ def _merge_kernel(PO, stride_pot, stride_poh, LSE, stride_lt, stride_lh, O, stri
         tl.store(LSE_OUT + t * stride_lot + h * stride_loh, lse_row * LN2)
 
 
-LAST_KERNEL = None   # the last compiled attention kernel launched (register / smem report)
-
-
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -587,8 +564,7 @@ def _multi_shift_variant(rope_mode_code: int, pages_per_tile: int, rows: int, bl
     where the padded query rows hold a second copy of the heads (two row groups), 3 two pages
     per tile in other decode (uniform scalar branch), 2 otherwise (while loop over the tile's
     distinct shifts). A table with explicit slot positions keeps 3: with their per-tile loads
-    (synchronous in the software pipeline) 4 measured 10-15% slower on an H100
-    (BENCHMARKS.md, "fp8 decode: two row groups")."""
+    (synchronous in the software pipeline) 4 measured 10-15% slower on an H100."""
     if rope_mode_code != ROPE_MODES["rotate_q"] or pages_per_tile == 1:
         return 0
     if pages_per_tile == 2 and block_m == 1 and 2 * gp <= rows and not slot_pos:
@@ -652,16 +628,14 @@ def wave_splits(n_programs: int, n_kv_tiles: int, slots: int) -> int:
 # fp8 decode (the tiles kernel at <= 64 rows, 4 warps, keys-major V): the loop is bound by
 # latency, with two programs (8 warps) per SM at the ~250 registers the compiler takes; capped at
 # 168 registers, three programs share an SM (65,536 / (128 threads x 168)) for a few spilled
-# bytes, and wave_splits fills whole waves of them (BENCHMARKS.md, "fp8 decode: three programs
-# per SM").
+# bytes, and wave_splits fills whole waves of them.
 FP8_DECODE_MAXNREG = 168
 FP8_DECODE_PER_SM = 3
 # ... and a deeper software pipeline for them: Triton gives the K/V tiles one shared-memory buffer
 # at num_stages 2-4 (the page-id load they depend on takes a stage of its own) and two from 5, so
-# that the next tile's bytes are in flight while this one is read (BENCHMARKS.md, "fp8 decode:
-# two K/V buffers"). Two buffers take ~72 KB a program: three programs fit the 227 KB of a
-# Hopper (or Blackwell data-centre) SM; on a GPU with less shared memory per SM the launch keeps
-# the default stages, which leave room for the three.
+# that the next tile's bytes are in flight while this one is read. Two buffers take ~72 KB a
+# program: three programs fit the 227 KB of a Hopper (or Blackwell data-centre) SM; on a GPU with
+# less shared memory per SM the launch keeps the default stages, which leave room for the three.
 FP8_DECODE_STAGES = 5
 FP8_DECODE_STAGES_SMEM = 3 * 72 * 1024
 
@@ -740,9 +714,10 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | None = None, maxnreg: int | None = None):
-    """The tiles kernel's launcher (lazy_decode; lazy_prefill with kernel="tiles"; the runs
-    kernel's launch_runs takes the same arguments). q [Tq, H, D]; tile_seq / tile_q0
+           qk_f16: bool | str = True, maxnreg: int | None = None):
+    """The tiles kernel's launcher (lazy_decode's; with block_m > 1 the kernel benchmarks' tiles
+    prefill, lazy_rag.bench.tiles_prefill; the runs kernel's launch_runs takes the same
+    arguments). q [Tq, H, D]; tile_seq / tile_q0
     [num_q_tiles] int32 (sequence and first query row of each query tile); max_tiles_hint:
     host-side max page entries of a sequence.
     Tuning (defaults from H200 sweeps): block_n keys per KV tile, num_warps, num_stages,
@@ -753,16 +728,15 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     Returns out [Tq, H, D]; with return_lse, (out, lse): lse [Tq, H] fp32, each row's natural-log
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
-    q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 (qk_f16_scale; None: with
-    bf16 compute, except rope_mode "rotate_k", whose keys are rotated in the loop)."""
+    q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 with bf16 compute
+    (qk_f16_scale; fp8_args)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
     assert k_pages.stride(-1) == 1 and q.stride(-1) == 1
     v_layout = v_args(v_pages)
     mode = rope_mode_code(rope_mode, table)
-    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale,
-                      qk_f16 if qk_f16 is not None else mode != ROPE_MODES["rotate_k"])
+    scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)
@@ -798,8 +772,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         if maxnreg:
             meta["maxnreg"] = maxnreg
     grid = (tile_seq.numel(), Hkv, num_splits)
-    global LAST_KERNEL
-    LAST_KERNEL = _paged_attn_kernel[grid](
+    _paged_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],

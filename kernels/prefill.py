@@ -2,15 +2,13 @@
 paged, position-free KV pool, variable lengths across the batch.
 
 The new tokens' own K/V must already be appended to pages listed in the table for their
-sequence (stored like any other page: unrotated for rope_mode="rotate_k", rotated at logical
-positions with rot_shift 0 for rope_mode="rotate_q"); attention to themselves is then causal
+sequence (stored like any other page: rotated at their logical positions, with rot_shift 0
+for rope_mode="rotate_q"); attention to themselves is then causal
 through the visibility rule (key position <= query position).
 
 `plan_prefill` turns qo_indptr into the list of query tiles once per batch shape (host side);
-`lazy_prefill` runs every layer with it. Two kernels compute it: prefill_runs.py (runs of equal
-rot_shift, a plain flash-attention inner loop: the default for rope_mode "rotate_q" and "none")
-and paged_attention.py's tiles kernel (lazy_decode's, with BLOCK_M query tokens per program: the
-default for "rotate_k", and reachable for every mode with kernel="tiles" for comparison).
+`lazy_prefill` runs every layer with it through prefill_runs.py's kernel (runs of equal
+rot_shift, a plain flash-attention inner loop).
 """
 from __future__ import annotations
 
@@ -37,32 +35,25 @@ class PrefillPlan:
 
 
 def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
-                    kernel: str = "runs", total: int | None = None,
-                    dtype: torch.dtype | None = None) -> int:
+                    total: int | None = None, dtype: torch.dtype | None = None) -> int:
     """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens and
-    all sequences ``total`` (default: longest), for `kernel` ("runs", the default, or "tiles")
-    in compute `dtype` (None: a 16-bit one)."""
+    all sequences ``total`` (default: longest), in compute `dtype` (None: a 16-bit one)."""
     gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     device = torch.device(device)
     if device.type != "cuda":
         rows = 32
-    elif kernel == "tiles":
-        # 256 (token, head) rows per tile when sequences are long enough to fill them
-        # (H200 sweep, +512 tokens: 256 rows 6.6 ms vs 128 rows 7.0 ms), else 128.
-        rows = 256 if longest * gp >= 256 else 128
     else:
         rows = runs_rows(longest * gp, (total or longest) * gp, num_kv_heads,
                          paged_attention._num_sms(device))
-    return max(1, max_rows(rows, dtype, kernel) // gp)
+    return max(1, max_rows(rows, dtype) // gp)
 
 
-def max_rows(rows: int, dtype: torch.dtype | None, kernel: str = "runs") -> int:
-    """rows, capped for a 32-bit compute dtype, whose larger tiles need more shared memory than
-    an SM has and fail to launch (sm_90 compiles at head_dim 128, against Hopper's 227 KB): the
-    runs kernel at most 128 rows (256: 263 KB; 128: 164 KB), the tiles kernel 64 (128 rows:
-    263 KB; 64: 230 KB)."""
+def max_rows(rows: int, dtype: torch.dtype | None) -> int:
+    """rows, capped at 128 for a 32-bit compute dtype, whose larger tiles need more shared
+    memory than an SM has and fail to launch (sm_90 compiles at head_dim 128, against Hopper's
+    227 KB: 256 rows take 263 KB, 128 rows 164 KB)."""
     if dtype is not None and dtype.itemsize > 2:
-        return min(rows, 128 if kernel == "runs" else 64)
+        return min(rows, 128)
     return rows
 
 
@@ -104,11 +95,10 @@ def runs_rows(longest_rows: int, total_rows: int, num_kv_heads: int, num_sms: in
 
 
 def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
-                 block_m: int | None = None, kernel: str = "runs",
-                 dtype: torch.dtype | None = None, encode: bool = False) -> PrefillPlan:
+                 block_m: int | None = None, dtype: torch.dtype | None = None,
+                 encode: bool = False) -> PrefillPlan:
     """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default_block_m: on the GPU
-    64-256 (token, head) rows for the runs kernel (runs_rows), 128 or 256 for the tiles kernel;
-    32 rows under the interpreter). ``encode``: an index build's encode batch, planned as a full
+    64-256 (token, head) rows (runs_rows); 32 rows under the interpreter). ``encode``: an index build's encode batch, planned as a full
     one whatever its size (encode_block_m's tiles; one split and a full batch's launch tuning,
     PrefillPlan.full_batch)."""
     ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
@@ -116,7 +106,7 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     if block_m is None and encode:
         block_m = encode_block_m(longest, num_qo_heads, num_kv_heads, device, dtype)
     elif block_m is None:
-        block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device, kernel,
+        block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device,
                                   total=ptr[-1] - ptr[0] if ptr else 0, dtype=dtype)
     seq, q0 = query_tiles(ptr, block_m)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
@@ -141,8 +131,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  attention_scaling: float = 1.0, sm_scale: float | None = None,
                  plan: PrefillPlan | None = None, num_splits: int | None = None,
                  out: torch.Tensor | None = None, return_lse: bool = False,
-                 kernel: str | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill / append attention.
 
@@ -153,15 +142,10 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
     tuning, return_lse, k_scale, v_scale (fp8 pages): as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
-    kernel     "runs" (prefill_runs.py: runs of equal rot_shift, the default for rope_mode
-               "rotate_q" and "none"), "tiles" (paged_attention.py: the decode kernel with
-               BLOCK_M rows, the default for "rotate_k"), None: the default for rope_mode.
-               Same results to rounding; the choice is speed only.
     Returns    [Tq, H, D] in q.dtype (written into `out` if given); with return_lse=True,
                (out, lse): lse [Tq, H] fp32, each row's natural-log log-sum-exp of its visible
                scores sm_scale * q.k, -inf for a row that sees no key (as lazy_decode).
     """
-    kernel = prefill_kernel(rope_mode, kernel)
     if not use_triton(q):
         res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
                                   rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
@@ -169,30 +153,15 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
-                            kernel=kernel, dtype=q.dtype)
+                            dtype=q.dtype)
     if plan.full_batch:      # an encode batch runs the kernel a full build batch compiled
         num_splits = 1 if num_splits is None else num_splits
-        if kernel == "runs":
-            tuning.setdefault("full_batch", True)
-    if kernel == "runs":
-        tuning.setdefault("split_target", plan.split_target)
-    launch = prefill_runs.launch_runs if kernel == "runs" else paged_attention.launch
-    return launch(
+        tuning.setdefault("full_batch", True)
+    tuning.setdefault("split_target", plan.split_target)
+    return prefill_runs.launch_runs(
         q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
         num_splits=num_splits, out=out, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
         **tuning)
 
-
-def prefill_kernel(rope_mode: str, kernel: str | None = None) -> str:
-    """The kernel lazy_prefill runs: `kernel` when given (checked), else "runs" for the rope
-    modes it serves and "tiles" for rotate_k."""
-    if kernel is None:
-        return "runs" if rope_mode in prefill_runs.RUNS_ROPE_MODES else "tiles"
-    if kernel not in ("runs", "tiles"):
-        raise ValueError(f"unknown prefill kernel {kernel!r}: 'runs' or 'tiles'")
-    if kernel == "runs" and rope_mode not in prefill_runs.RUNS_ROPE_MODES:
-        raise ValueError(f"the runs kernel serves rope_mode {prefill_runs.RUNS_ROPE_MODES}, "
-                         f"not {rope_mode!r}: use kernel='tiles'")
-    return kernel

@@ -1,8 +1,7 @@
-"""The prefill attention kernel over runs of equal rot_shift (lazy_prefill's default for
-rope_mode "rotate_q" and "none").
+"""The prefill attention kernel over runs of equal rot_shift (lazy_prefill's).
 
 Why a second kernel: in paged_attention._paged_attn_kernel (the "tiles" kernel, still
-lazy_decode's and rotate_k's) rotate_q re-rotates the query inside the KV loop whenever a tile's
+lazy_decode's) rotate_q re-rotates the query inside the KV loop whenever a tile's
 shift changes and handles tiles that straddle two chunks, so the query operand is a loop-carried
 value changed in a branch; on an H200 that prefill ran at 9.5% of roofline against 34.6% for the
 same kernel with no RoPE (+512 new tokens over 10k cached, B16). This kernel's hot loop is a
@@ -38,8 +37,7 @@ rotate_half partner (d + D/2) % D ("row", elementwise only, 2 * GP times the SFU
 products are the reference's either way.
 
 rope_mode "none" uses the same loops with the query loaded once (one run per range of entries,
-cut only by position). rotate_k keeps the tiles kernel (its per-key rotation is in the loop by
-nature). The grid, the GQA packing of query rows, split-KV over ranges of entries (a split's
+cut only by position). The grid, the GQA packing of query rows, split-KV over ranges of entries (a split's
 runs are the runs intersected with its range) and the epilogue (direct, or fp32 partials +
 log2-sum-exp merged by paged_attention._merge_kernel) are the tiles kernel's.
 """
@@ -369,10 +367,6 @@ def _prefill_runs_kernel(
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, D, DIRECT, WRITE_LSE)
 
-# rope modes this kernel serves (rotate_k: the tiles kernel)
-RUNS_ROPE_MODES = ("rotate_q", "none")
-
-
 def default_tuning(rows: int, interp: bool, n_programs: int | None, num_sms: int) -> dict:
     """block_n, num_warps, num_stages when the caller gives none, from the H100 sweep
     (benchmarks/results/kernels_h100_sweep.json, rotate_q, 10k cached tokens; the sm_90
@@ -416,10 +410,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     v_layout = v_args(v_pages)
     scaled = paged_attention.fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16)
     assert q_rotation in ("token", "row"), q_rotation
-    mode = rope_mode_code(rope_mode, table)
-    if mode not in (ROPE_MODES["rotate_q"], ROPE_MODES["none"]):
-        raise ValueError(f"the runs kernel serves rope_mode {RUNS_ROPE_MODES}, not {rope_mode!r}")
-    rotate_q = mode == ROPE_MODES["rotate_q"]
+    rotate_q = rope_mode_code(rope_mode, table) == ROPE_MODES["rotate_q"]
     G = H // Hkv
     GP = triton.next_power_of_2(G)
     rows = max(16, block_m * GP)
@@ -442,7 +433,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         meta["num_warps"] = num_warps or tun["num_warps"]
         meta["num_stages"] = num_stages or tun["num_stages"]
     grid = (tile_seq.numel(), Hkv, num_splits)
-    paged_attention.LAST_KERNEL = _prefill_runs_kernel[grid](
+    _prefill_runs_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_layout["stride_vd"],

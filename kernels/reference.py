@@ -3,7 +3,7 @@
 They are the test oracles (run with compute_dtype=float64) and the CPU runtime path (dispatch
 falls back to them on CPU tensors when the Triton interpreter is off). Tensor contracts are the
 kernels' own: see page_table.py for the pool and the page table, decode.py / prefill.py /
-block_copy.py for the entry points.
+page_copy.py for the entry points.
 """
 from __future__ import annotations
 
@@ -51,14 +51,6 @@ def visible_tokens(k_pages, v_pages, table: PageTable, b: int):
     return k[keep], v[keep], pos[keep], shift[keep]
 
 
-def refuse_slot_pos(table: PageTable, what: str) -> None:
-    """The Block-Attention copies lay tokens out in table order at page_pos + slot; they have no
-    use for explicit slot positions, so a table that carries them is an error there."""
-    if table.has_slot_pos:
-        raise ValueError(f"{what} does not support explicit slot positions (table.slot_pos): "
-                         "use lazy_decode / lazy_prefill / paged_attention_ref")
-
-
 def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
                         rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                         sm_scale: float | None = None, compute_dtype=torch.float32,
@@ -68,8 +60,7 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
     q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
     (sequence b's queries are rows qo_indptr[b]..qo_indptr[b+1]-1), q_pos [Tq] logical positions.
     Explicit slot positions (table.slot_pos) are honoured; hidden slots are dropped.
-    rope_mode: "rotate_k" keys stored unrotated, rotated at their logical positions;
-               "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by
+    rope_mode: "rotate_q" keys stored rotated at (pos - rot_shift); query rotated by
                           (m - rot_shift);
                "none"     q and keys already rotated.
     Returns [Tq, H, D] in q.dtype. A query with no visible key gets zeros.
@@ -100,12 +91,6 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
         mpos = q_pos[qs:qe].long().to(q.device)
         if rope_mode == "none":
             scores = torch.einsum("thd,nhd->htn", qb.to(compute_dtype), k.to(compute_dtype))
-        elif rope_mode == "rotate_k":
-            cq, sq = rope_cos_sin(mpos, inv_freq, attention_scaling)
-            ck, sk = rope_cos_sin(kpos, inv_freq, attention_scaling)
-            qr = rotate(qb, cq[:, None], sq[:, None]).to(compute_dtype)
-            kr = rotate(k, ck[:, None], sk[:, None]).to(compute_dtype)
-            scores = torch.einsum("thd,nhd->htn", qr, kr)
         elif rope_mode == "rotate_q":
             scores = torch.empty(H, qe - qs, k.shape[0], dtype=compute_dtype, device=q.device)
             kc = k.to(compute_dtype)
@@ -124,43 +109,6 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
             lse[qs:qe] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
-
-
-def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq,
-                            rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
-                            max_len: int | None = None):
-    """Block-Attention's materialised copy: per sequence, contiguous K/V in table order with keys
-    re-rotated to their logical positions.
-
-    rope_mode describes how the pool stores keys: "rotate_k" unrotated (rotate by pos, scaled),
-    "rotate_q" rotated at (pos - rot_shift) (rotate by rot_shift, pure rotation), "none" already
-    at logical positions (copy). Returns k, v [B, Hkv, T, D] (pool dtype, zero padded past
-    kv_len), kv_len [B] int32, pos [B, T] int32 (-1 padding). No explicit slot positions.
-    """
-    refuse_slot_pos(table, "block_gather_rotate")
-    B = table.batch_size
-    Hkv, D = k_pages.shape[1], k_pages.shape[3]
-    seqs = [gather_tokens(k_pages, v_pages, table, b) for b in range(B)]
-    T = max_len if max_len is not None else max([s[0].shape[0] for s in seqs] + [1])
-    dev = k_pages.device
-    ko = torch.zeros(B, Hkv, T, D, dtype=k_pages.dtype, device=dev)
-    vo = torch.zeros_like(ko)
-    kv_len = torch.zeros(B, dtype=torch.int32, device=dev)
-    pos = torch.full((B, T), -1, dtype=torch.int32, device=dev)
-    inv_freq = inv_freq.float().to(dev)
-    for b, (k, v, kpos, kshift) in enumerate(seqs):
-        n = k.shape[0]
-        if rope_mode == "rotate_k":
-            c, s = rope_cos_sin(kpos, inv_freq, attention_scaling)
-            k = rotate(k, c[:, None], s[:, None])
-        elif rope_mode == "rotate_q":
-            c, s = rope_cos_sin(kshift, inv_freq, 1.0)
-            k = rotate(k, c[:, None], s[:, None])
-        ko[b, :, :n] = k.to(k_pages.dtype).transpose(0, 1)
-        vo[b, :, :n] = v.transpose(0, 1)
-        kv_len[b] = n
-        pos[b, :n] = kpos.to(torch.int32)
-    return ko, vo, kv_len, pos
 
 
 def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,

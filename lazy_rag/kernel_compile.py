@@ -9,9 +9,9 @@ every later process with the same Triton, GPU architecture and kernel source loa
 A machine's first index build compiles the encode's attention kernel (~2.5 s on an H100) and
 Triton's one-time setup (~1 s) while the disk it writes to waits, and its encode calibration's
 kernels beside its writes: on the 8B shape that kept most first builds under 70% of the disk's write
-bandwidth, against 74-106% for a machine's second build (BENCHMARKS.md, "Indexing at scale",
-sessions 28-31). Compiling inside the build's own process, beside the model's load, was measured and
-dropped: the compile and the load take turns (session 30).
+bandwidth, against 74-106% for a machine's second build (BENCHMARKS.md, "The 8B build against the
+disk's write bandwidth"). Compiling inside the build's own process, beside the model's load, gains
+nothing: the compile and the load take turns.
 
 A compiled variant depends on the attention's shape (heads, KV heads, head dim, RoPE), the model's
 dtype, the pool's and the store's KV dtype and the page size, never on the number of layers, the
@@ -33,8 +33,9 @@ weights (the config alone is read: no weights are loaded, and a random-weights a
 
 Not covered, so possibly still compiled on first use: builds with ``--shared-prefix``, contexts
 past 16k tokens, and batches whose kernel settings differ from these. For the 8B shape,
-BENCHMARKS.md lists what a build and a query compiled after this command. On a CPU there is
-nothing to compile: the CPU runs torch's kernels, and this says so.
+BENCHMARKS.md ("A machine's first build and queries") lists what a build and a query compiled
+after this command. On a CPU there is nothing to compile: the CPU runs torch's kernels, and this
+says so.
 """
 from __future__ import annotations
 

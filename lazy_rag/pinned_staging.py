@@ -6,7 +6,7 @@ fraction of a second per GB, under the CUDA driver's lock; torch's caching host 
 each request up to a power of two and can only hand a block back once nothing holds it, while an
 index build keeps two or three batches alive at once (one encoding, the rest waiting for the
 disk). On the H100 machine a bf16 8B build allocated anew for half of its batches, seconds in
-all on the encoding thread (BENCHMARKS.md, "Pinned staging and balanced batches").
+all on the encoding thread.
 
 So a build takes ``slots`` buffers of exactly ``slot_bytes``, made one by one on a background
 thread from the moment the staging is created: ordinary host memory whose pages that thread

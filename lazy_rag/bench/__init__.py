@@ -5,7 +5,9 @@ Modules, one job each: ``workload`` (documents, requests, arrivals), ``driver`` 
 over one request list), ``metrics`` (latency percentiles, throughput, hit ratios), ``records``
 (environment, JSON, tables), ``progress`` (progress bar), ``defaults`` (per-device settings and
 ``--preset`` workloads), ``runner`` (the sweep), ``plots`` (PNG figures; needs matplotlib, imported
-only there), ``soak`` (the engine soak the tests and benchmarks/reliability_soak.py share). Models
+only there), ``soak`` (the engine soak the tests and benchmarks/reliability_soak.py share);
+for benchmarks/attention_kernels.py, ``block_attention`` (the Block-Attention baseline's kernel)
+and ``launches`` (which compiled kernel a launch took). Models
 with random weights of a named architecture are the core's (``lazy_rag.random_models``). The core
 needs only torch, transformers and numpy.
 """

@@ -20,8 +20,8 @@ GPU_DEFAULTS = dict(model=None, random_weights="llama-3.1-8b", docs=100, doc_tok
 # sequences of a batch): a full prefill is ~3-4x slower than transformers' SDPA and a decode step
 # takes ~0.1-0.2 s. 128-token documents, 4 per request, 8 output tokens and 12 requests keep the
 # whole sweep (4 engine modes x 2 budgets x 3 rates, transformers x 3 rates) to ~4.5 min on 2 cores
-# (BENCHMARKS.md). 1.5 req/s is below lazy's CPU saturation (~2.3 req/s) and above full's (~1.2);
-# 3 is above both.
+# (BENCHMARKS.md, "Serving the paper's workload", "On a CPU"). 1.5 req/s is below lazy's CPU
+# saturation (~2.3 req/s) and above full's (~1.2); 3 is above both.
 CPU_DEFAULTS = dict(model="smollm2", random_weights=None, docs=20, doc_tokens=128, k=4, question_tokens=32,
                     output_tokens=8, requests=12, hf_requests=6, rates="offline,1.5,3", budgets="1.0,0.2",
                     max_num_seqs=8, out="serving_cpu", **_EVERY_DEVICE)

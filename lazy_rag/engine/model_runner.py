@@ -294,7 +294,7 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
     views it writes as they are; a chunk's slice of a layer-major batch is not contiguous, and the
     store's copy of it (2 GB per batch of the 8B shape, on the host's prepare threads, into freshly
     faulted memory on a build's first batch) was the writer's largest cost after the disk itself
-    (BENCHMARKS.md, "A machine's first 8B build"). ``host_alloc(shape, dtype)``: the pinned host
+    (BENCHMARKS.md, "The encode alone"). ``host_alloc(shape, dtype)``: the pinned host
     tensor each one goes to (default: fresh pinned memory)."""
     out = [[] for _ in spans]
     for t in tensors:

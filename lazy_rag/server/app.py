@@ -60,7 +60,7 @@ class ServerSettings:
     documents). ``engine_restart``: how a dead engine process is replaced (``RestartPolicy``).
     ``engine_process``: run the engine in its own process (``ProcessDriver``), else in a thread
     of the server's process. On by default. Measured on the 2-core CPU machine (BENCHMARKS.md,
-    "Server"; benchmarks/server_load.py --compare-drivers): the two are equal within the
+    "Server: HTTP against in-process"; benchmarks/server_load.py --compare-drivers): the two are equal within the
     machine's noise (saturated 3.17 vs 3.21 req/s, low load 0.92 vs 0.89, alternating rounds),
     and with it the load test meets its target (1.05x and 1.02x of in-process at saturation). So
     it costs nothing measurable there, and it removes what held the H100 at 0.81x: the event

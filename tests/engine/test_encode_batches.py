@@ -90,7 +90,7 @@ def test_a_small_encode_batch_runs_the_kernel_a_full_one_compiled(tokenizer, dev
     of its own to compile on a machine's first update."""
     if torch.device(device).type != "cuda":
         pytest.skip("the Triton prefill kernel runs on CUDA only")
-    from lazy_rag.kernels import paged_attention
+    from lazy_rag.bench.launches import recorded_launches
 
     model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
     llm = LazyLLM(model, tokenizer, page_size=16)
@@ -98,9 +98,10 @@ def test_a_small_encode_batch_runs_the_kernel_a_full_one_compiled(tokenizer, dev
     kernels = []
     for n_chunks in (48, 2):
         chunks = [torch.randint(200, 4000, (131,), generator=g).tolist() for _ in range(n_chunks)]
-        llm.engine.encode_chunks(chunks, cache=False)
-        kernels.append(paged_attention.LAST_KERNEL)
-    assert kernels[0] is kernels[1]
+        with recorded_launches() as launched:
+            llm.engine.encode_chunks(chunks, cache=False)
+        kernels.append(launched.last)
+    assert kernels[0] is not None and kernels[0] is kernels[1]
 
 
 def test_a_build_warms_its_encode_up_beside_its_chunking_and_writes_the_same_kv(tokenizer, device, tmp_path,
@@ -140,14 +141,15 @@ def test_the_encode_warmup_compiles_the_kernel_a_build_batch_runs(tokenizer, dev
     so that the build finds it compiled."""
     if torch.device(device).type != "cuda":
         pytest.skip("the Triton prefill kernel runs on CUDA only")
+    from lazy_rag.bench.launches import recorded_launches
     from lazy_rag.build_pipeline import EncodeWarmup
-    from lazy_rag.kernels import paged_attention
 
     model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
     llm = LazyLLM(model, tokenizer, page_size=16)
-    EncodeWarmup(llm, (), None, model.dtype).wait()
-    warmed = paged_attention.LAST_KERNEL
+    with recorded_launches() as warmup:
+        EncodeWarmup(llm, (), None, model.dtype).wait()
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(150, 260, (40,), generator=g).tolist()
-    llm.engine.encode_chunks([torch.randint(200, 4000, (n,), generator=g).tolist() for n in lengths], cache=False)
-    assert warmed is not None and paged_attention.LAST_KERNEL is warmed
+    with recorded_launches() as build:
+        llm.engine.encode_chunks([torch.randint(200, 4000, (n,), generator=g).tolist() for n in lengths], cache=False)
+    assert warmup.last is not None and build.last is warmup.last

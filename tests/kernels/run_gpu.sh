@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The kernel tests on a CUDA machine: every test of tests/kernels, in bf16 and fp16 (tolerances
-# 1e-2 / 1e-3): test_attention.py (decode, prefill, RoPE scalings, the block copy),
+# 1e-2 / 1e-3): test_attention.py (decode, prefill, RoPE scalings, the benchmarks' Block-Attention
+# copy, lazy_rag.bench.block_attention),
 # test_slot_positions.py (explicit per-slot positions: hidden slots in shared pages, compact
 # private runs, all-hidden sequences), test_lse.py (return_lse: each row's log-sum-exp, the
 # two-group merge and APE's temperature merge), test_prefill_runs.py (the runs prefill kernel,
-# lazy_prefill's default: run boundaries, split-KV, the mask segmentation),
-# test_page_copy.py and test_fp8.py (fp8 pages with per-token scales: decode, both prefill kernels
-# and the block copy against the reference over the dequantised pages).
+# lazy_prefill's: run boundaries, split-KV, the mask segmentation; beside it the benchmarks' tiles
+# prefill, lazy_rag.bench.tiles_prefill), test_page_copy.py and test_fp8.py (fp8 pages with
+# per-token scales: decode, both prefills and the block copy against the reference over the
+# dequantised pages).
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
 # The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail

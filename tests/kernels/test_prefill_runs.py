@@ -1,6 +1,6 @@
-"""The runs prefill kernel (kernels/prefill_runs.py, lazy_prefill's default for rotate_q and
-none) against the fp64 reference, its run / mask segmentation against a python mirror, and the
-tiles kernel still reachable through lazy_prefill(kernel="tiles").
+"""The runs prefill kernel (kernels/prefill_runs.py, lazy_prefill's) against the fp64 reference,
+its run / mask segmentation against a python mirror, and the benchmarks' tiles prefill
+(lazy_rag.bench.tiles_prefill) beside it.
 
 Shapes put run boundaries everywhere a tile can meet them: pages of 1 (32 entries per tile), 4
 (runs of 1 and 3 pages, shorter than an 8-page tile), 16 (two pages per tile, the 64-token chunk
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from _cases import CHUNKS, DTYPES, PREFILL, TOL, Case, inv_freq_for, rel_err
+from lazy_rag.bench.tiles_prefill import tiles_block_m, tiles_prefill
 from lazy_rag.kernels import PrefillPlan, lazy_prefill, paged_attention_ref, plan_prefill
 from lazy_rag.kernels.prefill_runs import _run_bounds
 
@@ -53,9 +54,9 @@ def _ref(c, rope_mode):
                                rope_mode, compute_dtype=torch.float64, return_lse=True)
 
 
-def _prefill(c, rope_mode, plan=None, **kw):
+def _prefill(c, rope_mode, plan=None, fn=lazy_prefill, **kw):
     inv = inv_freq_for("default", c.D)[0].to(c.q.device)
-    return lazy_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table, inv,
+    return fn(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table, inv,
                         rope_mode=rope_mode, plan=plan, out=torch.full_like(c.q, float("nan")),
                         return_lse=True, **kw)
 
@@ -75,7 +76,7 @@ def test_runs_kernel(G, D, page, block_n, block_m, splits, layout, rope_mode, po
                      q_rotation, dtype):
     c = _case(G, D, page, layout, dtype, pos_base, seed=G * 11 + page)
     plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=block_m)
-    out, lse = _prefill(c, rope_mode, plan, kernel="runs", block_n=block_n, num_splits=splits,
+    out, lse = _prefill(c, rope_mode, plan, block_n=block_n, num_splits=splits,
                         q_rotation=q_rotation)
     ref_out, ref_lse = _ref(c, rope_mode)
     rows = c.qo_indptr[-2:].tolist()      # the sequence with no entry: zeros, -inf
@@ -87,8 +88,8 @@ def test_runs_kernel(G, D, page, block_n, block_m, splits, layout, rope_mode, po
 @pytest.mark.parametrize("rope_mode", ["rotate_q", "none"])
 def test_padding_tiles_and_kernels_agree(rope_mode):
     """Query tiles that own no row (a CUDA-graph plan padded to a fixed tile count) write
-    nothing; the runs and tiles kernels agree with each other and the reference; the runs
-    kernel is the default."""
+    nothing; the runs kernel and the benchmarks' tiles prefill agree with each other and the
+    reference."""
     dtype = DTYPES[0]
     c = _case(4, 64, 16, "plain", dtype, 0, seed=5)
     plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, block_m=8)
@@ -97,20 +98,21 @@ def test_padding_tiles_and_kernels_agree(rope_mode):
     pad = lambda t, v: torch.cat([t, torch.full((3,), v, dtype=t.dtype, device=dev)])  # noqa
     padded = PrefillPlan(pad(plan.tile_seq, c.table.batch_size - 1), pad(plan.tile_q0, n), 8)
     ref_out, ref_lse = _ref(c, rope_mode)
-    runs = _prefill(c, rope_mode, padded, kernel="runs", num_splits=2)
-    tiles = _prefill(c, rope_mode, plan, kernel="tiles")
-    default = _prefill(c, rope_mode, plan)
-    for out, lse in (runs, tiles, default):
+    runs = _prefill(c, rope_mode, padded, num_splits=2)
+    tiles = _prefill(c, rope_mode, plan, fn=tiles_prefill)
+    unpadded = _prefill(c, rope_mode, plan)
+    for out, lse in (runs, tiles, unpadded):
         _check(out, lse, ref_out, ref_lse, dtype)
-    assert torch.equal(default[0], _prefill(c, rope_mode, plan, kernel="runs")[0])
 
 
-def test_kernel_choice_is_checked():
+def test_keys_stored_unrotated_have_no_kernel():
+    """rope_mode "rotate_k" (keys stored unrotated, rotated per key) is no storage the kernels
+    serve: refused, not computed some other way."""
     c = _case(2, 64, 16, "plain", DTYPES[0], 0, seed=1)
     with pytest.raises(ValueError, match="rotate_k"):
-        _prefill(c, "rotate_k", kernel="runs")
-    with pytest.raises(ValueError, match="prefill kernel"):
-        _prefill(c, "rotate_q", kernel="flash")
+        _prefill(c, "rotate_k")
+    with pytest.raises(ValueError, match="rotate_k"):
+        _prefill(c, "rotate_k", fn=tiles_prefill)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,5 +238,6 @@ def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch
     assert encode_block_m(256, 32, 8, "cuda", torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.bfloat16) == full
-    assert default_block_m(512, 32, 8, "cuda", "tiles", dtype=torch.float32) * 4 == 64
-    assert default_block_m(512, 32, 8, "cuda", "tiles", dtype=torch.float16) * 4 == 256
+    # the tiles prefill's own tiles: 64 rows at most in fp32, 256 in 16 bits
+    assert tiles_block_m(512, 32, 8, "cuda", dtype=torch.float32) * 4 == 64
+    assert tiles_block_m(512, 32, 8, "cuda", dtype=torch.float16) * 4 == 256

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
-from lazy_rag.kernels import (HIDDEN_POS, PageTable, block_attention_decode, block_gather_rotate,
-                              block_gather_rotate_ref, lazy_decode, lazy_prefill,
+from lazy_rag.bench.block_attention import (block_attention_decode, block_gather_rotate,
+                                            block_gather_rotate_ref)
+from lazy_rag.kernels import (HIDDEN_POS, PageTable, lazy_decode, lazy_prefill,
                               paged_attention_ref, rope_cos_sin, rotate)
 
-ROPE_MODES = ["rotate_q", "rotate_k", "none"]
+ROPE_MODES = ["rotate_q", "none"]
 # hidden: slots hidden in about half of the shared chunk entries, recomputed into a compact run;
 # compact: private tokens stored shuffled with explicit positions; both: the two, plus sequence 2
 # (over chunks 2 and 0, which other sequences see) with every slot hidden.
@@ -91,7 +92,7 @@ def _without_rows(table: PageTable, m: int, page: int) -> PageTable:
                      torch.zeros(m, page, dtype=torch.int32, device=table.page_ids.device))
 
 
-@pytest.mark.parametrize("rope_mode,m", [("rotate_q", 3), ("rotate_k", 0)])
+@pytest.mark.parametrize("rope_mode,m", [("rotate_q", 3), ("none", 0)])
 def test_rows_of_minus_one_change_nothing(rope_mode, m):
     """A table whose every slot_pos_row is -1 gives bit-identical results to the same table
     without slot positions (decode with a split merge, and prefill). Decode over tiles of two
@@ -136,10 +137,8 @@ def _prompt_attention(c, inv, rope_mode):
         k = c.k_pages[page, :, slot].repeat_interleave(G, dim=1)       # [n, H, D]
         v = c.v_pages[page, :, slot].repeat_interleave(G, dim=1).double()
         q, m = c.q[qs:qe], c.q_pos[qs:qe].long()
-        if rope_mode == "rotate_k":
-            qr = rotate(q, *(x[:, None] for x in rope_cos_sin(m, inv))).double()
-            kr = rotate(k, *(x[:, None] for x in rope_cos_sin(pos, inv))).double()
-            scores = torch.einsum("thd,nhd->htn", qr, kr)
+        if rope_mode == "none":   # query and keys used as stored
+            scores = torch.einsum("thd,nhd->htn", q.double(), k.double())
         else:   # rotate_q: query rotated by (m - shift of each key)
             cq, sq = rope_cos_sin(m[:, None] - shift[None, :], inv)    # [t, n, D/2]
             qr = rotate(q[:, None], cq[:, :, None], sq[:, :, None]).double()  # [t, n, H, D]
@@ -151,12 +150,12 @@ def _prompt_attention(c, inv, rope_mode):
     return out
 
 
-@pytest.mark.parametrize("rope_mode", ["rotate_q", "rotate_k"])
+@pytest.mark.parametrize("rope_mode", ["rotate_q", "none"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_reference_means_the_prompt(layout, rope_mode):
     """The oracle reads explicit rows as the contract says: its result is attention over the
-    prompt each case was built to mean (hidden slots gone, explicit positions for visibility
-    and rotate_k's rotation, each entry's rot_shift for rotate_q)."""
+    prompt each case was built to mean (hidden slots gone, explicit positions for visibility,
+    each entry's rot_shift for rotate_q)."""
     c = _case(PREFILL, layout, G=2, D=64, page=4, dtype=torch.float32, seed=13)
     inv = inv_freq_for("default", 64)[0]
     # Both rotate in fp32; torch's vectorised and scalar cos/sin may differ by an ulp, so the

@@ -1,6 +1,8 @@
-"""Block-Attention's baseline fast path: one fused kernel gathers each sequence's pages into a
-per-request contiguous K/V and re-rotates the keys to their logical positions; ordinary
-attention (torch SDPA / flash) then runs on the copy.
+"""Block-Attention's decode, the baseline the lazy kernels are benchmarked against
+(benchmarks/attention_kernels.py): one fused kernel gathers each sequence's pages into a
+per-request contiguous K/V and re-rotates the keys to their logical positions; ordinary attention
+(torch SDPA / flash) then runs on the copy. The engine's own block mode copies inside its pool
+instead (kernels/page_copy.py); nothing of the runtime imports this.
 
 This is the honest competitor of the lazy kernels: it reads every cached page once and writes
 it once (2x the KV bytes of a lazy read), plus the request-resident copy it materialises.
@@ -10,11 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton_import import tl, triton
-from .kv_quant import FP8
-from .page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, rope_mode_code, use_triton
-from .reference import block_gather_rotate_ref, refuse_slot_pos
-from .rope import apply_rope, cos_sin
+from lazy_rag.kernels.kv_quant import FP8
+from lazy_rag.kernels.page_table import DEFAULT_ROPE_MODE, PageTable, interpreting, use_triton
+from lazy_rag.kernels.reference import gather_tokens
+from lazy_rag.kernels.rope import apply_rope, cos_sin, rope_cos_sin, rotate
+from lazy_rag.kernels.triton_import import tl, triton
+
+# How the pool stores keys (the gather kernel's ROPE_MODE): the lazy kernels' two storages and
+# "rotate_k", keys stored unrotated (the storage Block-Attention itself assumes)
+BLOCK_ROPE_MODES = {"none": 0, "rotate_k": 1, "rotate_q": 2}
 
 
 @triton.jit
@@ -83,7 +89,11 @@ def block_gather_rotate(k_pages: torch.Tensor, v_pages: torch.Tensor, table: Pag
                                                   attention_scaling, max_len)
         return k, v, kv_len
     refuse_slot_pos(table, "block_gather_rotate")
-    mode = rope_mode_code(rope_mode, table)
+    if rope_mode not in BLOCK_ROPE_MODES:
+        raise ValueError(f"unknown rope_mode {rope_mode!r}: one of {sorted(BLOCK_ROPE_MODES)}")
+    if rope_mode == "rotate_q" and table.rot_shift is None:
+        raise ValueError("rope_mode='rotate_q' needs table.rot_shift")
+    mode = BLOCK_ROPE_MODES[rope_mode]
     num_pages, Hkv, page, D = k_pages.shape
     B = table.batch_size
     T = max_len if max_len is not None else table.max_pages * page
@@ -137,3 +147,48 @@ def block_attention_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     o = F.scaled_dot_product_attention(qr[:, :, None, :], k, v, attn_mask=mask, scale=sm_scale,
                                        enable_gqa=True)
     return o[:, :, 0, :]
+
+
+def refuse_slot_pos(table: PageTable, what: str) -> None:
+    """The Block-Attention copies lay tokens out in table order at page_pos + slot; they have no
+    use for explicit slot positions, so a table that carries them is an error there."""
+    if table.has_slot_pos:
+        raise ValueError(f"{what} does not support explicit slot positions (table.slot_pos): "
+                         "use lazy_decode / lazy_prefill / paged_attention_ref")
+
+
+def block_gather_rotate_ref(k_pages, v_pages, table: PageTable, inv_freq,
+                            rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
+                            max_len: int | None = None):
+    """Block-Attention's materialised copy: per sequence, contiguous K/V in table order with keys
+    re-rotated to their logical positions.
+
+    rope_mode describes how the pool stores keys: "rotate_k" unrotated (rotate by pos, scaled),
+    "rotate_q" rotated at (pos - rot_shift) (rotate by rot_shift, pure rotation), "none" already
+    at logical positions (copy). Returns k, v [B, Hkv, T, D] (pool dtype, zero padded past
+    kv_len), kv_len [B] int32, pos [B, T] int32 (-1 padding). No explicit slot positions.
+    """
+    refuse_slot_pos(table, "block_gather_rotate")
+    B = table.batch_size
+    Hkv, D = k_pages.shape[1], k_pages.shape[3]
+    seqs = [gather_tokens(k_pages, v_pages, table, b) for b in range(B)]
+    T = max_len if max_len is not None else max([s[0].shape[0] for s in seqs] + [1])
+    dev = k_pages.device
+    ko = torch.zeros(B, Hkv, T, D, dtype=k_pages.dtype, device=dev)
+    vo = torch.zeros_like(ko)
+    kv_len = torch.zeros(B, dtype=torch.int32, device=dev)
+    pos = torch.full((B, T), -1, dtype=torch.int32, device=dev)
+    inv_freq = inv_freq.float().to(dev)
+    for b, (k, v, kpos, kshift) in enumerate(seqs):
+        n = k.shape[0]
+        if rope_mode == "rotate_k":
+            c, s = rope_cos_sin(kpos, inv_freq, attention_scaling)
+            k = rotate(k, c[:, None], s[:, None])
+        elif rope_mode == "rotate_q":
+            c, s = rope_cos_sin(kshift, inv_freq, 1.0)
+            k = rotate(k, c[:, None], s[:, None])
+        ko[b, :, :n] = k.to(k_pages.dtype).transpose(0, 1)
+        vo[b, :, :n] = v.transpose(0, 1)
+        kv_len[b] = n
+        pos[b, :n] = kpos.to(torch.int32)
+    return ko, vo, kv_len, pos
