@@ -172,13 +172,14 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
     limits = httpx.Limits(max_connections=args.clients * 2 + 8)
     async with httpx.AsyncClient(limits=limits) as client:
         first_key = next(iter(keys.values()))
+        auth = {"Authorization": f"Bearer {first_key}"}  # /info is for key holders only
         reference = []
         for body in requests:  # each request's answer, uninterrupted and alone
             outcome, text = await ask(client, chat, first_key, body, stream=False, hang_up=False)
             if outcome != "ok":
                 raise SystemExit(f"the reference run of a request failed: {outcome}")
             reference.append(text)
-        info = (await client.get(url + "/info")).json()
+        info = (await client.get(url + "/info", headers=auth)).json()
         memory = {"server_start": rss_mb(server.pid), "engine_start": rss_mb(info["engine_process"])}
 
         outcomes: Counter = Counter()
@@ -216,7 +217,7 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
                 await asyncio.sleep(args.kill_every)
                 if time.monotonic() > deadline - 5:
                     return
-                pid = (await client.get(url + "/info")).json()["engine_process"]
+                pid = (await client.get(url + "/info", headers=auth)).json()["engine_process"]
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -260,7 +261,7 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
             if (up == 1 and depth == 0 and metric(text, "lazy_rag_requests_running") == 0) or time.monotonic() > end:
                 break
             await asyncio.sleep(1)
-        info = (await client.get(url + "/info")).json()
+        info = (await client.get(url + "/info", headers=auth)).json()
         memory.update(server_end=rss_mb(server.pid), engine_end=rss_mb(info["engine_process"]))
         pages = {state: metric(text, f'lazy_rag_pool_pages{{state="{state}"}}')
                  for state in ("total", "in_use", "cached", "private")}

@@ -1,8 +1,13 @@
 """The timing attack on a shared cache, as a measurement: can tenant B tell, from how long its
 request takes, whether tenant A sent the same document before?
 
-Tenant a sends ``trials`` documents; then, per document and in random order, b sends it (the
-probe), b sends a fresh one (a cold miss), and a sends it again (its own repeat, a hit). The
+Tenant a sends ``trials`` documents, ``prime_batch`` to a request; after each such request, per
+document it sent and in random order, b sends it (the probe), b sends a fresh one (a cold miss),
+and a sends it again (its own repeat, a hit). Priming block by block keeps what the trials need
+in the KV pool, a block's documents, probes and cold misses, whatever the number of trials: with
+every document sent first, 200 trials of 250 words (some 600 documents with the probes and cold
+misses) outgrew SmolLM2's 2 GiB CPU pool and a's later repeats were no longer pool hits. The cold
+misses are fresh documents (cached nowhere) and a's repeats must be pool hits, as before. The
 classifier "slower than a threshold means a cold miss" is scored by the area under its ROC
 curve (``auc``): 0.5 when the times tell nothing. The same classifier's AUC on a's repeats
 shows that it can tell hits from misses at all, so a probe AUC near 0.5 means the salt hides
@@ -32,17 +37,18 @@ async def timing_trials(ask: Callable[[str, list[str]], Awaitable[tuple[float, d
     for _ in range(3):  # warm-up: first steps, allocator
         await ask("b", [document()])
     sent = [document() for _ in range(trials)]
-    for i in range(0, trials, prime_batch):
-        await ask("a", sent[i:i + prime_batch])
     times: dict[str, list[tuple[float, float]]] = {"probe": [], "cold": [], "own": []}
-    for doc in sent:
-        trial = [("probe", "b", doc), ("cold", "b", document()), ("own", "a", doc)]
-        rng.shuffle(trial)
-        for kind, tenant, text in trial:
-            seconds, extra = await ask(tenant, [text])
-            want = {"pool": 1} if kind == "own" or (kind == "probe" and shared) else {"encoded": 1}
-            assert extra["chunk_sources"] == want, (kind, extra)
-            times[kind].append((seconds, extra["ttft_ms"]))
+    for i in range(0, trials, prime_batch):
+        block = sent[i:i + prime_batch]
+        await ask("a", block)
+        for doc in block:
+            trial = [("probe", "b", doc), ("cold", "b", document()), ("own", "a", doc)]
+            rng.shuffle(trial)
+            for kind, tenant, text in trial:
+                seconds, extra = await ask(tenant, [text])
+                want = {"pool": 1} if kind == "own" or (kind == "probe" and shared) else {"encoded": 1}
+                assert extra["chunk_sources"] == want, (kind, extra)
+                times[kind].append((seconds, extra["ttft_ms"]))
     return times
 
 

@@ -60,10 +60,11 @@ def run(app, scenario):
 
 
 def test_another_tenants_document_times_as_a_cold_miss_and_ones_own_repeat_as_a_hit(llm):
-    """Tenant a sends 200 documents; then, in random order per document, tenant b sends it (the
-    probe), b sends a fresh one (a cold miss), and a sends it again (its own repeat). The same
-    classifier that tells a's repeats from cold misses (the salt is all that differs between a
-    repeat and a probe) must not tell b's probes from cold misses (``bench.tenant_timing``)."""
+    """Tenant a sends 200 documents, 25 to a request; after each, in random order per document,
+    tenant b sends it (the probe), b sends a fresh one (a cold miss), and a sends it again (its
+    own repeat). The same classifier that tells a's repeats from cold misses (the salt is all that
+    differs between a repeat and a probe) must not tell b's probes from cold misses
+    (``bench.tenant_timing``)."""
     rng = random.Random(0)
 
     def document():
