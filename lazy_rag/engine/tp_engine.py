@@ -122,6 +122,18 @@ class TPEngine(Engine):
             self.ranks.send("clear_cache", self.eid)
             super().clear_cache()
 
+    def failure(self) -> "RankFailedError | None":
+        """The error that broke the ranks' group, or a worker found dead between steps (polled by
+        the server's engine loop while idle, so that /ready turns 503 before a request fails)."""
+        if self.ranks.healthy():
+            return None
+        group = self.ranks.group
+        if group.broken is None:
+            group.broken = RankFailedError(
+                f"A tensor-parallel rank of {self.ranks.size} exited ({self.ranks.describe_failure()}). "
+                "Requests fail; create the LazyLLM (or restart the server) again.")
+        return group.broken
+
     def stats(self) -> dict:
         return {**super().stats(), "tensor_parallel": self.ranks.size}
 
