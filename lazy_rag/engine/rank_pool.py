@@ -61,8 +61,8 @@ class RankPool:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(rank, size, store.port, theirs, timeout_s,
                                                          torch.get_num_threads()),
-                               # daemonic when they may be (a daemonic process, the server's engine
-                               # process, may not have daemonic children): they exit with rank 0's pipe
+                               # daemonic unless rank 0 is (the server's engine process, which
+                               # starts them through _children_allowed): they exit with rank 0's pipe
                                daemon=not mp.current_process().daemon, name=f"lazy-rag-tp-rank{rank}")
             with _children_allowed():
                 proc.start()
