@@ -352,8 +352,8 @@ def serve(
                                                              "encodes them before serving, so their first requests "
                                                              "read cached KV."),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP + " The engine process uses the same."),
-    tensor_parallel: Optional[int] = typer.Option(None, min=1, help=TENSOR_PARALLEL_HELP + " Chunks come with the requests: "
-                                                       "an index is not served under tensor parallelism yet."),
+    tensor_parallel: Optional[int] = typer.Option(None, min=1, help=TENSOR_PARALLEL_HELP + " An index's stored KV is read by "
+                                                       "every rank (each its KV heads' slice of a record)."),
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready,
     /metrics and a web page at /, over cached chunk KV; with --replicas / --ray-address, on Ray
@@ -371,10 +371,6 @@ def serve(
         from .engine import EngineConfig
 
         engine_config = EngineConfig().with_options(**({"tensor_parallel": tensor_parallel} if tensor_parallel else {}))
-        if engine_config.tensor_parallel > 1 and index_dir is not None:
-            raise LazyRagError(f"--tensor-parallel {tensor_parallel} does not serve an index yet (its ranks would each "
-                               "read their heads of the store); serve the index with --tensor-parallel 1, or serve "
-                               "without an index and send the documents with the requests.")
         spec = EngineSpec(model=model, device=device, index_dir=None if index_dir is None else str(index_dir),
                           warm_documents=read_warm_documents(warm_documents) if warm_documents else (),
                           engine_config=engine_config)

@@ -423,6 +423,12 @@ class Engine:
             self.pm.evict_unreferenced()
             self.tiers.host.clear()
 
+    def failure(self) -> "Exception | None":
+        """Why this engine can serve nothing more, or None. One process's engine fails single
+        requests, never itself; a tensor-parallel engine fails when a rank is gone (``TPEngine``),
+        and the server's engine process then exits so that its supervisor starts a new one."""
+        return None
+
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict:
         graphs, append = self.runner.graphs, self.runner.append_graphs

@@ -16,6 +16,7 @@ hangs is bounded by the collectives' timeout. Workers exit when rank 0 does (the
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import threading
 import traceback
@@ -60,10 +61,11 @@ class RankPool:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(rank, size, store.port, theirs, timeout_s,
                                                          torch.get_num_threads()),
-                               # daemonic when they may be (a daemonic process, the server's engine
-                               # process, may not have daemonic children): they exit with rank 0's pipe
+                               # daemonic unless rank 0 is (the server's engine process, which
+                               # starts them through _children_allowed): they exit with rank 0's pipe
                                daemon=not mp.current_process().daemon, name=f"lazy-rag-tp-rank{rank}")
-            proc.start()
+            with _children_allowed():
+                proc.start()
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
@@ -119,6 +121,23 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
         self.procs = [p for p in self.procs if p.is_alive()]
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (the server's engine process) start the rank workers.
+    ``Process.start`` refuses any child of a daemonic process (it would be orphaned when its
+    parent is terminated); a rank worker is not: it exits as soon as its pipe to rank 0 closes,
+    whichever way rank 0 ends."""
+    import multiprocessing
+
+    config = multiprocessing.current_process()._config
+    daemon = config.pop("daemon", None)
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
 
 
 def worker_main(rank: int, size: int, port: int, conn, timeout_s: float, threads: int) -> None:

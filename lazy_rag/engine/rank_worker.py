@@ -4,11 +4,14 @@ engine and runs each command rank 0's ``TPEngine`` sends (``open_rank_engine``,
 ``run_rank_command``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..errors import LazyRagError
 from .engine import Engine
 from .read_or_encode import ReadAlways
+from .store_ref import StoreRef, open_ref
 from .tensor_parallel import HeadShard, RankGroup, ShardedParts
 
 
@@ -35,6 +38,7 @@ def open_rank_engine(group: RankGroup, model, tokenizer, model_name, default_sou
     host.default_source = default_source
     engine = Engine(host, config, parts=ShardedParts(host.parts, group))
     engine.remote_handles = {}
+    engine.remote_stores = {}   # StoreRef -> this worker's read-only store
     return attach(engine, group)
 
 
@@ -45,6 +49,9 @@ def run_rank_command(engine: Engine, op: str, *args) -> None:
     if op == "submit":
         rid, segments, options, eos = args
         engine.host.eos_ids = set(eos)
+        source = options.get("source")
+        if source is not None and isinstance(source.store, StoreRef):   # rank 0's index store, by path
+            options = {**options, "source": dataclasses.replace(source, store=open_ref(source.store, engine.remote_stores))}
         handles[rid] = engine.submit(segments, **options)
     elif op == "step":
         engine.step()

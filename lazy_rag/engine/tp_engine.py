@@ -15,10 +15,13 @@ instead of hanging.
 
 What a request may hold is what can cross a process: a callable ``score_fn`` stays on rank 0
 (the workers compute the same rows and drop them); chunk adapters (LoRA deltas hooked on the
-whole model's modules) and index stores are refused under TP for now.
+whole model's modules) are refused under TP for now. An index's store travels as a ``StoreRef``
+(``store_ref``): each worker opens the same folder at the same generation and reads its heads'
+slice of every record; rank 0 alone writes (every rank's heads, gathered).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import weakref
 
@@ -26,6 +29,7 @@ from ..errors import LazyRagError
 from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
+from .store_ref import ref_of
 from .rank_worker import attach, encode_whole
 from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
 
@@ -70,6 +74,9 @@ class TPEngine(Engine):
             handle = super().submit(segments, **options)
             if options.get("score_fn") is not None:
                 options["score_fn"] = _drop_score   # (a caller's callable stays here)
+            source = options.get("source")
+            if source is not None and source.store is not None:   # (workers open it by path)
+                options["source"] = dataclasses.replace(source, store=ref_of(source.store))
             try:
                 self.ranks.send("submit", self.eid, handle.seq.id, segments, options, sorted(self.host.eos_ids))
             except LazyRagError:   # a rank is gone: no rank may hold the request
@@ -115,6 +122,18 @@ class TPEngine(Engine):
             self.ranks.send("clear_cache", self.eid)
             super().clear_cache()
 
+    def failure(self) -> "RankFailedError | None":
+        """The error that broke the ranks' group, or a worker found dead between steps (polled by
+        the server's engine loop while idle, so that /ready turns 503 before a request fails)."""
+        if self.ranks.healthy():
+            return None
+        group = self.ranks.group
+        if group.broken is None:
+            group.broken = RankFailedError(
+                f"A tensor-parallel rank of {self.ranks.size} exited ({self.ranks.describe_failure()}). "
+                "Requests fail; create the LazyLLM (or restart the server) again.")
+        return group.broken
+
     def stats(self) -> dict:
         return {**super().stats(), "tensor_parallel": self.ranks.size}
 
@@ -128,8 +147,7 @@ def _portable(options: dict) -> dict:
         sampling = SamplingParams.of(sampling, seed=random.getrandbits(63))
     source = options.get("source")
     if source is not None and source.store is not None:
-        raise LazyRagError("tensor_parallel does not serve an index's stored chunks yet (each rank would read its "
-                           "heads of the store); pass the chunks' text, or use tensor_parallel=1 for an index.")
+        ref_of(source.store)   # (refused here, before rank 0 accepts the request)
     _check_wrapper(source.wrapper if source is not None else None)
     return {**options, "sampling": sampling}
 

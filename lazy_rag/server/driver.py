@@ -188,7 +188,9 @@ class EngineDriver(Driver):
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        # a tensor-parallel engine whose rank died serves nothing more (Engine.failure); this
+        # driver has no process to restart, so the server stays unavailable
+        return self._thread.is_alive() and self.engine.failure() is None
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -20,12 +20,15 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import time
 
 from ..errors import LazyRagError, RequestFailedError
 from ..threads import configure_threads
 
 log = logging.getLogger("lazy_rag.server.engine")
+
+ENGINE_FAILED_EXIT = 3   # (the supervisor restarts on any exit; the code tells the log why)
 
 
 def portable(e: BaseException) -> BaseException:
@@ -57,7 +60,11 @@ def main(conn, spec) -> None:
         _send(conn, ("failed", portable(e)))
         return
     if _send(conn, ("ready", info)):
-        EngineLoop(engine, conn, index.chunk_source if index is not None else None).run()
+        failure = EngineLoop(engine, conn, index.chunk_source if index is not None else None).run()
+        if failure is not None:   # the HTTP process sees the pipe close: its supervisor restarts this process
+            log.error("the engine cannot serve any more (%s); the engine process exits", failure)
+            conn.close()   # now, not after the exit hooks (which wait for the surviving ranks)
+            sys.exit(ENGINE_FAILED_EXIT)
 
 
 def _send(conn, msg) -> bool:
@@ -88,9 +95,15 @@ class EngineLoop:
         self.handles: dict[int, list] = {}  # request id -> [RequestHandle, pieces sent, logprobs sent]
         self.events: list[tuple] = []
 
-    def run(self) -> None:
+    def run(self) -> "Exception | None":
+        """Serve until the HTTP process says stop or goes (None), or the engine fails as a whole
+        (``Engine.failure``: a tensor-parallel rank died), which is returned after the requests in
+        flight have been failed with it and sent."""
         engine = self.engine
         while True:
+            failure = engine.failure()
+            if failure is not None:
+                return self._fail_engine(failure)
             if not self._read_inbox(block=not engine.scheduler.has_work):
                 break
             if not self._flush():  # admissions go out before the step: the clients' headers do not wait on it
@@ -105,6 +118,16 @@ class EngineLoop:
                 time.sleep(0.001)  # chunk transfers in flight
         for h, *_ in self.handles.values():
             engine.abort(h)
+        return None
+
+    def _fail_engine(self, failure: Exception) -> Exception:
+        # a step on a broken TP engine fails every request it holds with the rank's error
+        # (TPEngine.step); aborting instead would try to reach the dead rank
+        if self.engine.scheduler.has_work:
+            step_engine(self.engine, self._fail_all)
+        self._collect()
+        self._flush()
+        return failure
 
     def _read_inbox(self, block: bool) -> bool:
         """Handle every message waiting (waiting up to 0.5 s for one when idle); False to stop."""

@@ -34,3 +34,21 @@ def test_a_dead_rank_fails_requests_naming_it_and_a_new_llm_recovers():
         llm.generate(segs, max_new_tokens=2)
     again = LazyLLM(tiny_model("llama"), IdTokenizer(), tensor_parallel=2, num_pages=16)
     assert again.generate(segs, max_new_tokens=2).token_ids == want
+
+
+def test_the_in_process_servers_driver_reports_a_dead_rank_as_not_alive():
+    """The server's in-process driver has no process to restart: /ready (``alive``) turns 503
+    once a rank is gone, found between steps with no request in flight."""
+    from lazy_rag.server.driver import EngineDriver
+
+    llm = LazyLLM(tiny_model("llama"), IdTokenizer(), tensor_parallel=2, num_pages=16)
+    driver = EngineDriver(llm.engine)
+    try:
+        assert driver.alive and llm.engine.failure() is None
+        worker = RankPool.get(2).procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        assert not driver.alive
+        assert "rank 1 (pid" in str(llm.engine.failure())
+    finally:
+        driver.close()
