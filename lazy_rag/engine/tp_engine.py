@@ -33,8 +33,8 @@ from .store_ref import ref_of
 from .rank_worker import attach, encode_whole
 from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
 
-# Engine.submit's keywords that are shorthand for SamplingParams fields
-_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
+# Engine.submit's keywords that are shorthand for SamplingParams fields (the same names)
+_SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def engine_for(host, config) -> Engine:
@@ -71,12 +71,14 @@ class TPEngine(Engine):
     def submit(self, segments, **options):
         with self.lock, self.ranks.lock:
             options = _portable(options)
+            source = options.get("source")
+            # the workers open the store by path; one it cannot be is refused before rank 0 accepts
+            store_ref = ref_of(source.store) if source is not None and source.store is not None else None
             handle = super().submit(segments, **options)
             if options.get("score_fn") is not None:
                 options["score_fn"] = _drop_score   # (a caller's callable stays here)
-            source = options.get("source")
-            if source is not None and source.store is not None:   # (workers open it by path)
-                options["source"] = dataclasses.replace(source, store=ref_of(source.store))
+            if store_ref is not None:
+                options["source"] = dataclasses.replace(source, store=store_ref)
             try:
                 self.ranks.send("submit", self.eid, handle.seq.id, segments, options, sorted(self.host.eos_ids))
             except LazyRagError:   # a rank is gone: no rank may hold the request
@@ -146,8 +148,6 @@ def _portable(options: dict) -> dict:
     if sampling.temperature > 0 and sampling.seed is None:
         sampling = SamplingParams.of(sampling, seed=random.getrandbits(63))
     source = options.get("source")
-    if source is not None and source.store is not None:
-        ref_of(source.store)   # (refused here, before rank 0 accepts the request)
     _check_wrapper(source.wrapper if source is not None else None)
     return {**options, "sampling": sampling}
 
