@@ -10,6 +10,9 @@
 # took ~6 s a step instead of ~1 s (the steps are bound by the host's kernel launches), and a chunk
 # adapter run beside them ran out of GPU memory. Each eval keeps its checkpoint, and each step
 # appends a `done` line to the log, so a poll can copy what exists.
+# Other recipes from the same teacher data, e.g. the chunk adapter (LoRA deltas while chunks encode):
+#   NAME=qwen05-adapter TUNE_ARGS="--method lora --rank 8 --steps 240" \
+#   SETS="squad reddit" bash benchmarks/device/faithful_gpu.sh
 set -uo pipefail
 S=/tmp/stage
 D=$S/data
@@ -17,18 +20,22 @@ O=$S/out
 L=$S/logs
 N=${FAITHFUL_N:-1000}
 OLD_WRAPPER=${OLD_WRAPPER:-lazy_rag/wrappers/qwen2.5-0.5b.safetensors}
+NAME=${NAME:-qwen05-faithful}
+TUNE_ARGS=${TUNE_ARGS:---steps 320}          # after the common recipe below: later flags win
+SETS=${SETS:-squad reddit longform amazon}
 mkdir -p "$O" "$L" "$S/work"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 Q=$S/qwen.gguf
-NEW=$O/qwen05-faithful.safetensors
+NEW=$O/$NAME.safetensors
 
-python3 benchmarks/device/tune_gpu.py --model $Q --name qwen05-faithful --data $D/squad_v1.1_dev.json \
-  --retrieval $D/retrieval_squad_train_d8.json --prompts mixed --examples 3000 --micro-batch 16 --steps 320 \
-  --work-dir $S/work/q --out $O > $L/tune-qwen05-faithful.log 2>&1
+# shellcheck disable=SC2086
+python3 benchmarks/device/tune_gpu.py --model $Q --name "$NAME" --data $D/squad_v1.1_dev.json \
+  --retrieval $D/retrieval_squad_train_d8.json --prompts mixed --examples 3000 --micro-batch 16 $TUNE_ARGS \
+  --work-dir $S/work/q --out $O > "$L/tune-$NAME.log" 2>&1
 echo "done tune rc=$?"
 
 evaluate() {  # NAME DATASET DATA RANKING EXTRA...
-  local name=$1 dataset=$2 data=$3 ranking=$4
+  local name=${1/qwen05/$NAME} dataset=$2 data=$3 ranking=$4
   shift 4
   python3 benchmarks/device/quality_gpu.py --model $Q --dataset "$dataset" --data "$data" --retrieval "$ranking" \
     --k 4 --n "$N" --batch-size 64 --configs "full,lazy,lazy+wrapper:$OLD_WRAPPER,lazy+wrapper:$NEW" \
@@ -36,8 +43,13 @@ evaluate() {  # NAME DATASET DATA RANKING EXTRA...
   echo "done eval $name rc=$?"
 }
 
-evaluate qwen05_squad squad $D/squad_v1.1_dev.json $D/retrieval_squad_test_d8.json
-evaluate qwen05_reddit reddit $D/reddit_v1.0.json $D/retrieval_reddit_test_d8.json
-evaluate qwen05_longform squad $D/squad_v1.1_dev.json $D/retrieval_squad_test_d8.json --n 300 --prompts longform
-evaluate qwen05_amazon amazon_reviews $D/amazon_reviews_v1.0.json $D/retrieval_amazon_reviews_test_d8.json
+for set in $SETS; do
+  case $set in
+    squad) evaluate qwen05_squad squad $D/squad_v1.1_dev.json $D/retrieval_squad_test_d8.json ;;
+    reddit) evaluate qwen05_reddit reddit $D/reddit_v1.0.json $D/retrieval_reddit_test_d8.json ;;
+    longform) evaluate qwen05_longform squad $D/squad_v1.1_dev.json $D/retrieval_squad_test_d8.json --n 300 --prompts longform ;;
+    amazon) evaluate qwen05_amazon amazon_reviews $D/amazon_reviews_v1.0.json $D/retrieval_amazon_reviews_test_d8.json ;;
+    *) echo "unknown set $set (squad, reddit, longform, amazon)"; exit 2 ;;
+  esac
+done
 echo "done all"
