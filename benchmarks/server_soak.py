@@ -19,6 +19,12 @@ in use but uncached would be leaks).
     python3 benchmarks/server_soak.py --device cuda --model /tmp/stage/qwen.gguf --minutes 10 --clients 32 \\
         --kill-every 120 --rebuild-every 150 --out server_soak_gpu --results $OUT
 
+A control run with the same load and nothing interrupted (`--kill-every 0 --rebuild-every 0
+--disconnect 0`) shows how many answers differ from the ones given alone through batching alone:
+on a GPU in bf16 a batch's composition changes the sums' rounding, and a greedy answer can
+take another token where two were nearly tied. The record keeps each request's differing
+answers (the five commonest) beside its reference, and the outcomes per request kind.
+
 Appends one record to benchmarks/results/<out>.json (or --results DIR/<out>.json).
 """
 from __future__ import annotations
@@ -85,12 +91,20 @@ def run_server(work: Path, model: str, device: str, port: int, kill_every: float
 
 
 # -- the clients ------------------------------------------------------------------------------------
+KINDS = ("rag", "documents", "plain")
+
+
+def kind_of(i: int) -> str:
+    """Request ``i``'s kind in ``request_set``."""
+    return KINDS[i % len(KINDS)]
+
+
 def request_set(rng: random.Random, n: int) -> list[dict]:
     """``n`` distinct request bodies (without model and stream): retrieval, documents, plain."""
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)]
-        kind = ("rag", "documents", "plain")[i % 3]
+        kind = kind_of(i)
         body = {"max_tokens": 0, "temperature": 0, "messages": [{"role": "user", "content": q}]}
         if kind == "rag":
             body["rag"] = {"top_k": 2 + i % 2}
@@ -183,6 +197,8 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
         memory = {"server_start": rss_mb(server.pid), "engine_start": rss_mb(info["engine_process"])}
 
         outcomes: Counter = Counter()
+        by_kind: dict[str, Counter] = {kind: Counter() for kind in KINDS}
+        variants: dict[int, Counter] = {}   # request -> the differing answers it got, and how often
         compared = equal = 0
         kills, rebuilds, rebuild_failures = 0, 0, []
         deadline = time.monotonic() + args.minutes * 60
@@ -203,7 +219,9 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
                     equal += text == reference[j]
                     if text != reference[j]:
                         outcome = "ok_differs"
+                        variants.setdefault(j, Counter())[text] += 1
                 outcomes[outcome] += 1
+                by_kind[kind_of(j)][outcome] += 1
                 if retry_after:  # as a well-behaved client
                     await asyncio.sleep(float(retry_after))
                 elif outcome.startswith(("stream_error", "transport")):
@@ -268,6 +286,12 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
     total = sum(outcomes.values())
     return {"requests": total, "requests_per_s": round(total / (args.minutes * 60), 2),
             "outcomes": dict(sorted(outcomes.items())), "answers_compared": compared, "answers_equal": equal,
+            "outcomes_by_kind": {kind: dict(sorted(c.items())) for kind, c in by_kind.items()},
+            # what a differing answer looked like: a different greedy path from one token on (the
+            # batch's numerics) or something else; the five commonest per request
+            "differing_answers": [{"request": j, "kind": kind_of(j), "reference": reference[j],
+                                   "answers": dict(c.most_common(5)), "count": sum(c.values())}
+                                  for j, c in sorted(variants.items())],
             "engine_kills": kills, "engine_restarts": metric(text, "lazy_rag_engine_restarts_total"),
             "restart_s": restart_s,
             "engine_up_at_end": up, "rebuilds": rebuilds, "rebuild_failures": rebuild_failures,
