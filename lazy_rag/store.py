@@ -455,6 +455,9 @@ class ChunkStore:
         self._last_checkpoint = time.monotonic()
         # write-backs by this process: a loaded index's snapshot does not see its own commits
         self._overrides: dict[str, KVLocation] = {}
+        # called with (chunk id, location) once a write-back is committed: tensor parallelism's
+        # rank 0 tells its workers, whose snapshots cannot see it either (``note_written``)
+        self.write_listeners: list = []
         # for write-backs by queries (repairs, first use): a callable giving a context manager that
         # yields None when writing is safe now, else why not (LazyIndex: the writer lock and the
         # generation); None: the owner (a build, or a store used alone) holds the lock itself
@@ -631,7 +634,14 @@ class ChunkStore:
             if db is not self._db:
                 db.close()
         self._overrides[chunk_id] = loc
+        for listener in self.write_listeners:
+            listener(chunk_id, loc)
         return loc
+
+    def note_written(self, chunk_id: str, loc: KVLocation) -> None:
+        """A record another process committed to this folder since this store's snapshot (a
+        tensor-parallel worker learning rank 0's write-back): read it from now on."""
+        self._overrides[chunk_id] = loc
 
     def _open_appender(self, db: IndexDB) -> _Appender:
         return _Appender(self.kv_dir, self.folder, db.segments(self.folder), db.next_segment())

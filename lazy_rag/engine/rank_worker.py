@@ -67,5 +67,8 @@ def run_rank_command(engine: Engine, op: str, *args) -> None:
             encode_whole(engine, chunks, prefix, wrapper, cache, quantize)
     elif op == "clear_cache":
         engine.clear_cache()
+    elif op == "written":   # rank 0's write-backs of the last step, which this rank's snapshot lacks
+        for ref, chunk_id, loc in args[0]:
+            open_ref(ref, engine.remote_stores).note_written(chunk_id, loc)
     else:
         raise LazyRagError(f"unknown tensor-parallel command {op!r}")

@@ -22,6 +22,7 @@ slice of every record; rank 0 alone writes (every rank's heads, gathered).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import weakref
 
@@ -65,6 +66,11 @@ class TPEngine(Engine):
                             config)
         super().__init__(host, config, tiers, parts=parts)
         attach(self, group)
+        # write-backs rank 0 committed during a step, sent to the workers before the next one: a
+        # worker's snapshot of the index cannot see them, and a rank that encoded a chunk rank 0
+        # read would leave lockstep
+        self._written: list = []
+        self._listened = weakref.WeakSet()
         weakref.finalize(self, _close, self.ranks, self.eid)
 
     # -- the replicated commands ------------------------------------------------------------------
@@ -74,6 +80,9 @@ class TPEngine(Engine):
             source = options.get("source")
             # the workers open the store by path; one it cannot be is refused before rank 0 accepts
             store_ref = ref_of(source.store) if source is not None and source.store is not None else None
+            if store_ref is not None and source.store not in self._listened:
+                source.store.write_listeners.append(functools.partial(_note_write, self._written, store_ref))
+                self._listened.add(source.store)
             handle = super().submit(segments, **options)
             if options.get("score_fn") is not None:
                 options["score_fn"] = _drop_score   # (a caller's callable stays here)
@@ -94,7 +103,11 @@ class TPEngine(Engine):
         with self.lock, self.ranks.lock:
             try:
                 self.ranks.send("step", self.eid)
-                return super().step()   # (a forward's failure fails its requests there)
+                busy = super().step()   # (a forward's failure fails its requests there)
+                if self._written:
+                    written, self._written[:] = list(self._written), []
+                    self.ranks.send("written", self.eid, written)
+                return busy
             except RankFailedError as e:   # the step could not run on every rank: nothing in flight can finish
                 for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                     if seq in self.scheduler.waiting:
@@ -156,6 +169,10 @@ def _check_wrapper(wrapper) -> None:
     if wrapper is not None and getattr(wrapper, "adapter", None) is not None:
         raise LazyRagError("tensor_parallel does not run chunk adapters yet (their LoRA deltas hook the whole "
                            "model's layers); use a wrapper without an adapter, or tensor_parallel=1.")
+
+
+def _note_write(written: list, ref, chunk_id: str, loc) -> None:
+    written.append((ref, chunk_id, loc))
 
 
 def _drop_score(logits):

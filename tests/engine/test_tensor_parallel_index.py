@@ -64,3 +64,44 @@ def test_a_tp_build_writes_a_single_process_builds_records(tmp_path, llms):
         want, _ = built_one.store.read(r.id, r.token_ids)
         assert why is None and got.k.shape == want.k.shape and got.k.shape[2] == one.shape.num_kv_heads
         assert rel_err(got.k, want.k) < TOL and rel_err(got.v, want.v) < TOL, r.id
+
+
+def test_kv_written_back_while_serving_is_read_by_every_rank(tmp_path, llms):
+    """An index whose KV is deferred to first use (``precompute_kv=False``): the first query
+    encodes its chunks and rank 0 writes them back (every rank's heads); once the pools and host
+    tiers are cleared, the next query must read that record on every rank, not on rank 0 alone
+    (a worker still on the generation it opened would encode instead, and the ranks would leave
+    lockstep)."""
+    tp, one = llms
+    LazyIndex.from_texts(TEXTS, tmp_path / "idx", llm=one, ids=IDS, split=False, vectors=False, progress=False,
+                         precompute_kv=False)
+    index = LazyIndex.load(tmp_path / "idx", llm=tp)
+    source = index.chunk_source
+    segs = index.segments("Who built the lighthouse, and when?", ["a", "c"])
+    tp.engine.clear_cache()
+    first = tp.generate(segs, mode="lazy", max_new_tokens=NEW, source=source)
+    assert "disk" not in first.stats.chunk_sources   # encoded: nothing was stored yet
+    assert all(index.store.location(i) is not None for i in ("a", "c"))   # written back by rank 0
+    tp.engine.clear_cache()
+    again = tp.generate(segs, mode="lazy", max_new_tokens=NEW, source=source)
+    assert again.stats.chunk_sources == {"disk": 2}
+    want = greedy_block_diagonal(one.model, one.prepare(segs, mode="lazy", source=source), NEW)
+    assert first.token_ids == again.token_ids == want
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+def test_a_quantised_index_serves_under_tp(tmp_path, llms, kv_dtype):
+    """fp8 (a scale per layer, token and KV head) and int4 (codes, scales and zeros per KV head)
+    records sliced by KV heads: each rank dequantises its heads of what a single process reads,
+    so both engines answer alike from the same lossy records."""
+    tp, one = llms
+    LazyIndex.from_texts(TEXTS, tmp_path / "idx", llm=one, ids=IDS, split=False, vectors=False, progress=False,
+                         kv_dtype=kv_dtype)
+    index = LazyIndex.load(tmp_path / "idx", llm=tp)
+    segs = index.segments("Who built the lighthouse, and when?", ["a", "b", "c"])
+    tp.engine.clear_cache()
+    one.engine.clear_cache()
+    a = tp.generate(segs, mode="lazy", max_new_tokens=NEW, source=index.chunk_source, output_first_logits=True)
+    b = one.generate(segs, mode="lazy", max_new_tokens=NEW, source=index.chunk_source, output_first_logits=True)
+    assert a.stats.chunk_sources == b.stats.chunk_sources == {"disk": 3}
+    assert rel_err(a.first_logits, b.first_logits) < TOL and a.token_ids == b.token_ids
