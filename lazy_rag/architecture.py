@@ -94,7 +94,7 @@ FAMILIES: dict[str, LayerFamily] = {
     "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts); "
                            "CPU only (no fused expert kernel yet)", tested=_MOE_PARITY),
     "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert; CPU only",
-                             tested=_MOE_PARITY + ", a shared expert"),
+                             tested=_MOE_PARITY + ", a shared expert and a dense layer"),
     "qwen3_moe": LayerFamily(qk_norm="head", moe=True, layer="qwen3's layer (q/k normed per head), routed "
                              "experts; CPU only", tested=_MOE_PARITY),
     "olmoe": LayerFamily(qk_norm="whole", moe=True, layer="llama's pre-norms, q/k normed over all heads, routed "
