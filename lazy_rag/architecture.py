@@ -21,7 +21,18 @@ below) and its decoder layer is one of the shapes ``LayerFamily`` describes:
   embeddings scaled by sqrt(hidden) (its embedding module does it), softmax scale
   ``query_pre_attn_scalar ** -0.5``, and two layer kinds (``config.layer_types``): sliding-window
   layers with their own RoPE base (``rope_local_base_freq``) and global layers with the global
-  RoPE (and its scaling).
+  RoPE (and its scaling);
+- mixtral, qwen2_moe, qwen3_moe, olmoe: mistral's, qwen2's, qwen3's layer (olmoe: llama's
+  pre-norms with olmo2's whole-q/k norms) whose MLP is a sparse mixture-of-experts block: a
+  router picks each token's top-k experts and mixes their outputs (qwen2_moe adds a gated shared
+  expert). The checkpoint's own block runs it, on the CPU only (``LayerFamily.moe``).
+
+Mixture-of-experts and packing: the engine packs the tokens of many sequences into one
+[n_tokens, hidden] batch, which the block takes as one sequence; its router scores and picks
+experts per token (softmax and top-k over each row of its logits, no capacity limit or batch
+statistics), so a token's output does not depend on what it is packed with. On CUDA the block is
+refused: its routing gathers a data-dependent number of tokens per expert, which the engine's
+captured CUDA graphs cannot replay, and lazy-rag has no fused expert kernel yet.
 
 Sliding windows and position-free reuse: a window is a mask over *logical* positions (a query at
 p sees keys at p - W + 1 .. p), which lazy-rag assigns at query time exactly like RoPE; a chunk
@@ -57,11 +68,13 @@ class LayerFamily:
                                  # after (gemma3_text)
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
+    moe: bool = False            # the MLP is a sparse mixture-of-experts block (CPU only; see the module docstring)
     layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
     tested: str = ""             # what tests/test_parity.py / test_families.py hold it to
 
 
 _PARITY = "lazy, block, full, prefix and greedy tokens equal to the HF oracle (fp32, tiny random models)"
+_MOE_PARITY = _PARITY + "; 4 experts, top-2, the routing shown to matter"
 FAMILIES: dict[str, LayerFamily] = {
     "llama": LayerFamily(layer="pre-norm llama layer (SmolLM included)",
                          tested=_PARITY + "; default, linear, llama3 and yarn RoPE; SmolLM2 bundled"),
@@ -78,6 +91,14 @@ FAMILIES: dict[str, LayerFamily] = {
                                layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
                                "layers with their own RoPE; CPU only (the GPU kernels take no window yet)",
                                tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
+    "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts); "
+                           "CPU only (no fused expert kernel yet)", tested=_MOE_PARITY),
+    "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert; CPU only",
+                             tested=_MOE_PARITY + ", a shared expert and a dense layer"),
+    "qwen3_moe": LayerFamily(qk_norm="head", moe=True, layer="qwen3's layer (q/k normed per head), routed "
+                             "experts; CPU only", tested=_MOE_PARITY),
+    "olmoe": LayerFamily(qk_norm="whole", moe=True, layer="llama's pre-norms, q/k normed over all heads, routed "
+                         "experts; CPU only", tested=_MOE_PARITY),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the
@@ -89,14 +110,14 @@ KNOWN_UNSUPPORTED = {
     "gemma3": ("a vision tower (the multimodal checkpoint); its text model, model type gemma3_text, runs",
                "gemma3_text"),
     "gemma": ("its embedding normaliser and (1 + weight) norms, not wired into lazy-rag's layer", "llama"),
-    "mixtral": ("a mixture-of-experts MLP", "mistral"),
-    "qwen2_moe": ("a mixture-of-experts MLP", "qwen2"),
-    "qwen3_moe": ("a mixture-of-experts MLP", "qwen3"),
-    "olmoe": ("a mixture-of-experts MLP", "olmo2"),
-    "granitemoe": ("a mixture-of-experts MLP", "granite"),
-    "granitemoeshared": ("a mixture-of-experts MLP", "granite"),
+    # mixture-of-experts layers lazy-rag has not wired in (mixtral, qwen2_moe, qwen3_moe and olmoe run)
+    "granitemoe": ("a mixture-of-experts block outside the layer's MLP (block_sparse_moe) with Granite's "
+                   "multipliers", "granite"),
+    "granitemoeshared": ("a mixture-of-experts block outside the layer's MLP (block_sparse_moe) with Granite's "
+                         "multipliers", "granite"),
     "granitemoehybrid": ("a mixture-of-experts MLP and Mamba layers", "granite"),
-    "phimoe": ("a mixture-of-experts MLP", "phi3"),
+    "phimoe": ("LayerNorm norms and a sparsemixer-routed mixture-of-experts MLP, not wired into lazy-rag's layer",
+               "phi3"),
     "deepseek_v2": ("multi-head latent attention (MLA) and a mixture-of-experts MLP", "llama"),
     "deepseek_v3": ("multi-head latent attention (MLA) and a mixture-of-experts MLP", "llama"),
     "phi": ("a parallel attention/MLP block with LayerNorm and partial rotary", "phi3"),
@@ -131,16 +152,31 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2 and Gemma 3 (text, CPU) checkpoints (model types "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 3 (text, CPU) and the mixture-of-experts "
+            "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
+
+
+def num_experts(config) -> int:
+    """How many experts a mixture-of-experts config routes between (0: a dense MLP)."""
+    return next((getattr(config, k) for k in _MOE_KEYS if isinstance(getattr(config, k, None), int)
+                 and getattr(config, k) > 0), 0)
+
+
+def is_moe(config) -> bool:
+    """Whether ``config`` is of a family whose mixture-of-experts MLP lazy-rag runs (CPU only)."""
+    fam = FAMILIES.get(getattr(config, "model_type", None))
+    return fam is not None and fam.moe
 
 
 def _unsupported_feature(config) -> str | None:
     """What in ``config`` lazy-rag cannot run, whatever the model type, or None."""
     if any(getattr(config, k, None) is not None for k in ("attn_logit_softcapping", "final_logit_softcapping")):
         return "soft-capping of attention scores or logits"
-    if any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 0 for k in _MOE_KEYS):
+    if num_experts(config) and not is_moe(config):
         return "a mixture-of-experts MLP"
+    if getattr(config, "clip_qkv", None) is not None:   # olmoe's (and olmo's) option, off in released checkpoints
+        return f"q/k/v clipping (clip_qkv {config.clip_qkv})"
     if getattr(config, "kv_lora_rank", None) is not None:
         return "multi-head latent attention (MLA)"
     return None
@@ -217,11 +253,18 @@ def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
 
 def layer_fingerprint(config) -> str | None:
     """The config values outside the weights that change a family's KV or logits (granite's
-    multipliers; gemma3_text's window, layer kinds, per-kind RoPE and softmax scale), as a
-    canonical string; None for families whose layer is fixed by its weights."""
+    multipliers; gemma3_text's window, layer kinds, per-kind RoPE and softmax scale; a
+    mixture-of-experts router's top-k), as a canonical string; None for families whose layer is
+    fixed by its weights."""
     fam = FAMILIES.get(getattr(config, "model_type", None))
     if fam is None:
         return None
+    if fam.moe:
+        # the weights' shapes carry the expert count (and which layers are sparse), but how many
+        # experts each token mixes, and whether their weights are renormalised over those
+        # (qwen/olmoe's norm_topk_prob; mixtral always does: null), are config values
+        return json.dumps({"num_experts": num_experts(config), "num_experts_per_tok": int(config.num_experts_per_tok),
+                           "norm_topk_prob": getattr(config, "norm_topk_prob", None)}, sort_keys=True)
     if windowed(config):
         # the model fingerprint's "rope" is the storage table only: the sliding layers' RoPE, which
         # layers slide and how far change every layer after the first sliding one
@@ -337,12 +380,24 @@ class ModelParts:
     def mlp_residual(self, layer, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer's MLP (the checkpoint's module, fused gate/up included)."""
         if self.family.norms == "post":
-            return x + self._norm(layer.post_feedforward_layernorm, layer.mlp(x))
+            return x + self._norm(layer.post_feedforward_layernorm, self._mlp(layer, x))
         if self.family.norms == "sandwich":
             return x + self._norm(layer.post_feedforward_layernorm,
-                                  layer.mlp(self._norm(layer.pre_feedforward_layernorm, x)))
-        m = layer.mlp(self._norm(layer.post_attention_layernorm, x))
+                                  self._mlp(layer, self._norm(layer.pre_feedforward_layernorm, x)))
+        m = self._mlp(layer, self._norm(layer.post_attention_layernorm, x))
         return x + (m if self.residual_multiplier is None else m * self.residual_multiplier)
+
+    def _mlp(self, layer, y: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP of y [n, hidden]. transformers' mixture-of-experts blocks read their
+        input as [batch, seq, hidden]: the packed rows go in as one sequence (the router works per
+        token, so packing does not change a token's experts); dense layers of a MoE model
+        (qwen's ``mlp_only_layers``) take that shape too."""
+        if not self.family.moe:
+            return layer.mlp(y)
+        out = layer.mlp(y[None])
+        if isinstance(out, tuple):   # transformers 4's blocks (and patched ones): (hidden states, router logits)
+            out = out[0]
+        return out[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states x [n, hidden] (granite divides by logits_scaling in the

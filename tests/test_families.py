@@ -1,5 +1,6 @@
 """The layer families beyond llama's (granite's multipliers, phi3's fused projections, olmo2's
-whole-q/k norms and post-norms) held to the independent HF oracle exactly as test_parity.py and
+whole-q/k norms and post-norms, gemma3_text's windows, the mixture-of-experts MLPs of mixtral,
+qwen2_moe, qwen3_moe and olmoe) held to the independent HF oracle exactly as test_parity.py and
 test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a forward with the
 chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
 tokens equal, many requests in flight sharing chunks at different offsets. And what is still
@@ -15,9 +16,9 @@ from lazy_rag import Chunk, LazyLLM
 from lazy_rag.architecture import ModelParts, check_supported
 from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
-from tiny_models import tiny_model
+from tiny_models import MOE_FAMILIES, tiny_model
 
-FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text")
+FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text") + tuple(MOE_FAMILIES)
 
 
 def _ids(rng, n):
@@ -32,9 +33,10 @@ def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
 
 
 def _runs_on(family, device):
-    """Gemma 3's sliding-window layers run on the CPU only (CUDA refuses them, as
-    test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window checks): its tests stay there."""
-    return torch.device("cpu") if family == "gemma3_text" else device
+    """Gemma 3's sliding-window layers and the mixture-of-experts MLPs run on the CPU only (CUDA
+    refuses them, as test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window and
+    test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there."""
+    return torch.device("cpu") if family == "gemma3_text" or family in MOE_FAMILIES else device
 
 
 def _model(family, seed=0):
@@ -159,12 +161,16 @@ def _config(model_type, **kw):
 REFUSED = [
     # (config, words the message must hold: the feature, then the nearest supported family)
     (lambda: _config("gemma2"), ("soft-capping", "sliding-window", "nearest supported family is olmo2")),
-    (lambda: _config("mixtral"), ("mixture-of-experts", "nearest supported family is mistral")),
-    (lambda: _config("qwen3_moe"), ("mixture-of-experts", "nearest supported family is qwen3")),
-    (lambda: _config("granitemoe"), ("mixture-of-experts", "nearest supported family is granite")),
+    (lambda: _config("granitemoe"), ("mixture-of-experts block outside the layer's MLP",
+                                     "nearest supported family is granite")),
+    (lambda: _config("phimoe"), ("sparsemixer-routed mixture-of-experts", "nearest supported family is phi3")),
+    (lambda: _config("olmoe", clip_qkv=8.0), ("q/k/v clipping (clip_qkv 8.0)", "plain olmoe checkpoint")),
     (lambda: _config("deepseek_v3"), ("multi-head latent attention (MLA)", "nearest supported family is llama")),
     (lambda: _config("mistral", sliding_window=4096), ("sliding-window attention (window 4096)", "mistral checkpoint")),
     (lambda: _config("phi3", sliding_window=2047), ("sliding-window attention (window 2047)", "phi3 checkpoint")),
+    (lambda: _config("mixtral", sliding_window=4096), ("sliding-window attention (window 4096)", "mixtral checkpoint")),
+    (lambda: _config("qwen3_moe", use_sliding_window=True), ("sliding-window attention (window 4096)",
+                                                             "qwen3_moe checkpoint")),
     (lambda: _config("phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
                                               "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096}),
      ("RoPE type 'longrope' is not supported", "change with sequence length", "phi3 checkpoint")),
@@ -228,6 +234,95 @@ def test_lazy_rag_models_lists_every_family_at_80_columns(monkeypatch):
     listed = [line.split()[0] for line in res.output.splitlines() if line.strip() and line.split()[0] in FAMILIES]
     assert listed == list(FAMILIES) == [f["model_type"] for f in supported_families()]
     assert all(f["layer"] and f["tested"] for f in supported_families())
+
+
+# -- mixture-of-experts MLPs: the checkpoint's own block, per token, CPU only ------------------------
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_routing_is_per_token_and_differs_between_tokens(family):
+    """The engine packs many sequences' tokens into one batch for the block (``ModelParts._mlp``):
+    each token's experts and output are the ones it gets alone, and the tokens do not all share
+    their experts (else the parity tests could not tell the mixing apart)."""
+    parts = ModelParts(_model(family))
+    layer = parts.layers[0]
+    block = layer.mlp
+    assert parts.family.moe and hasattr(block, "gate") and hasattr(block, "experts")
+    x = torch.randn(41, parts.shape.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        packed = parts._mlp(layer, x)
+        alone = torch.cat([parts._mlp(layer, x[i:i + 1]) for i in range(len(x))])
+        picked = block.gate(x)[-1]   # the router returns (..., weights, experts)
+        assert torch.equal(picked, torch.cat([block.gate(x[i:i + 1])[-1] for i in range(len(x))]))
+    assert rel_err(packed, alone) < 1e-5
+    assert len({tuple(sorted(p)) for p in picked.tolist()}) >= 4   # of the 6 pairs of 4 experts
+
+
+def _routing(gate, how):
+    """``gate``'s forward with its mixing changed: every token to the first expert, or to the
+    router's own experts with equal weights."""
+    route = gate.forward
+
+    def forward(hidden):
+        *logits, weights, experts = route(hidden)
+        if how == "first expert":
+            experts = torch.zeros_like(experts)
+        return (*logits, torch.full_like(weights, 1 / weights.shape[-1]), experts)
+    return forward
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_expert_mixing_changes_the_answer(family, tokenizer, monkeypatch):
+    """The parity tests can fail: the oracle with every block's mixing changed (all tokens to the
+    first expert; or the router's experts, equally weighted) is far from the true one, and the
+    engine follows each change (it runs the checkpoint's own block)."""
+    llm = small_llm(_model(family), tokenizer)
+    rng = random.Random(6)
+    segs = _prompt(rng, [_ids(rng, n) for n in (14, 31)], [0, 1])
+    layout = llm.prepare(segs)
+    ref = block_diagonal_logits(llm.model, layout)[-1]
+    assert rel_err(llm.next_token_logits(segs, mode="lazy"), ref) < 1e-4
+    for how in ("first expert", "equal weights"):
+        with monkeypatch.context() as mp:
+            for layer in llm.model.model.layers:
+                if hasattr(layer.mlp, "gate"):   # (qwen2_moe's layer 1 is dense)
+                    mp.setattr(layer.mlp.gate, "forward", _routing(layer.mlp.gate, how))
+            changed = block_diagonal_logits(llm.model, layout)[-1]
+            assert rel_err(changed, ref) > 1e-2, how
+            llm.engine.clear_cache()
+            assert rel_err(llm.next_token_logits(segs, mode="lazy"), changed) < 1e-4, how
+        llm.engine.clear_cache()
+
+
+def test_moe_router_top_k_is_in_the_fingerprint(tokenizer):
+    """KV stored under one router setting is not read under another: the expert count is in the
+    weights' shapes, how many experts a token mixes (and their renormalisation) in the "layer" entry."""
+    a = small_llm(_model("qwen3_moe"), tokenizer)
+    other = _model("qwen3_moe")
+    other.config.num_experts_per_tok = 3
+    b = small_llm(other, tokenizer)
+    assert a.fingerprint["weights"] == b.fingerprint["weights"] and a.fingerprint["id"] != b.fingerprint["id"]
+    assert '"num_experts_per_tok": 2' in a.fingerprint["layer"] and '"norm_topk_prob": true' in a.fingerprint["layer"]
+    more = small_llm(tiny_model("qwen3_moe", hidden_size=128, num_experts=8), tokenizer)
+    assert more.fingerprint["weights"] != a.fingerprint["weights"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_is_refused_on_cuda_and_under_tensor_parallel(family):
+    from types import SimpleNamespace
+
+    from lazy_rag.engine.model_runner import ModelRunner
+    from lazy_rag.errors import LazyRagError
+    from lazy_rag.random_models import IdTokenizer
+
+    model = _model(family)
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelRunner(ModelParts(model), SimpleNamespace(device=torch.device("cuda")))
+    msg = str(err.value)
+    assert "mixture-of-experts block (4 experts)" in msg and "fused expert path" in msg and "device='cpu'" in msg
+    llm = LazyLLM(model, IdTokenizer(), tensor_parallel=2, num_pages=8)
+    with pytest.raises(LazyRagError, match=r"tensor_parallel=2 does not split mixture-of-experts MLPs.*"
+                                           r"\(4 experts\).*Use tensor_parallel=1"):
+        llm.engine
 
 
 # -- Gemma 3: sliding-window and global layers, each kind with its own RoPE ----------------------------

@@ -1,8 +1,9 @@
 """Tiny random checkpoints of every supported family (and a few unsupported ones)."""
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, OlmoeConfig,
+                          OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=8192, initializer_range=0.08)
@@ -33,13 +34,28 @@ FAMILIES = {
         "bos_token_id": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
                                            "sliding_attention"], "num_hidden_layers": 4}),
 }
+# mixture-of-experts families: 4 experts, each token mixing 2, so tokens differ in their experts
+# (tests/test_families.py shows they do, and that the mixing matters). Apart from FAMILIES, which
+# tests/engine/test_tensor_parallel.py runs over 2 ranks: tensor parallelism refuses MoE MLPs.
+MOE_FAMILIES = {
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                    "sliding_window": None}),
+    # routed experts plus the gated shared expert; layer 1 a dense MLP (mlp_only_layers)
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96,
+        "mlp_only_layers": [1]}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                                        "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0,
+                                              "eos_token_id": 2}),
+}
 # gemma3_text's RoPE per layer kind: the sliding layers' local base, the global layers' own (scaled)
 GEMMA3_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
 
 
 def tiny_model(family: str = "llama", rope: str = "default", vocab_size: int = 49152, seed: int = 0, **over):
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     ropes = {k: dict(v) for k, v in GEMMA3_ROPES.items()} if family == "gemma3_text" else dict(ROPES[rope])
     cfg = cfg_cls(vocab_size=vocab_size, rope_parameters=ropes, **{**COMMON, **extra, **over})
     torch.manual_seed(seed)

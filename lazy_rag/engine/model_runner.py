@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..architecture import ModelParts
+from ..architecture import ModelParts, num_experts
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
@@ -67,6 +67,13 @@ class ModelRunner:
                 f"This {parts.config.model_type} model has sliding-window layers ({sliding} of "
                 f"{len(parts.layers)}, window {', '.join(map(str, windows))}), which lazy-rag runs on the CPU only: "
                 "the CUDA Triton attention kernels do not implement sliding windows yet. Load it with device='cpu'."
+            )
+        if parts.family.moe and pool.device.type == "cuda":
+            raise UnsupportedModelError(
+                f"This {parts.config.model_type} model's MLP is a mixture-of-experts block ({num_experts(parts.config)} "
+                "experts), which lazy-rag runs on the CPU only: there is no fused expert path (a grouped expert "
+                "kernel) on CUDA yet, and the checkpoint's own block routes a data-dependent number of tokens to "
+                "each expert, which the engine's captured CUDA graphs cannot replay. Load it with device='cpu'."
             )
         # a tensor-parallel rank's group (``tensor_parallel.RankGroup``): forwards check lockstep
         # and the recovery selectors' scores, sums over this rank's heads, are summed over all ranks

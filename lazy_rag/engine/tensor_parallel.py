@@ -10,7 +10,8 @@ ranks' partial o_proj and down_proj outputs (``RowParallelLinear``, which adds t
 after the sum). Embeddings, norms and the LM head stay whole on every rank, so every rank holds
 the same residual stream and the same logits and makes the same choices (``tp_engine``).
 OLMo 2 normalises q and k over all heads at once: its ``ShardedRMSNorm`` all-reduces the sum of
-squares (one more all-reduce each).
+squares (one more all-reduce each). Mixture-of-experts MLPs (mixtral, qwen2_moe, qwen3_moe,
+olmoe) are not split: such a model is refused (``check_shardable``).
 
 The pool of a rank holds its KV heads of every chunk; the chunk store on disk is unchanged and
 holds all of them. ``HeadShard`` slices a record's heads as a rank reads it and gathers the ranks'
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..architecture import ModelParts
+from ..architecture import ModelParts, num_experts
 from ..chunk_kv import ChunkKV
 from ..errors import LazyRagError
 
@@ -101,7 +102,12 @@ class RankGroup:
 
 def check_shardable(parts: ModelParts, size: int) -> None:
     """Refuse a model whose heads or MLP width do not split evenly over ``size`` ranks, naming
-    the sizes that do."""
+    the sizes that do; and a mixture-of-experts model, whose expert blocks are not split."""
+    if parts.family.moe:
+        raise LazyRagError(
+            f"tensor_parallel={size} does not split mixture-of-experts MLPs yet: this {parts.config.model_type} "
+            f"model's expert blocks ({num_experts(parts.config)} experts) would need their experts spread over the "
+            "ranks, which lazy-rag's sharding does not do. Use tensor_parallel=1.")
     shp = parts.shape
     inter = parts.layers[0].mlp
     width = _mlp_width(inter)
