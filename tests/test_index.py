@@ -377,7 +377,12 @@ def test_damaged_kv_is_detected_recomputed_and_repaired(built, smollm2, embedder
     assert got.answer == want.answer and got.stats["chunk_sources"] == sources
     assert any("recomputing" in r.message for r in caplog.records)
     repaired, why = reloaded.store.read(rec.id, rec.token_ids)  # the record is whole again
-    assert why is None and torch.equal(repaired.k, good_kv.k) and torch.equal(repaired.v, good_kv.v)
+    # the same KV within fp32 rounding, not bitwise: the repair encodes the chunk packed with the
+    # question's tokens in one forward, the build with other chunks, and the CPU's BLAS may block
+    # a matmul differently by its row count (seen under load on 2 cores: ~1e-5)
+    assert why is None
+    torch.testing.assert_close(repaired.k, good_kv.k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(repaired.v, good_kv.v, rtol=1e-4, atol=1e-4)
     again = LazyIndex.load(out, llm=smollm2, embedder=embedder)  # committed: every process reads it
     assert again.store.read(rec.id, rec.token_ids)[1] is None and again.store.location(rec.id) != loc
     report = verify_index(out)
