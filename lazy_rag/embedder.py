@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,6 @@ class Embedder:
 
     def encode(self, texts: list[str], batch_size: int | None = None, progress: bool = False) -> np.ndarray:
         import torch
-        from rich.progress import track
 
         texts = list(texts)
         batch_size = batch_size or BATCH_SIZE.get(self.model.device.type, 32)
@@ -117,7 +117,7 @@ class Embedder:
         # longest first, so each batch pads little; rows are written back at their texts' places
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         with torch.inference_mode():
-            for start in track(range(0, len(texts), batch_size), description="embedding", disable=not progress):
+            for start in range(0, len(texts), batch_size):
                 rows = order[start:start + batch_size]
                 batch = self._tokenize([texts[i] for i in rows], padding=True, return_tensors="pt").to(self.model.device)
                 hidden = self.model(**batch).last_hidden_state
@@ -127,6 +127,10 @@ class Embedder:
                     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                     vecs = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 out[rows] = torch.nn.functional.normalize(vecs, dim=1).cpu().numpy()
+                if progress:  # one line rewritten in place (no rich or tqdm: a GPU image may lack them)
+                    print(f"\rembedded {start + len(rows)}/{len(texts)} texts", end="", file=sys.stderr, flush=True)
+        if progress and texts:
+            print(file=sys.stderr)
         return out
 
 

@@ -65,6 +65,11 @@ def test_the_token_count_is_what_the_model_reads(embedder):
     assert embedder.count_tokens([LONG, ""]) == 256 + 2
 
 
+def test_progress_is_one_line_on_stderr(embedder, capsys):
+    embedder.encode(["a", "b", "c"], batch_size=2, progress=True)
+    assert capsys.readouterr().err == "\rembedded 2/3 texts\rembedded 3/3 texts\n"
+
+
 def test_a_cls_pooled_folder_matches_sentence_transformers(bundled, tmp_path):
     folder = linked_folder(bundled, tmp_path / "cls", HF_FILES + ("modules.json", "sentence_bert_config.json"))
     (folder / "1_Pooling").mkdir()
