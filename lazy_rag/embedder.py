@@ -80,6 +80,8 @@ def sentence_config(folder: Path) -> tuple[Path, str, int | None, bool]:
 
 
 class Embedder:
+    """``encode(texts)``: one L2-normalised float32 row per text, in the texts' order (C-contiguous)."""
+
     def __init__(self, name: str = DEFAULT_EMBEDDER, device: str | None = None):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -89,8 +91,9 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         # fp32 on every device, as sentence-transformers computed the vectors indexes hold
         self.model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device or "cpu").eval()
-        # the tokenizer's limit may be a huge placeholder, and a longer input than the position table fails
-        limits = (max_seq_length, self.tokenizer.model_max_length,
+        # sentence_bert_config.json's length rules (as in sentence-transformers), else the
+        # tokenizer's, which may be a huge placeholder; never more than the position table holds
+        limits = (max_seq_length or self.tokenizer.model_max_length,
                   getattr(self.model.config, "max_position_embeddings", None))
         self.max_length = min(n for n in limits if n)
         self.dim = int(self.model.config.hidden_size)
