@@ -4,7 +4,7 @@
 # build, pinned first so that no dependency pulls the multi-GB CUDA wheels (and no Triton: on a CPU
 # every kernel runs its torch reference). Safe to re-run: satisfied steps are quick.
 #   --test     the test suite's packages (pytest, the OpenAI and framework clients, Triton for its
-#              CPU interpreter, MkDocs)
+#              CPU interpreter, MkDocs, sentence-transformers as the embedder's reference)
 #   --ray      Ray Serve, for `lazy-rag serve --replicas N` and its tests
 #   --browser  Debian's chromium and playwright, for the web page's test
 set -euo pipefail

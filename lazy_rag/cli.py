@@ -81,7 +81,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     # (pypdf warns of every flaw it reads past; a PDF it cannot read is named among the files skipped)
-    for name in ("transformers", "sentence_transformers", "httpx", "pypdf"):
+    for name in ("transformers", "httpx", "pypdf"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if "transformers" in sys.modules:  # imported already (by a script or a test): it read the variable then
         from transformers.utils import logging as hf_logging

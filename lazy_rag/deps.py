@@ -14,7 +14,6 @@ KNOWN = {
     "accelerate": ("accelerate", "Loading a GGUF checkpoint (the bundled models)", None),
     "gguf": ("gguf", "Loading a GGUF checkpoint (the bundled models)", None),
     "faiss": ("faiss-cpu", "The vector index of `lazy-rag index`", None),
-    "sentence_transformers": ("sentence-transformers", "Embedding chunks and questions", None),
     "llama_index.core": ("llama-index-core", "Splitting documents into chunks (and the LlamaIndex integration)",
                          "llama-index"),
     "langchain_core": ("langchain-core", "The LangChain integration (lazy_rag.integrations.langchain)", "langchain"),

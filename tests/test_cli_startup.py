@@ -17,7 +17,7 @@ from lazy_rag.models import BUNDLED
 from lazy_rag.threads import ENV, configure_threads, physical_cores, resolve_threads
 from lazy_rag.version import __version__
 
-HEAVY = ("torch", "transformers", "sentence_transformers", "faiss", "llama_index")
+HEAVY = ("torch", "transformers", "faiss", "llama_index")
 
 
 def _heavy_modules_after(argv: list[str]) -> tuple[int, list[str], str]:

@@ -74,11 +74,19 @@ def test_examples_without_their_framework_say_what_to_install(example, package, 
     assert f"pip install 'lazy-rag[{extra}]'" in out and "Traceback" not in out, out
 
 
-def test_core_imports_without_frameworks_faiss_or_embedder():
+def test_core_imports_without_frameworks_or_faiss():
     code = ("import lazy_rag, lazy_rag.kernels; from lazy_rag import LazyLLM, Chunk, build_rag_segments;"
             "print('core ok')")
-    rc, out = run_hidden(["langchain_core", "llama_index", "faiss", "sentence_transformers", "typer"], code)
+    rc, out = run_hidden(["langchain_core", "llama_index", "faiss", "typer"], code)
     assert rc == 0 and "core ok" in out, out
+
+
+def test_the_embedder_needs_no_sentence_transformers_scipy_or_sklearn():
+    """sentence-transformers is only the test's reference (issue 65: it brought scipy and
+    scikit-learn, 191 MB, into the main job's install)."""
+    code = "from lazy_rag.embedder import Embedder; print('shape', Embedder().encode(['a lighthouse']).shape)"
+    rc, out = run_hidden(["sentence_transformers", "scipy", "sklearn"], code)
+    assert rc == 0 and "shape (1, 384)" in out, out
 
 
 def test_importing_an_adapter_without_its_framework_raises_one_clear_import_error():

@@ -72,9 +72,7 @@ class EmbeddingService:
         embedder = self.embedder
         with self._lock:
             vectors = embedder.encode(texts)
-            st = embedder.model
-            limit = st.max_seq_length or 512
-            tokens = sum(min(len(ids), limit) for ids in st.tokenizer(texts, add_special_tokens=True)["input_ids"])
+            tokens = embedder.count_tokens(texts)
         data = []
         for i, v in enumerate(vectors):
             v = np.ascontiguousarray(v, dtype="<f4")
