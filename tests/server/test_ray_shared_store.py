@@ -167,5 +167,8 @@ def test_a_chunk_one_replica_encoded_is_read_by_another(tmp_path, smollm2, corpu
 
 @pytest.fixture(autouse=True)
 def _no_stray_processes():
+    # only what this test started: a tensor-parallel rank pool an earlier test file of the same
+    # pytest worker left running is shared by design (RankPool, spawned once per run)
+    before = set(multiprocessing.active_children())
     yield
-    assert not multiprocessing.active_children()
+    assert not set(multiprocessing.active_children()) - before
