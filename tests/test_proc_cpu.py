@@ -28,8 +28,10 @@ def test_a_busy_process_is_counted_in_its_group_and_an_idle_one_is_not():
 
     cores = cores_by_group(before, after, 1.0, classify)
     assert set(cores) == {"cpu_cores_busy", "cpu_cores_busy_busiest", "cpu_cores_idle", "cpu_cores_idle_busiest"}
-    assert cores["cpu_cores_busy"] > 0.5          # a spinning interpreter: about one core
-    assert cores["cpu_cores_idle"] < 0.2
+    # a spinning interpreter: about one core on a quiet machine, but a share of one when the
+    # machine's cores are taken (0.26 seen with the suite's two workers and another job on 2 cores)
+    assert cores["cpu_cores_busy"] > 0.15
+    assert cores["cpu_cores_idle"] < 0.2 and cores["cpu_cores_busy"] > 2 * cores["cpu_cores_idle"]
     assert cores["cpu_cores_busy"] == cores["cpu_cores_busy_busiest"]  # one process in the group
 
 
