@@ -172,8 +172,8 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 3 (text, CPU) and the mixture-of-experts "
-            "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2 and Gemma 3 (text; CPU) and the "
+            "mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
 
 
