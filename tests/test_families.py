@@ -161,7 +161,8 @@ def _config(model_type, **kw):
 
 REFUSED = [
     # (config, words the message must hold: the feature, then the nearest supported family)
-    (lambda: _config("gemma2"), ("soft-capping", "sliding-window", "nearest supported family is olmo2")),
+    (lambda: _config("gemma"), ("embedding normaliser", "nearest supported family is llama")),
+    (lambda: _config("llama", attn_logit_softcapping=50.0), ("soft-capping of attention scores", "plain llama")),
     (lambda: _config("granitemoe"), ("mixture-of-experts block outside the layer's MLP",
                                      "nearest supported family is granite")),
     (lambda: _config("phimoe"), ("sparsemixer-routed mixture-of-experts", "nearest supported family is phi3")),
