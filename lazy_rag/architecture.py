@@ -74,6 +74,8 @@ class LayerFamily:
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
     moe: bool = False            # the MLP is a sparse mixture-of-experts block (CPU only; see the module docstring)
+    windows: bool = False        # sliding-window and global layer kinds (config.layer_types; CPU only)
+    softcap: bool = False        # attention scores and logits soft-capped (gemma2; CPU only)
     layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
     tested: str = ""             # what tests/test_parity.py / test_families.py hold it to
 
@@ -92,11 +94,11 @@ FAMILIES: dict[str, LayerFamily] = {
                         "full rotary", tested=_PARITY),
     "olmo2": LayerFamily(qk_norm="whole", norms="post", fused_norm=False,
                          layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
-    "gemma3_text": LayerFamily(qk_norm="head", norms="sandwich", fused_norm=False,
+    "gemma3_text": LayerFamily(qk_norm="head", norms="sandwich", fused_norm=False, windows=True,
                                layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
                                "layers with their own RoPE; CPU only (the GPU kernels take no window yet)",
                                tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
-    "gemma2": LayerFamily(norms="sandwich", fused_norm=False,
+    "gemma2": LayerFamily(norms="sandwich", fused_norm=False, windows=True, softcap=True,
                           layer="Gemma 2: pre- and post-norms, (1 + w) RMSNorm, alternating sliding-window and "
                           "global layers under one RoPE, attention scores and logits soft-capped (tanh); CPU only "
                           "(the GPU kernels take no window and no soft-cap yet)",
@@ -133,8 +135,6 @@ KNOWN_UNSUPPORTED = {
     "phi": ("a parallel attention/MLP block with LayerNorm and partial rotary", "phi3"),
     "olmo": ("non-parametric LayerNorm and q/k/v clipping", "olmo2"),
 }
-# families whose soft-capping lazy-rag computes (ModelParts.softcap, final_softcap; CPU only)
-SOFTCAPPED = ("gemma2",)
 SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -183,18 +183,17 @@ def num_experts(config) -> int:
                  and getattr(config, k) > 0), 0)
 
 
-def is_moe(config) -> bool:
-    """Whether ``config`` is of a family whose mixture-of-experts MLP lazy-rag runs (CPU only)."""
-    fam = FAMILIES.get(getattr(config, "model_type", None))
-    return fam is not None and fam.moe
+def _family(config) -> LayerFamily:
+    """``config``'s family; a plain one (no flag set) for a model type lazy-rag does not run."""
+    return FAMILIES.get(getattr(config, "model_type", None), LayerFamily())
 
 
 def _unsupported_feature(config) -> str | None:
     """What in ``config`` lazy-rag cannot run, whatever the model type, or None."""
     capped = any(getattr(config, k, None) is not None for k in SOFTCAP_KEYS)
-    if capped and getattr(config, "model_type", None) not in SOFTCAPPED:
+    if capped and not _family(config).softcap:
         return "soft-capping of attention scores or logits"
-    if num_experts(config) and not is_moe(config):
+    if num_experts(config) and not _family(config).moe:
         return "a mixture-of-experts MLP"
     if getattr(config, "clip_qkv", None) is not None:   # olmoe's (and olmo's) option, off in released checkpoints
         return f"q/k/v clipping (clip_qkv {config.clip_qkv})"
@@ -261,7 +260,7 @@ def check_supported(config) -> None:
 
 def windowed(config) -> bool:
     """Whether ``config`` is of a family whose sliding-window layers lazy-rag runs (gemma3_text, gemma2)."""
-    return getattr(config, "model_type", None) in ("gemma3_text", "gemma2")
+    return _family(config).windows
 
 
 def _rope_refusal(rope_type: str, mt) -> UnsupportedModelError:

@@ -617,9 +617,7 @@ def ape_attention(q, k, v, visible, in_chunk, scaling: float, temperature: float
     log-sum-exp T * logsumexp(s / T) + ln S; the other keys' group is plain; the two are merged
     by log-sum-exp. q [n, H, D] and k [m, Hkv, D] rotated, visible [n, m], in_chunk [m]; ``cap``:
     the scores s soft-capped first (gemma2), as the model computes them."""
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
-    s = softcap(torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling, cap)
+    s, vv = fp32_scores(q, k, v, scaling, cap)
     parts = []
     for group, t, log_s in ((in_chunk, temperature, math.log(scale)), (~in_chunk, 1.0, 0.0)):
         sg = (s / t).masked_fill(~(visible & group[None, :])[None], float("-inf"))
@@ -638,13 +636,19 @@ def merge_by_lse(parts):
     return sum(w * o for w, (_, o) in zip(weights, parts)) / sum(weights)
 
 
+def fp32_scores(q, k, v, scaling: float, cap: float | None = None):
+    """(scores [H, n, m] of q [n, H, D] against k [m, Hkv, D], soft-capped by ``cap`` where given,
+    and v as [m, H, D]), in fp32, KV heads repeated for GQA."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
+    return softcap(torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling, cap), vv
+
+
 def capped_attention(q, k, v, visible, scaling: float, cap: float):
     """Softmax attention with soft-capped scores (gemma2), which torch's SDPA cannot compute:
     s = tanh(q.k * scaling / cap) * cap, masked by ``visible`` [n, m], softmax in fp32. q [n, H, D],
     k/v [m, Hkv, D] rotated -> [n, H, D] in q's dtype."""
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
-    s = softcap(torch.einsum("nhd,mhd->hnm", q.float(), kk) * scaling, cap)
+    s, vv = fp32_scores(q, k, v, scaling, cap)
     p = torch.softmax(s.masked_fill(~visible[None], float("-inf")), dim=-1)
     return torch.einsum("hnm,mhd->nhd", p, vv).to(q.dtype)
 
