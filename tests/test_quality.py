@@ -92,6 +92,10 @@ def test_configs_parse_and_refuse_nonsense():
     c = Config.parse("lazy+sink+epic16")
     assert (c.mode, c.index_options, c.generate_options) == ("lazy", {"shared_prefix": True}, {"recovery": "epic16"})
     assert Config.parse("full").index_options == {} and Config.parse("block+sink").mode == "block"
+    assert [Config.parse(f"lazy+{d}").index_options for d in ("fp8", "int4")] == [{"kv_dtype": "fp8"},
+                                                                                 {"kv_dtype": "int4"}]
+    with pytest.raises(LazyRagError, match="kv_dtype twice"):
+        Config.parse("lazy+fp8+int4")
     with pytest.raises(LazyRagError, match="Unknown mode"):
         Config.parse("lazzy")
     with pytest.raises(LazyRagError, match="chunk reuse modes"):

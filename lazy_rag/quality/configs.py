@@ -33,6 +33,8 @@ SUFFIXES: dict[str, Suffix] = {
                       index=lambda m: {"wrapper": m.group(0).partition(":")[2] or "auto"}),
     "fp8": Suffix(r"fp8", "chunk KV stored in fp8 (e4m3, one scale per token and KV head; `lazy-rag index "
                   "--kv-dtype fp8`)", index=lambda m: {"kv_dtype": "fp8"}),
+    "int4": Suffix(r"int4", "chunk KV stored in int4 (grouped asymmetric, keys per channel, values per token; "
+                   "`lazy-rag index --kv-dtype int4`)", index=lambda m: {"kv_dtype": "int4"}),
     # the engine's recovery methods, each a part of its Recovery (engine.recovery.METHODS)
     **{name: Suffix(m.pattern, m.help, recovery=m.part) for name, m in METHODS.items()},
 }
