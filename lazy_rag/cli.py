@@ -48,6 +48,15 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _progress_style(value: str) -> str:
+    """--progress checked before anything loads (a model load takes a minute)."""
+    from .progress import STYLES
+
+    if value not in STYLES:
+        raise typer.BadParameter(f"{value!r} is not a progress style; choose one of {', '.join(STYLES)}.")
+    return value
+
+
 @app.callback()
 def main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                       help="Print the version and exit.")):
@@ -735,7 +744,8 @@ def eval_squad(
     quality_md: Optional[Path] = typer.Option(Path("QUALITY.md"), help="Markdown file to update (or '' for none)."),
     plot: bool = typer.Option(True, help="Write a PNG of agreement with full against TTFT."),
     name: Optional[str] = typer.Option(None, help="File name stem of the outputs (default: from the settings)."),
-    progress: str = typer.Option("auto", help="auto (a bar on a terminal, else lines), bar, lines or none."),
+    progress: str = typer.Option("auto", callback=_progress_style,
+                                 help="auto (a bar on a terminal, else lines), bar, lines or none."),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
     checkpoint: Optional[Path] = typer.Option(None, help="Answers so far, rewritten after every batch (default: "
                                                          "WORK_DIR/checkpoints/<run signature>.json); removed once "
@@ -782,7 +792,7 @@ def eval_retrieve(
     model: str = typer.Option("qwen2.5-0.5b", help="The model whose tokenizer the index uses (the eval's model)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 (names the cached index, as in the eval)."),
     work_dir: Optional[Path] = typer.Option(None, help="Cached indexes (default: $LAZY_RAG_CACHE/eval)."),
-    progress: str = typer.Option("auto", help="auto, bar, lines or none."),
+    progress: str = typer.Option("auto", callback=_progress_style, help="auto, bar, lines or none."),
 ):
     """Rank every question's paragraphs once and save them, for `eval squad --retrieval FILE` elsewhere;
     also build the indexes the configurations read (chunk tables and vectors, no KV) into --work-dir."""
@@ -838,7 +848,7 @@ def bench(
     results_dir: Path = typer.Option(Path("benchmarks/results"), help=_bench_help("results_dir")),
     plots: bool = typer.Option(True, help=_bench_help("plots")),
     as_json: bool = typer.Option(False, "--json", help=_bench_help("as_json")),
-    progress: str = typer.Option("auto", help=_bench_help("progress")),
+    progress: str = typer.Option("auto", callback=_progress_style, help=_bench_help("progress")),
 ):
     """Serve the paper's RAG workload (CPU: a small SmolLM2 variant) in every mode, or a named
     --preset; write JSON records and PNG plots to benchmarks/results/ and print a summary table."""

@@ -37,7 +37,8 @@ def _heavy_modules_after(argv: list[str]) -> tuple[int, list[str], str]:
 @pytest.mark.parametrize("argv", [["--help"], ["query", "--help"], ["--version"],
                                   ["query", "some-index", "a question", "--top-k", "0"],
                                   ["index", "docs", "--out", "idx", "--threads", "0"],
-                                  ["query", "some-index", "a question", "--mode", "sideways"]])
+                                  ["query", "some-index", "a question", "--mode", "sideways"],
+                                  ["eval", "squad", "--progress", "plain"]])
 def test_help_version_and_argument_errors_import_no_model_library(argv):
     rc, heavy, output = _heavy_modules_after(argv)
     assert heavy == [], f"`lazy-rag {' '.join(argv)}` imported {heavy}: start-up pays seconds for them"
@@ -47,7 +48,8 @@ def test_help_version_and_argument_errors_import_no_model_library(argv):
         assert rc == 0 and output.strip() == f"lazy-rag {__version__}"
     else:
         assert rc == 2, output
-        assert {"0": "--top-k" if "--top-k" in argv else "--threads", "sideways": "Unknown mode"}[argv[-1]] in output
+        assert {"0": "--top-k" if "--top-k" in argv else "--threads", "sideways": "Unknown mode",
+                "plain": "not a progress style"}[argv[-1]] in output
 
 
 def test_models_json_names_short_name_checkpoint_and_install_command():
