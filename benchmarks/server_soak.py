@@ -23,7 +23,13 @@ A control run with the same load and nothing interrupted (`--kill-every 0 --rebu
 --disconnect 0`) shows how many answers differ from the ones given alone through batching alone:
 on a GPU in bf16 a batch's composition changes the sums' rounding, and a greedy answer can
 take another token where two were nearly tied. The record keeps each request's differing
-answers (the five commonest) beside its reference, and the outcomes per request kind.
+answers (all of them, with counts) beside its reference, and the outcomes per request kind.
+Given that control run's record (``--control FILE``), a soak also counts the completed answers
+that the control run never gave for the same request (``answers_outside_control``): an
+interruption that corrupted an answer shows there, while batching alone does not.
+
+    python3 benchmarks/server_soak.py ... --kill-every 0 --rebuild-every 0 --disconnect 0 --out soak_control
+    python3 benchmarks/server_soak.py ... --control $OUT/soak_control.json --out server_soak_gpu
 
 Appends one record to benchmarks/results/<out>.json (or --results DIR/<out>.json).
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -175,6 +182,27 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def requests_digest(requests: list[dict]) -> str:
+    """What makes two runs' request j the same request (a control run is compared by it)."""
+    return hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def control_answers(path: Path, digest: str) -> dict[int, set[str]]:
+    """Request -> every answer a control run (nothing interrupted) gave it, from its record in
+    ``path`` (the last one made with the same requests)."""
+    from lazy_rag.bench.records import load_records
+
+    runs = [r for r in load_records(path) if r.get("requests_digest") == digest]
+    if not runs:
+        raise SystemExit(f"{path} holds no soak record made with these requests (same --seed, --distinct, "
+                         "--max-tokens and corpus); run the control with them first.")
+    run = runs[-1]
+    seen = {j: {ref} for j, ref in enumerate(run["reference_answers"])}
+    for d in run["differing_answers"]:
+        seen[d["request"]].update(d["answers"])
+    return seen
+
+
 async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[str, str]) -> dict:
     import httpx
 
@@ -182,6 +210,8 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
     requests = request_set(rng, args.distinct)
     for body in requests:
         body.update(model="m", max_tokens=args.max_tokens)
+    digest = requests_digest(requests)
+    control = control_answers(args.control, digest) if args.control else None
     chat = url + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=args.clients * 2 + 8)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -200,6 +230,7 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
         by_kind: dict[str, Counter] = {kind: Counter() for kind in KINDS}
         variants: dict[int, Counter] = {}   # request -> the differing answers it got, and how often
         compared = equal = 0
+        outside: Counter = Counter()        # (request, answer) the control run never gave
         kills, rebuilds, rebuild_failures = 0, 0, []
         deadline = time.monotonic() + args.minutes * 60
         tenants = list(keys)
@@ -220,6 +251,8 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
                     if text != reference[j]:
                         outcome = "ok_differs"
                         variants.setdefault(j, Counter())[text] += 1
+                    if control is not None and text not in control[j]:
+                        outside[(j, text)] += 1
                 outcomes[outcome] += 1
                 by_kind[kind_of(j)][outcome] += 1
                 if retry_after:  # as a well-behaved client
@@ -287,11 +320,16 @@ async def soak(args, work: Path, url: str, server: subprocess.Popen, keys: dict[
     return {"requests": total, "requests_per_s": round(total / (args.minutes * 60), 2),
             "outcomes": dict(sorted(outcomes.items())), "answers_compared": compared, "answers_equal": equal,
             "outcomes_by_kind": {kind: dict(sorted(c.items())) for kind, c in by_kind.items()},
+            "requests_digest": digest, "reference_answers": reference,
             # what a differing answer looked like: a different greedy path from one token on (the
-            # batch's numerics) or something else; the five commonest per request
+            # batch's numerics) or something else
             "differing_answers": [{"request": j, "kind": kind_of(j), "reference": reference[j],
-                                   "answers": dict(c.most_common(5)), "count": sum(c.values())}
+                                   "answers": dict(c.most_common()), "count": sum(c.values())}
                                   for j, c in sorted(variants.items())],
+            **({} if control is None else {
+                "control_record": str(args.control), "answers_outside_control": sum(outside.values()),
+                "outside_control": [{"request": j, "kind": kind_of(j), "answer": text, "count": n,
+                                     "reference": reference[j]} for (j, text), n in outside.most_common(20)]}),
             "engine_kills": kills, "engine_restarts": metric(text, "lazy_rag_engine_restarts_total"),
             "restart_s": restart_s,
             "engine_up_at_end": up, "rebuilds": rebuilds, "rebuild_failures": rebuild_failures,
@@ -317,12 +355,16 @@ def main() -> None:
     p.add_argument("--kill-every", type=float, default=180, help="Seconds between engine kills (0: none).")
     p.add_argument("--rebuild-every", type=float, default=300, help="Seconds between index rebuilds (0: none).")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--control", type=Path, help="A control run's record file (nothing interrupted, same requests): "
+                                                "count the answers it never gave.")
     p.add_argument("--out", default="server_soak")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--build", type=Path, help=argparse.SUPPRESS)   # child modes
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.control and not args.control.exists():
+        p.error(f"--control {args.control}: no such file; run the control first (see the docstring).")
     if args.build:
         return build_index(args.build, args.model, args.device)
     if args.serve:
