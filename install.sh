@@ -7,12 +7,17 @@
 #              CPU interpreter, MkDocs, sentence-transformers as the embedder's reference)
 #   --ray      Ray Serve, for `lazy-rag serve --replicas N` and its tests
 #   --browser  Debian's chromium and playwright, for the web page's test
+# pip installs without compiling bytecode: Python writes a module's .pyc when it first imports it,
+# and pip's compile of every module (290 MiB, mostly torch's, transformers' and sympy's modules the
+# main job never imports) was the largest share of the install (issue 65). --test compiles the whole
+# environment at the end: the suite imports far more, in many interpreters.
 set -euo pipefail
 extras="langchain,llama-index"
 browser=0
+compile=0
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="$extras,test" ;;
+    --test) extras="$extras,test"; compile=1 ;;
     --ray) extras="$extras,ray" ;;
     --browser) extras="$extras,browser"; browser=1 ;;
     *) echo "install.sh: unknown option $arg (options: --test, --ray, --browser)" >&2; exit 2 ;;
@@ -24,11 +29,11 @@ gpu=0
 command -v nvidia-smi >/dev/null 2>&1 && gpu=1
 start=$SECONDS
 step=0
-steps=$((3 - gpu + browser))
+steps=$((3 - gpu + browser + compile))
 say() { step=$((step + 1)); echo "== install.sh [$step/$steps, $((SECONDS - start)) s] $*"; }
 # pip's own lines for what it fetches and installs (one per package), not its "already satisfied" ones
 pip_install() {
-  PYTHONUNBUFFERED=1 "$PY" -m pip install --disable-pip-version-check --progress-bar off "$@" \
+  PYTHONUNBUFFERED=1 "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-compile "$@" \
     | awk '/^(Collecting|Downloading|Installing collected|Successfully)/ { print "   " $0; fflush() }'
 }
 
@@ -59,5 +64,11 @@ if [ "$browser" = 1 ]; then
     "${as_root[@]}" apt-get update -qq
     DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq chromium >/dev/null
   fi
+fi
+if [ "$compile" = 1 ]; then
+  say "bytecode for every installed module (the test suite's interpreters then compile nothing)"
+  # like pip's own compile, a file that does not compile is left to Python (torch ships test helpers
+  # written for Python 3.12), so compileall's exit status is not the install's
+  "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 fi
 echo "== install.sh: lazy-rag $("$PY" -c 'import lazy_rag; print(lazy_rag.__version__)') installed in $((SECONDS - start)) s"
