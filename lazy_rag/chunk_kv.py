@@ -90,7 +90,8 @@ class ChunkKVStore(Protocol):
     the engine then encodes the chunk and hands it to ``write_back``. ``precomputed``: a missing
     record is unexpected (worth a warning). A store may also have ``read_nowait`` (``read`` from
     the page cache only, else (None, ``NOT_IN_MEMORY``)), ``in_memory`` (whether a record is in
-    the page cache) and ``reads_pinned`` (its reads take ``pin`` and ``tensor_crcs``)."""
+    the page cache), ``reads_pinned`` (its reads take ``pin`` and ``tensor_crcs``) and ``kv_format``
+    ("fp8" or "int4" when it stores quantised KV: ``engine.chunk_tiers.stored_format``)."""
 
     precomputed: bool
 

@@ -48,6 +48,12 @@ def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     return KV_DTYPES.get(KV_DTYPE_NAMES.get(name, name))
 
 
+def quantized_kv_dtype(name) -> bool:
+    """Whether a stored KV dtype's name means quantised KV (fp8, int4): an index of it answers
+    from its stored KV (``engine.chunk_tiers``)."""
+    return name not in (None, "auto") and kv_dtype_named(name, None) in (torch.float8_e4m3fn, INT4)
+
+
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """The name an index's settings and a record's metadata give a stored KV dtype."""
     return "int4" if dtype == INT4 else str(dtype).removeprefix("torch.")

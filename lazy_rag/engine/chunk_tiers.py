@@ -1,6 +1,12 @@
 """Chunk KV below the pool: a host-memory tier, then the request's disk store (an index's KV
 files). One key scheme everywhere (``chunk_key``): the KV of a chunk depends only on its token
-ids and the prefix it was encoded after (and the model, which is the engine's own).
+ids and the prefix it was encoded after (and the model, which is the engine's own), and, for a
+chunk of an index that stores quantised KV (fp8, int4), on that format: such an index's answers
+are defined by its stored KV, so its chunks never share pool or host entries with an
+unquantised index's (nor with another format's), and their stored KV is always read rather
+than encoded again (``fetch``). The one exception is a chunk whose KV is not stored yet (an index
+built without KV): the request that encodes it answers from the unquantised KV, which stays in
+the pool under the quantised key until evicted; the host tier keeps only the stored format.
 
 The planner asks ``fetch`` when a chunk is not resident in the pool; when no tier has it either,
 the engine encodes it straight into its pool pages and hands the captured KV to ``keep`` (host
@@ -49,13 +55,30 @@ from .page_pool import PagePool
 log = logging.getLogger(__name__)
 
 
-def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "") -> tuple:
+def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "",
+              stored: str | None = None) -> tuple:
     """Cache key of a chunk's KV in every tier: the prefix it was encoded after and its tokens,
     and the request's cache salt for a chunk of the caller's own text (``Engine.submit``): the
     same tokens under two salts are two entries, so one tenant's request never finds (or times)
-    the KV another tenant's request encoded."""
+    the KV another tenant's request encoded. ``stored``: the quantised format its index stores
+    ("fp8", "int4"; ``stored_format``), None for unquantised KV."""
     pre = _content_key(tuple(shared_prefix)) if shared_prefix else ""
-    return ("chunk", pre, _content_key(tuple(token_ids), salt))
+    key = ("chunk", pre, _content_key(tuple(token_ids), salt))
+    return (*key, stored) if stored else key
+
+
+def span_key(seq, span) -> tuple:
+    """The cache key of a request's chunk span: the caller's own text under the request's salt,
+    an index's chunk (it has an id) under its store's format."""
+    own = span.chunk_id is None
+    return chunk_key(span.token_ids, seq.source.shared_prefix_ids, seq.cache_salt if own else "",
+                     None if own else stored_format(seq.source.store))
+
+
+def stored_format(store) -> str | None:
+    """The quantised format ("fp8", "int4") a store holds its chunks' KV in; None for 16/32-bit
+    KV or no store."""
+    return getattr(store, "kv_format", None) if store is not None else None
 
 
 HOST_FORMATS = (None, "fp8", "int4")    # ChunkKV.format's values
@@ -140,8 +163,10 @@ class ChunkTiers:
         left as it is. A stored file that is damaged, foreign or (in a precomputed index) missing
         is reported and will be repaired by ``keep`` after the encode. ``kv_dtype``: the asking
         pool's dtype (its format's host copy is looked up first)."""
+        stored = stored_format(store) if chunk_id is not None else None
         first = "fp8" if kv_dtype == FP8 else None
-        for k in (host_key(key, f) for f in (first, *(f for f in HOST_FORMATS if f != first))):  # the pool's first
+        formats = (stored,) if stored else (first, *(f for f in HOST_FORMATS if f != first))  # the pool's first
+        for k in (host_key(key, f) for f in formats):
             kv = self.host.get(k)
             if kv is not None:
                 self.counters["host_hits"] += 1
@@ -152,7 +177,9 @@ class ChunkTiers:
         kv, why = None, NOT_IN_MEMORY
         # a segment store reads straight into pinned memory, checking the record's CRC only
         fast = {"pin": self.pin, "tensor_crcs": False} if getattr(store, "reads_pinned", False) else {}
-        nowait = getattr(store, "read_nowait", None) if chooser is not None and chooser.calibrated else None
+        # stored quantised KV is what its index answers from: read, never encoded again instead
+        weigh = chooser is not None and chooser.calibrated and not stored
+        nowait = getattr(store, "read_nowait", None) if weigh else None
         probe = getattr(store, "in_memory", None) if nowait is not None else None
         # in the page cache? Then the read costs its copy and CRC at the measured page-cache rate
         # (an 8B model's 32 MB chunk: ~20 ms on the H100 machine, slower than encoding it again
@@ -198,7 +225,9 @@ class ChunkTiers:
         self.counters["encoded_tokens"] += kv.num_tokens
         writes = store is not None and chunk_id is not None
         kv = self.to_host(kv, wait=wait or writes)
-        self.host.put(host_key(key, kv.format), kv)
+        stored = stored_format(store) if writes else None
+        if not stored or kv.format == stored:  # else the next fetch reads the stored format
+            self.host.put(host_key(key, kv.format), kv)
         if writes and self.heads is not None:   # the record holds every rank's heads; rank 0 writes it
             whole = self.heads.whole(kv)
             if self.heads.writes:

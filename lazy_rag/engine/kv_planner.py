@@ -46,7 +46,7 @@ import torch
 
 from ..kernels.rope import RopeTable
 from ..requests import CHUNK_MODES
-from .chunk_tiers import ChunkTiers, chunk_key
+from .chunk_tiers import ChunkTiers, chunk_key, span_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
 from .read_or_encode import ReadOrEncode
@@ -154,9 +154,7 @@ class KVPlanner:
         prefix = seq.source.shared_prefix_ids
         for span in lay.spans:
             if span.cached_tokens:
-                salt = seq.cache_salt if span.chunk_id is None else ""
-                yield (span.start, span.token_ids, span.chunk_id, prefix, span.skip,
-                       chunk_key(span.token_ids, prefix, salt))
+                yield span.start, span.token_ids, span.chunk_id, prefix, span.skip, span_key(seq, span)
 
     def place_chunk(self, ids, chunk_id, prefix, store, key=None):
         """The chunk's pool entry, acquired once: resident already, or placed from the host tier

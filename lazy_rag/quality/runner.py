@@ -134,14 +134,19 @@ class Runtime:
     def open_index(self, passages, folder: Path, system_prompt: str | None, instruction: str, index_options: dict,
                    progress: bool):
         """The index of ``passages`` in ``folder``: loaded when built before, else built (chunk KV
-        is encoded on first use, so only the chunks the questions use are ever encoded). Without an
+        is encoded on first use, so only the chunks the questions use are ever encoded; quantised
+        KV is encoded up front). Without an
         embedder (retrieval from a file) the index has no vectors, and its folder says so."""
         from ..index import LazyIndex
+        from ..kv_record import quantized_kv_dtype
 
         if (folder / "manifest.json").exists():
             return LazyIndex.load(folder, llm=self.llm, embedder=self.embedder)
+        # quantised KV (+fp8, +int4) is encoded up front: an index of it answers from its stored KV,
+        # except at a chunk's first use, which would answer from the unquantised KV it just encoded
+        precompute = quantized_kv_dtype(index_options.get("kv_dtype"))
         return LazyIndex.from_texts([p.text for p in passages], folder, llm=self.llm, embedder=self.embedder,
-                                    ids=[p.id for p in passages], split=False, precompute_kv=False,
+                                    ids=[p.id for p in passages], split=False, precompute_kv=precompute,
                                     progress=progress, system_prompt=system_prompt, instruction=instruction,
                                     vectors=self.embedder is not None, **index_options)
 

@@ -236,3 +236,30 @@ def test_a_build_keeps_the_encode_fit_so_the_first_query_probes_nothing(monkeypa
                            source=loaded.chunk_source)
     assert res.stats.chunk_sources  # the chunks came from the index, through the chooser
     assert querier.engine.planner.chooser.calibration == "kept"
+
+
+def test_quantised_stored_kv_is_always_read_and_kept_apart_from_unquantised_kv(llm):
+    """An index of fp8 (or int4) KV answers from its stored KV: its records are read even where
+    encoding looks faster, and its chunks never share a pool or host entry with the same tokens'
+    unquantised KV (nor the other way round), so neither index's answers depend on what the
+    other's requests left in the engine."""
+    eng = llm.engine
+    plain = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False)))
+    fp8 = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False, quantize=True)))
+    assert all(kv.format == "fp8" for kv in fp8.values())
+    eng.clear_cache()
+    eng.planner.chooser.forward_s, eng.planner.chooser.token_s = 1e-3, 1e-6  # encoding looks far faster
+    quantised = ColdStore(fp8, 10 << 30)
+    quantised.kv_format = "fp8"
+    first = llm.generate(segments(), max_new_tokens=3, output_first_logits=True, source=ChunkSource((), quantised))
+    assert first.stats.chunk_sources == {"disk": 3} and quantised.reads == 3
+    unquantised = ColdStore(plain, 10 << 30)
+    second = llm.generate(segments(), max_new_tokens=3, output_first_logits=True, source=ChunkSource((), unquantised))
+    assert second.stats.chunk_sources == {"recomputed": 3}  # not the fp8 chunks the pool holds
+    again = llm.generate(segments(), max_new_tokens=3, output_first_logits=True, source=ChunkSource((), quantised))
+    assert again.stats.chunk_sources == {"pool": 3}
+    assert torch.equal(again.first_logits, first.first_logits)
+    assert not torch.equal(second.first_logits, first.first_logits)  # fp8 KV does change the logits
+    eng.clear_cache()
+    alone = llm.generate(segments(), max_new_tokens=3, output_first_logits=True, source=ChunkSource((), unquantised))
+    assert torch.equal(alone.first_logits, second.first_logits)

@@ -23,7 +23,7 @@ import os
 import time
 from collections import OrderedDict
 
-from ...engine.chunk_tiers import chunk_key
+from ...engine.chunk_tiers import span_key
 from ...errors import LazyRagError, RequestFailedError
 from ..driver import ClientGoneError, DrainingError, EngineDriver, EngineUnavailableError, QueueFullError
 from .affinity import RESIDENT_KEY, TAKEN_AT_KEY, VERSION_KEY, ChunkRoute
@@ -64,9 +64,8 @@ class ResidentChunks:
         spans = seq.layout.spans if seq is not None else ()
         if not route.keys or len(spans) != len(route.keys):  # prefix/full modes place no chunk spans
             return
-        prefix = seq.source.shared_prefix_ids
         for key, span in zip(route.keys, spans):
-            self._keys[key] = chunk_key(span.token_ids, prefix, seq.cache_salt if span.chunk_id is None else "")
+            self._keys[key] = span_key(seq, span)
             self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
