@@ -109,6 +109,21 @@ def test_cached_indexes_are_keyed_by_the_data(runtime, tmp_path, capsys):
     assert f"index (built): {a.path}" in err and f"index (built): {b.path}" in err
 
 
+def test_a_quantised_kv_configuration_is_encoded_up_front_and_answers_from_its_stored_kv(runtime, tmp_path):
+    """+int4's index holds every chunk's int4 KV before any question (a chunk's first use would
+    otherwise answer from the unquantised KV it encoded), and its answers read it (not encode)."""
+    data = corpus_file(tmp_path / "c.json")
+    ev = _Evaluation(_options(tmp_path, data, configs="lazy,lazy+int4", prompts=("short",)), runtime)
+    plain, int4 = (ev.index_for(PROMPTS["short"], Config.parse(c)) for c in ("lazy", "lazy+int4"))
+    assert int4.store.kv_format == "int4" and all(int4.store.read(r.id, r.token_ids)[1] is None for r in int4.records)
+    assert plain.store.read(plain.records[0].id, plain.records[0].token_ids)[1] == "missing"  # on first use
+    runtime.llm.engine.clear_cache()
+    ids = [r.id for r in int4.records[:2]]
+    res = runtime.llm.generate(int4.segments("Who designed the lighthouse?", ids), max_new_tokens=1,
+                               source=int4.chunk_source)
+    assert res.stats.chunk_sources == {"disk": 2}
+
+
 class _NoRetrieval(Runtime):
     def retrieve(self, *args, **kwargs):
         raise AssertionError("retrieval ran although a retrieval file was given")
