@@ -50,8 +50,8 @@ import torch
 from .triton_import import tl, triton
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
-from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,
-                              split_outputs)
+from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, cap_window_args, merge_splits,
+                              soft_cap, split_count, split_outputs)
 from .rope import cos_sin
 from .v_layout import load_v, v_args
 
@@ -173,11 +173,15 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
             HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
             stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False):
+            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False,
+            softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False,
+            WINDOWED: tl.constexpr = False):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
-    hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
-    guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
+    hidden slots with HAS_SLOT_POS) and, WINDOWED, > the row's position - window; else every
+    loaded key is visible to every row (the caller guarantees it: never WINDOWED) and only the
+    page tails are masked. SOFTCAP: the scaled scores soft-capped (paged_attention.soft_cap)
+    before the mask. KV_FP8: fp8 pages with per-token scales
     KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
     paged_attention._scaled_pv, in PV_DTYPE (None: qr's dtype; the compute dtype where qr is fp16
     for the QK dot, QK_F16). V_KEYS_MAJOR: V pages keys-major (v_layout.py)."""
@@ -238,11 +242,16 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
         else:
             col = qk_scale_log2
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC)
+        qk = qk * col
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap_log2)
         if MASKED:
             vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
-            qk = tl.where(vis, qk * col, float("-inf"))
-        else:
-            qk = qk * col + tl.where(k_ok, 0.0, float("-inf"))[None, :]
+            if WINDOWED:
+                vis = vis & (qp[:, None] - kpos[None, :] < window)
+            qk = tl.where(vis, qk, float("-inf"))
+        else:   # the page tail's mask as an additive bias (with the multiply above, one FMA)
+            qk = qk + tl.where(k_ok, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -286,6 +295,7 @@ def _prefill_runs_kernel(
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
+    softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False, WINDOWED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -341,8 +351,11 @@ def _prefill_runs_kernel(
             s0 = tl.load(ROT_SHIFT + e)
         else:
             s0 = 0
+        # a window hides keys far behind a row: no key is visible to every row by its position
+        # alone, so every tile takes the masked loop (mid = e)
         run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min,
-                                         q_max, ROTATE_Q, not HAS_SLOT_POS, SCAN, PPT)
+                                         q_max, ROTATE_Q, not HAS_SLOT_POS and not WINDOWED,
+                                         SCAN, PPT)
         if ROTATE_Q:   # once per run: the inner loops see a loop-invariant query
             # min(e, 0) is 0 (e >= 0) but opaque to the compiler: the query's address math
             # stays inside this loop instead of holding registers across the KV loops
@@ -355,13 +368,14 @@ def _prefill_runs_kernel(
                                     PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
                                     e, mid, D, PAGE, PPT, BLOCK_N, DOT_PREC, False,
                                     HAS_SLOT_POS, KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8,
-                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR)
+                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR, softcap_log2, window,
+                                    SOFTCAP, False)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
                                 KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype,
-                                V_KEYS_MAJOR)
+                                V_KEYS_MAJOR, softcap_log2, window, SOFTCAP, WINDOWED)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -394,14 +408,16 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
                 split_target: float = 2.0, return_lse: bool = False,
                 q_rotation: str = "token", k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, qk_f16: bool | str = True,
-                full_batch: bool = False):
+                full_batch: bool = False, softcap: float | None = None,
+                window: int | None = None):
     """The runs kernel's launcher; arguments and result as paged_attention.launch (rope_mode
     "rotate_q" or "none" only). Split-KV splits each sequence's entries into ranges of
     tiles_per_split * PPT entries, sized from max_tiles_hint on the host as the tiles kernel.
     q_rotation: how the query is rotated at each run, "token" (cos/sin per token, then
     join / permute / reshape into the rows) or "row" (cos/sin per row and dimension,
     elementwise only): _rotated_query. full_batch: tuned as a batch that fills the GPU whatever
-    this one's program count (an encode batch: PrefillPlan.full_batch)."""
+    this one's program count (an encode batch: PrefillPlan.full_batch). softcap, window: as
+    paged_attention.launch (a window sends every tile through the masked loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -449,7 +465,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SLOT_POS=table.has_slot_pos, SCAN=SCAN, ROTATE_BY_TOKEN=q_rotation == "token",
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
-        **meta,
+        **cap_window_args(softcap, window), **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)
