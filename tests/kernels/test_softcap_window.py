@@ -93,10 +93,12 @@ def test_the_cap_and_the_window_change_the_output():
 
 
 # (G, D, page, layout, splits, window, softcap): splits 1 (the direct epilogue) and several (the
-# merge); pages 4 (several pages per 32-key tile: MULTI_SHIFT's while loop), 16 (two per tile)
-# and 64; GQA 1, 3, 4
+# merge); pages 4 (eight per 32-key tile: MULTI_SHIFT 2's while loop), 16 (two per tile: the two
+# row groups of MULTI_SHIFT 4, or with explicit slot positions 3's scalar branch) and 64; GQA
+# 1-4; a cap alone (page 64)
 DECODE = [(1, 64, 4, "plain", 1, 3, 1.5), (3, 64, 16, "hidden", None, 20, 3.0),
-          (4, 128, 64, "compact", 3, 40, None), (2, 64, 16, "plain", 2, None, 1.0)]
+          (4, 128, 64, "compact", 3, 40, None), (2, 64, 16, "plain", 2, 9, 1.0),
+          (2, 64, 64, "plain", None, None, 2.0)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
