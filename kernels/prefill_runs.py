@@ -27,7 +27,9 @@ The unmasked loop applies only the page-tail mask, folded into the scale multipl
 starts on the run's tile grid, so tiles are the same whichever loop takes them. With explicit
 slot positions (HAS_SLOT_POS) page_pos need not describe the keys, so every tile takes the
 masked loop (hidden slots never visible), untrimmed; a table whose explicit rows are all -1
-gives results bit-identical to the same table without them (tests/kernels).
+gives results bit-identical to the same table without them (tests/kernels). With a sliding
+window (WINDOWED) there is no unmasked part: the prefix whose keys lie before every row's window
+is skipped instead, and the rest takes the masked loop, which applies the window.
 
 One QK dot. The rotated query is one full [ROWS, D] tile in the pool dtype and K one
 [BLOCK_N, D] tile: one K=D dot per tile instead of two of D/2. The rotation (_rotated_query,
@@ -61,14 +63,15 @@ SCAN = 64                        # entries per step of the run-end scan (a 2048-
 
 
 @triton.jit
-def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
+def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
                 BY_SHIFT: tl.constexpr, BY_POS: tl.constexpr, SCAN: tl.constexpr,
                 PPT: tl.constexpr):
     """The run that starts at entry e (< e_hi) as (run_end, mid, stop): run_end the first entry
     of [e, e_hi) whose rot_shift differs from s0 (e_hi if none; without BY_SHIFT, e_hi);
-    entries [e, mid) hold only keys at positions <= q_min (unmasked loop), [mid, stop) the rest
-    up to the last entry with a key at a position <= q_max (masked loop); [stop, run_end) hold
-    no key visible to the tile. When there is a masked part, mid is rounded down to the tile
+    entries [e, mid) hold only keys at positions <= lo (the tile's first query position: the
+    unmasked loop; with a window, that minus the window: keys out of every row's window,
+    skipped), [mid, stop) the rest up to the last entry with a key at a position <= q_max
+    (masked loop); [stop, run_end) hold no key visible to the tile. When there is a masked part, mid is rounded down to the tile
     grid e + k * PPT, so the tiles are those of an all-masked run (a table with explicit slot
     positions, all -1, gives bit-identical results), at the cost of at most one masked tile
     that needed no mask. Without BY_POS, mid = e and stop = run_end."""
@@ -89,7 +92,7 @@ def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
                 pp = tl.load(PAGE_POS + idx, mask=ok, other=0)
                 pl = tl.load(PAGE_LEN + idx, mask=ok, other=0)
                 inrun = idx < run_end
-                late = tl.min(tl.where(inrun & (pp + pl - 1 > q_min), idx, BIG), axis=0)
+                late = tl.min(tl.where(inrun & (pp + pl - 1 > lo), idx, BIG), axis=0)
                 first_late = tl.minimum(first_late, late)
                 use = tl.max(tl.where(inrun & (pp <= q_max), idx, -1), axis=0)
                 last_use = tl.maximum(last_use, use)
@@ -351,24 +354,28 @@ def _prefill_runs_kernel(
             s0 = tl.load(ROT_SHIFT + e)
         else:
             s0 = 0
-        # a window hides keys far behind a row: no key is visible to every row by its position
-        # alone, so every tile takes the masked loop (mid = e)
-        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min,
-                                         q_max, ROTATE_Q, not HAS_SLOT_POS and not WINDOWED,
-                                         SCAN, PPT)
+        if WINDOWED:
+            # no key is visible to every row by its position alone (a window hides keys far
+            # behind a row): no unmasked loop; entries whose keys are all at or before
+            # q_min - window are out of every row's window, and skipped
+            lo = q_min - window
+        else:
+            lo = q_min
+        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
+                                         ROTATE_Q, not HAS_SLOT_POS, SCAN, PPT)
         if ROTATE_Q:   # once per run: the inner loops see a loop-invariant query
             # min(e, 0) is 0 (e >= 0) but opaque to the compiler: the query's address math
             # stays inside this loop instead of holding registers across the KV loops
             qr = _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh,
                                 tl.minimum(e, 0), s0, INV_FREQ, rope_scale, G, GP, BLOCK_M,
                                 ROWS, D, qk_dtype, FAST_TRIG, ROTATE_BY_TOKEN, q_mul, QK_F16)
-        if not HAS_SLOT_POS:
+        if not HAS_SLOT_POS and not WINDOWED:
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                     stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS,
                                     PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
                                     e, mid, D, PAGE, PPT, BLOCK_N, DOT_PREC, False,
                                     HAS_SLOT_POS, KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8,
-                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR, softcap_log2, window,
+                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR, softcap_log2, None,
                                     SOFTCAP, False)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS, PAGE_LEN,
@@ -417,7 +424,8 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     join / permute / reshape into the rows) or "row" (cos/sin per row and dimension,
     elementwise only): _rotated_query. full_batch: tuned as a batch that fills the GPU whatever
     this one's program count (an encode batch: PrefillPlan.full_batch). softcap, window: as
-    paged_attention.launch (a window sends every tile through the masked loop)."""
+    paged_attention.launch (a window skips what lies before every row's window and sends the
+    rest through the masked loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"

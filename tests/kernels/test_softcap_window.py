@@ -153,3 +153,16 @@ def test_shared_chunk_decode(window, softcap):
                               compute_dtype=torch.float64, softcap=softcap, window=window)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(c.run(), ref) > 1e-2     # the window (and cap) matter here
+
+
+def test_prefill_window_edge_at_every_offset():
+    """Windows 1 to 12 over 4-token pages, one page per KV tile (block_n 4): for some window a
+    page's last key lands on the edge of a query tile's window (q_min - window + 1, the oldest
+    key its first row still sees), where the runs kernel's skip of pages out of every row's
+    window must stop."""
+    dtype = DTYPES[0]
+    c = _case([([0, 2], 20, 9), ([3, 1], 6, 6)], G=2, D=64, page=4, dtype=dtype, seed=21)
+    for window in range(1, 13):
+        out = lazy_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table, _inv(c),
+                           window=window, block_n=4)
+        assert rel_err(out, _ref(c, None, None, window)) < TOL[dtype], window
