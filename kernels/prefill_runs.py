@@ -71,10 +71,11 @@ def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
     entries [e, mid) hold only keys at positions <= lo (the tile's first query position: the
     unmasked loop; with a window, that minus the window: keys out of every row's window,
     skipped), [mid, stop) the rest up to the last entry with a key at a position <= q_max
-    (masked loop); [stop, run_end) hold no key visible to the tile. When there is a masked part, mid is rounded down to the tile
-    grid e + k * PPT, so the tiles are those of an all-masked run (a table with explicit slot
-    positions, all -1, gives bit-identical results), at the cost of at most one masked tile
-    that needed no mask. Without BY_POS, mid = e and stop = run_end."""
+    (masked loop); [stop, run_end) hold no key visible to the tile. When there is a masked
+    part, mid is rounded down to the tile grid e + k * PPT, so the tiles are those of an
+    all-masked run (a table with explicit slot positions, all -1, gives bit-identical results),
+    at the cost of at most one masked tile that needed no mask. Without BY_POS, mid = e and
+    stop = run_end."""
     run_end = e_hi
     first_late = e_hi
     last_use = e - 1
