@@ -492,24 +492,28 @@ def test_gemma2_soft_caps_change_the_answer_and_the_engine_follows(tokenizer):
 
 
 def test_gemma2_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
-    """What CUDA runs, on the CPU in Triton's interpreter (the runner's kernel switch on): lazy and
-    block prefills through the runs kernel with each layer's window and the scores' cap, decode
-    steps through the shared-chunk kernel (shared_chunks "on": every cached run a pair, masked
-    per pair by its window), APE's two key groups (the cap taken over T). Chunks longer than the
-    window, a question longer than it, decoding past it."""
+    """What CUDA runs, on the CPU in Triton's interpreter (the runner's kernel switches on as on
+    CUDA): chunk encodes, lazy, block, full and prefix prefills through the runs kernel with each
+    layer's window and the scores' cap (fresh sequences too: fresh_on_kernels), decode steps
+    through the shared-chunk kernel (shared_chunks "on": every cached run a pair, masked per pair
+    by its window), APE's two key groups (the cap taken over T). Chunks longer than the window, a
+    question longer than it, decoding past it."""
     from lazy_rag.oracle import ape_logits
 
     model = _gemma(8, seed=2, family="gemma2")
     llm = small_llm(model, tokenizer, page_size=4, shared_chunks="on")
     runner = llm.engine.runner
     assert runner.layer_options == [dict(softcap=5.0, window=w) for w in (None, 8, None, 8)]
-    runner.use_kernels = True
+    runner.use_kernels = runner.fresh_on_kernels = True
     rng = random.Random(6)
     segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 21)], [0, 1, 2], tail=11)
     layout = llm.prepare(segs)
     ref = block_diagonal_logits(model, layout)[-1]
     for mode in ("lazy", "block"):
         assert rel_err(llm.next_token_logits(segs, mode=mode), ref) < 1e-4, mode
+    plain = causal_logits(model, layout.token_ids)[-1]
+    for mode in ("full", "prefix"):
+        assert rel_err(llm.next_token_logits(segs, mode=mode), plain) < 1e-4, mode
     assert rel_err(llm.next_token_logits(segs, recovery="ape0.6s1.5"), ape_logits(model, layout, 0.6, 1.5)[-1]) < 1e-4
     steps = runner.shared_decode_steps
     handle = llm.engine.submit(segs, mode="lazy", max_new_tokens=4, logprobs=0)

@@ -31,7 +31,8 @@ cannot turn stored keys to: on CUDA it is refused.
 Soft-capped attention scores (gemma2, ``ModelParts.softcap``): every path caps the scores before
 the mask and softmax: the torch ones (fresh, torch over the pool, APE, the question probe)
 through explicit scores (``capped_attention``: SDPA cannot cap), the Triton kernels in registers
-(``layer_options``).
+(``layer_options``). On the kernels' device fresh sequences and tails take the kernels too
+(``fresh_on_kernels``): explicit fp32 scores grow as new tokens x keys.
 
 Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as
 (quantised to fp8 with per-token scales when the pool is fp8, like the pool's own copy).
@@ -93,6 +94,10 @@ class ModelRunner:
         self.layer_options = [dict(softcap=parts.softcap, window=parts.kinds[k].window) for k in parts.layer_kind]
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
         self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
+        # soft-capped scores: fresh sequences and tails on the kernels as well, since SDPA cannot
+        # cap and capped_attention's explicit fp32 scores take new tokens x keys x heads (2 GB a
+        # layer for one 8k-token prompt with Gemma-2-2B's 8 heads)
+        self.fresh_on_kernels = self.use_kernels and parts.softcap is not None
         self.graphs = self.append_graphs = None
         self.graph_mempool = None   # one memory pool for every captured graph (they never run at once)
         if cuda_graphs and self.use_kernels:
@@ -357,7 +362,7 @@ class StepAttention:
         # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
         # tokens per chunk on an H100). One long fresh prompt keeps SDPA's flash kernel.
         encodes = pack_fresh     # a forward with chunk encodes in it is never a decode step
-        pack_fresh = pack_fresh and runner.use_kernels and len(seqs) > 1
+        pack_fresh = (pack_fresh and runner.use_kernels and len(seqs) > 1) or runner.fresh_on_kernels
         self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
         self.scaling, self.softcap, self.shape = p.scaling, p.softcap, p.shape
