@@ -11,7 +11,9 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
     lazy_decode(q, k_pages, v_pages, table, q_pos, inv_freq, *, rope_mode=..., sm_scale=None,
                 return_lse=False, ...) -> out, or (out, lse) with return_lse=True
                                     (tuning kwargs: block_n, num_warps, num_stages, split_target,
-                                    num_splits: see paged_attention.py)
+                                    num_splits: see paged_attention.py); softcap=None,
+                                    window=None: Gemma 2's score soft-cap and sliding window
+                                    (every attention entry point and the reference take them)
     plan_prefill(qo_indptr, num_qo_heads, num_kv_heads, device) -> PrefillPlan
     lazy_prefill(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq, *, rope_mode=...,
                  plan=..., sm_scale=None, return_lse=False) -> out, or (out, lse)

@@ -21,6 +21,7 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
                 sm_scale: float | None = None, num_splits: int | None = None,
                 out: torch.Tensor | None = None, return_lse: bool = False,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                softcap: float | None = None, window: int | None = None,
                 **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention.
 
@@ -38,6 +39,11 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
     rope_mode            how the pool stores keys: "rotate_q" (the default: chunk-local
                          rotation, table.rot_shift), "none" (q and keys already rotated)
     sm_scale             softmax scale of q.k (default head_dim ** -0.5)
+    softcap              scores s = sm_scale * q.k soft-capped, softcap * tanh(s / softcap),
+                         before the mask and softmax (Gemma 2; the lse is of the capped
+                         scores); None: not capped
+    window               a query at position p sees only keys at p - window + 1 .. p (a
+                         sliding-window layer); None: every key up to p
     num_splits, tuning   split-KV programs per sequence; block_n, num_warps, num_stages,
                          split_target (paged_attention.launch)
     return_lse           also return each row's log-sum-exp (below)
@@ -52,14 +58,15 @@ def lazy_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, t
         qo = torch.arange(B + 1, dtype=torch.int32, device=q.device)
         res = paged_attention_ref(q, qo, q_pos, k_pages, v_pages, table, inv_freq,
                                   rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
-                                  k_scale=k_scale, v_scale=v_scale)
+                                  k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window)
         return copy_into(out, res)
     ar = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return paged_attention.launch(
         q, ar, q_pos, k_pages, v_pages, table, inv_freq, rope_mode=rope_mode,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=ar[:B], tile_q0=ar[:B],
         block_m=1, max_tiles_hint=table.max_pages, num_splits=num_splits, out=out,
-        return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, **tuning)
+        return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
+        **tuning)
 
 
 def copy_into(out: torch.Tensor | None, res):

@@ -89,6 +89,34 @@ from .v_layout import load_v, v_args
 
 # ln 2: the kernels keep log-sum-exps in base 2 (exp2 / log2); the returned lse is natural-log.
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap) in fp32 (Gemma 2's score soft-cap; tl has no tanh): tanh(y) =
+    sign(y) (1 - e^(-2|y|)) / (1 + e^(-2|y|)), whose exponential lies in (0, 1] for every y (no
+    overflow), within a few fp32 ulps of 1 in absolute terms.
+    The kernels hold base-2 scores x = s * log2(e) and call this with cap * log2(e):
+    c' tanh(x / c') with c' = cap log2(e) is exactly log2(e) * cap tanh(s / cap), the natural
+    score's cap taken to base 2 (cap_window_args)."""
+    t = tl.exp2(tl.abs(x) / cap * -2.8853900817779268)     # e^(-2|x| / cap)
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -th, th) * cap
+
+
+def cap_window_args(softcap: float | None, window: int | None) -> dict:
+    """The attention kernels' soft-cap and sliding-window keyword arguments: none where off (the
+    kernels' defaults, compiled out), else SOFTCAP with the cap in base-2 units (soft_cap) and
+    WINDOWED with the window (a query at p sees keys at p - window + 1 .. p)."""
+    args = {}
+    if softcap is not None:
+        assert softcap > 0, softcap
+        args.update(softcap_log2=float(softcap) * LOG2E, SOFTCAP=True)
+    if window is not None:
+        assert window >= 1, window
+        args.update(window=int(window), WINDOWED=True)
+    return args
 
 
 @triton.jit
@@ -325,6 +353,7 @@ def _paged_attn_kernel(
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
     FOLD_V: tl.constexpr = False, RELOAD_Q: tl.constexpr = False,
+    softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False, WINDOWED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -482,14 +511,17 @@ def _paged_attn_kernel(
                     sel = todo & (sh == su)
                     sc = tl.where(sel[None, :], sc2, sc)
                     todo = todo & (sh != su)
-        if FOLD_V:
-            # column n times k_scale[n], plus log2 v_scale[n]: the value scales' fold
-            sc = sc * (ks * qk_scale_log2)[None, :] + lvs[None, :]
-        elif KV_FP8:
+        if KV_FP8:
             sc = sc * (ks * qk_scale_log2)[None, :]     # column n times k_scale[n]
         else:
             sc = sc * qk_scale_log2
+        if SOFTCAP:   # the scaled score's cap, before the fold, the mask and the softmax
+            sc = soft_cap(sc, softcap_log2)
+        if FOLD_V:
+            sc = sc + lvs[None, :]      # plus log2 v_scale[n]: the value scales' fold
         vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        if WINDOWED:
+            vis = vis & (qp[:, None] - kpos[None, :] < window)
         if TWO_GROUPS:
             vis = vis & (slot[None, :] == grp[:, None])
         sc = tl.where(vis, sc, float("-inf"))
@@ -714,7 +746,8 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
            block_n: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, split_target: float = 2.0, return_lse: bool = False,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           qk_f16: bool | str = True, maxnreg: int | None = None):
+           qk_f16: bool | str = True, maxnreg: int | None = None, softcap: float | None = None,
+           window: int | None = None):
     """The tiles kernel's launcher (lazy_decode's; with block_m > 1 the kernel benchmarks' tiles
     prefill, lazy_rag.bench.tiles_prefill; the runs kernel's launch_runs takes the same
     arguments). q [Tq, H, D]; tile_seq / tile_q0
@@ -729,7 +762,9 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
     log-sum-exp of its visible scores sm_scale * q.k (-inf for a row that sees no key).
     fp8 pages (float8_e4m3fn) come with k_scale / v_scale [num_pages, Hkv, page] (kv_quant.py);
     q is then in the compute dtype. qk_f16: fp8 keys' QK dot in fp16 with bf16 compute
-    (qk_f16_scale; fp8_args)."""
+    (qk_f16_scale; fp8_args). softcap: scores sm_scale * q.k soft-capped, cap * tanh(s / cap),
+    before the mask and softmax (and in the lse); window: a query at p sees only keys at
+    p - window + 1 .. p (cap_window_args)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -789,7 +824,7 @@ def launch(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq, *,
         HAS_SLOT_POS=table.has_slot_pos,
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"],
         RELOAD_Q=reload_query(mode, rows, bool(scaled), maxnreg), **scaled,
-        **fold_args(scaled, rows, q.dtype), **meta,
+        **fold_args(scaled, rows, q.dtype), **cap_window_args(softcap, window), **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

@@ -132,6 +132,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
                  plan: PrefillPlan | None = None, num_splits: int | None = None,
                  out: torch.Tensor | None = None, return_lse: bool = False,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 softcap: float | None = None, window: int | None = None,
                  **tuning) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill / append attention.
 
@@ -140,7 +141,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     qo_indptr  [B+1] int32 sequence b's queries are rows qo_indptr[b] .. qo_indptr[b+1]-1
     q_pos      [Tq] int32  logical position of every new token
     k_pages, v_pages, table, inv_freq, rope_mode, attention_scaling, sm_scale, num_splits,
-    tuning, return_lse, k_scale, v_scale (fp8 pages): as lazy_decode
+    tuning, return_lse, k_scale, v_scale (fp8 pages), softcap, window: as lazy_decode
     plan       from plan_prefill (built here, with a host sync, if None)
     Returns    [Tq, H, D] in q.dtype (written into `out` if given); with return_lse=True,
                (out, lse): lse [Tq, H] fp32, each row's natural-log log-sum-exp of its visible
@@ -149,7 +150,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
     if not use_triton(q):
         res = paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table, inv_freq,
                                   rope_mode, attention_scaling, sm_scale, return_lse=return_lse,
-                                  k_scale=k_scale, v_scale=v_scale)
+                                  k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window)
         return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
@@ -163,5 +164,5 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         attention_scaling=attention_scaling, sm_scale=sm_scale, tile_seq=plan.tile_seq,
         tile_q0=plan.tile_q0, block_m=plan.block_m, max_tiles_hint=table.max_pages,
         num_splits=num_splits, out=out, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
-        **tuning)
+        softcap=softcap, window=window, **tuning)
 

@@ -27,7 +27,9 @@ The unmasked loop applies only the page-tail mask, folded into the scale multipl
 starts on the run's tile grid, so tiles are the same whichever loop takes them. With explicit
 slot positions (HAS_SLOT_POS) page_pos need not describe the keys, so every tile takes the
 masked loop (hidden slots never visible), untrimmed; a table whose explicit rows are all -1
-gives results bit-identical to the same table without them (tests/kernels).
+gives results bit-identical to the same table without them (tests/kernels). With a sliding
+window (WINDOWED) there is no unmasked part: the prefix whose keys lie before every row's window
+is skipped instead, and the rest takes the masked loop, which applies the window.
 
 One QK dot. The rotated query is one full [ROWS, D] tile in the pool dtype and K one
 [BLOCK_N, D] tile: one K=D dot per tile instead of two of D/2. The rotation (_rotated_query,
@@ -50,8 +52,8 @@ import torch
 from .triton_import import tl, triton
 from . import paged_attention
 from .page_table import PageTable, ROPE_MODES, interpreting, rope_mode_code
-from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, merge_splits, split_count,
-                              split_outputs)
+from .paged_attention import (_scaled_pv, _tile_rows, _write_tile, cap_window_args, merge_splits,
+                              soft_cap, split_count, split_outputs)
 from .rope import cos_sin
 from .v_layout import load_v, v_args
 
@@ -61,17 +63,19 @@ SCAN = 64                        # entries per step of the run-end scan (a 2048-
 
 
 @triton.jit
-def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
+def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
                 BY_SHIFT: tl.constexpr, BY_POS: tl.constexpr, SCAN: tl.constexpr,
                 PPT: tl.constexpr):
     """The run that starts at entry e (< e_hi) as (run_end, mid, stop): run_end the first entry
     of [e, e_hi) whose rot_shift differs from s0 (e_hi if none; without BY_SHIFT, e_hi);
-    entries [e, mid) hold only keys at positions <= q_min (unmasked loop), [mid, stop) the rest
-    up to the last entry with a key at a position <= q_max (masked loop); [stop, run_end) hold
-    no key visible to the tile. When there is a masked part, mid is rounded down to the tile
-    grid e + k * PPT, so the tiles are those of an all-masked run (a table with explicit slot
-    positions, all -1, gives bit-identical results), at the cost of at most one masked tile
-    that needed no mask. Without BY_POS, mid = e and stop = run_end."""
+    entries [e, mid) hold only keys at positions <= lo (the tile's first query position: the
+    unmasked loop; with a window, that minus the window: keys out of every row's window,
+    skipped), [mid, stop) the rest up to the last entry with a key at a position <= q_max
+    (masked loop); [stop, run_end) hold no key visible to the tile. When there is a masked
+    part, mid is rounded down to the tile grid e + k * PPT, so the tiles are those of an
+    all-masked run (a table with explicit slot positions, all -1, gives bit-identical results),
+    at the cost of at most one masked tile that needed no mask. Without BY_POS, mid = e and
+    stop = run_end."""
     run_end = e_hi
     first_late = e_hi
     last_use = e - 1
@@ -89,7 +93,7 @@ def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
                 pp = tl.load(PAGE_POS + idx, mask=ok, other=0)
                 pl = tl.load(PAGE_LEN + idx, mask=ok, other=0)
                 inrun = idx < run_end
-                late = tl.min(tl.where(inrun & (pp + pl - 1 > q_min), idx, BIG), axis=0)
+                late = tl.min(tl.where(inrun & (pp + pl - 1 > lo), idx, BIG), axis=0)
                 first_late = tl.minimum(first_late, late)
                 use = tl.max(tl.where(inrun & (pp <= q_max), idx, -1), axis=0)
                 last_use = tl.maximum(last_use, use)
@@ -173,11 +177,15 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
             HAS_SLOT_POS: tl.constexpr, KS_h=None, VS_h=None, stride_ksp=None,
             stride_vsp=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
-            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False):
+            PV_DTYPE: tl.constexpr = None, V_KEYS_MAJOR: tl.constexpr = False,
+            softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False,
+            WINDOWED: tl.constexpr = False):
     """Online softmax over entries [e_a, e_b) in tiles of PPT entries, query qr fixed. MASKED:
     each key visible iff its position <= the row's position (explicit slot positions and
-    hidden slots with HAS_SLOT_POS); else every loaded key is visible to every row (the caller
-    guarantees it) and only the page tails are masked. KV_FP8: fp8 pages with per-token scales
+    hidden slots with HAS_SLOT_POS) and, WINDOWED, > the row's position - window; else every
+    loaded key is visible to every row (the caller guarantees it: never WINDOWED) and only the
+    page tails are masked. SOFTCAP: the scaled scores soft-capped (paged_attention.soft_cap)
+    before the mask. KV_FP8: fp8 pages with per-token scales
     KS_h / VS_h (this KV head's [num_pages, page] rows): scores column-scaled, values through
     paged_attention._scaled_pv, in PV_DTYPE (None: qr's dtype; the compute dtype where qr is fp16
     for the QK dot, QK_F16). V_KEYS_MAJOR: V pages keys-major (v_layout.py)."""
@@ -238,11 +246,16 @@ def _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt: tl.constexpr,
         else:
             col = qk_scale_log2
         qk = tl.dot(qr, tl.trans(k), input_precision=DOT_PREC)
+        qk = qk * col
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap_log2)
         if MASKED:
             vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
-            qk = tl.where(vis, qk * col, float("-inf"))
-        else:
-            qk = qk * col + tl.where(k_ok, 0.0, float("-inf"))[None, :]
+            if WINDOWED:
+                vis = vis & (qp[:, None] - kpos[None, :] < window)
+            qk = tl.where(vis, qk, float("-inf"))
+        else:   # the page tail's mask as an additive bias (with the multiply above, one FMA)
+            qk = qk + tl.where(k_ok, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -286,6 +299,7 @@ def _prefill_runs_kernel(
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None,
     stride_vsh=None, KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False,
     QK_F16: tl.constexpr = False, V_KEYS_MAJOR: tl.constexpr = False,
+    softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False, WINDOWED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -341,27 +355,35 @@ def _prefill_runs_kernel(
             s0 = tl.load(ROT_SHIFT + e)
         else:
             s0 = 0
-        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min,
-                                         q_max, ROTATE_Q, not HAS_SLOT_POS, SCAN, PPT)
+        if WINDOWED:
+            # no key is visible to every row by its position alone (a window hides keys far
+            # behind a row): no unmasked loop; entries whose keys are all at or before
+            # q_min - window are out of every row's window, and skipped
+            lo = q_min - window
+        else:
+            lo = q_min
+        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
+                                         ROTATE_Q, not HAS_SLOT_POS, SCAN, PPT)
         if ROTATE_Q:   # once per run: the inner loops see a loop-invariant query
             # min(e, 0) is 0 (e >= 0) but opaque to the compiler: the query's address math
             # stays inside this loop instead of holding registers across the KV loops
             qr = _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh,
                                 tl.minimum(e, 0), s0, INV_FREQ, rope_scale, G, GP, BLOCK_M,
                                 ROWS, D, qk_dtype, FAST_TRIG, ROTATE_BY_TOKEN, q_mul, QK_F16)
-        if not HAS_SLOT_POS:
+        if not HAS_SLOT_POS and not WINDOWED:
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                     stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS,
                                     PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,
                                     e, mid, D, PAGE, PPT, BLOCK_N, DOT_PREC, False,
                                     HAS_SLOT_POS, KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8,
-                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR)
+                                    SCALE_V_TILE, dtype, V_KEYS_MAJOR, softcap_log2, None,
+                                    SOFTCAP, False)
         acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                 stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS, PAGE_LEN,
                                 SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2, mid, stop,
                                 D, PAGE, PPT, BLOCK_N, DOT_PREC, True, HAS_SLOT_POS,
                                 KS_h, VS_h, stride_ksp, stride_vsp, KV_FP8, SCALE_V_TILE, dtype,
-                                V_KEYS_MAJOR)
+                                V_KEYS_MAJOR, softcap_log2, window, SOFTCAP, WINDOWED)
         e = run_end
 
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
@@ -394,14 +416,17 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
                 split_target: float = 2.0, return_lse: bool = False,
                 q_rotation: str = "token", k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, qk_f16: bool | str = True,
-                full_batch: bool = False):
+                full_batch: bool = False, softcap: float | None = None,
+                window: int | None = None):
     """The runs kernel's launcher; arguments and result as paged_attention.launch (rope_mode
     "rotate_q" or "none" only). Split-KV splits each sequence's entries into ranges of
     tiles_per_split * PPT entries, sized from max_tiles_hint on the host as the tiles kernel.
     q_rotation: how the query is rotated at each run, "token" (cos/sin per token, then
     join / permute / reshape into the rows) or "row" (cos/sin per row and dimension,
     elementwise only): _rotated_query. full_batch: tuned as a batch that fills the GPU whatever
-    this one's program count (an encode batch: PrefillPlan.full_batch)."""
+    this one's program count (an encode batch: PrefillPlan.full_batch). softcap, window: as
+    paged_attention.launch (a window skips what lies before every row's window and sends the
+    rest through the masked loop)."""
     Tq, H, D = q.shape
     num_pages, Hkv, page, Dk = k_pages.shape
     assert Dk == D and D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -449,7 +474,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SLOT_POS=table.has_slot_pos, SCAN=SCAN, ROTATE_BY_TOKEN=q_rotation == "token",
         WRITE_LSE=return_lse and direct, V_KEYS_MAJOR=v_layout["V_KEYS_MAJOR"], **scaled,
-        **meta,
+        **cap_window_args(softcap, window), **meta,
     )
     if not direct:
         merge_splits(po, lse, out, row_lse, num_splits)

@@ -54,7 +54,8 @@ def visible_tokens(k_pages, v_pages, table: PageTable, b: int):
 def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_freq,
                         rope_mode: str = DEFAULT_ROPE_MODE, attention_scaling: float = 1.0,
                         sm_scale: float | None = None, compute_dtype=torch.float32,
-                        return_lse: bool = False, k_scale=None, v_scale=None):
+                        return_lse: bool = False, k_scale=None, v_scale=None,
+                        softcap: float | None = None, window: int | None = None):
     """Attention of new tokens over a paged, position-free KV pool.
 
     q [Tq, H, D] (unrotated, except rope_mode="none": already rotated), qo_indptr [B+1]
@@ -69,6 +70,9 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
     for a query with no visible key.
     k_scale, v_scale: fp8 pages' per-token scales (kernels/kv_quant.py): the pages are
     dequantised (exactly, in fp32), then attended as any other.
+    softcap: the scaled scores s soft-capped, softcap * tanh(s / softcap), before the mask and
+    softmax (Gemma 2's attn_logit_softcapping); window: a query at p sees only keys at
+    p - window + 1 .. p (transformers' sliding-window mask). None: neither.
     """
     if k_scale is not None:
         k_pages, v_pages = dequantize_rows(k_pages, k_scale), dequantize_rows(v_pages, v_scale)
@@ -102,7 +106,12 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
         else:
             raise ValueError(f"unknown rope_mode {rope_mode!r}")
         visible = kpos[None, :] <= mpos[:, None]               # [t, n]
-        scores = (scores * scale).masked_fill(~visible[None], float("-inf"))
+        if window is not None:
+            visible &= mpos[:, None] - kpos[None, :] < window
+        scores = scores * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible[None], float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # rows with no visible key -> 0
         out[qs:qe] = torch.einsum("htn,nhd->thd", p, v)
         if k.shape[0]:                                         # no key at all: stays -inf

@@ -34,7 +34,7 @@ SharedChunks (all int32 on the pool's device, built by SharedChunks.from_pairs o
     tile_pairs    [T]      captured graphs pad T to a bucket)
     pair_seq      [NP]     the sequence (row of q) of each pair
     pair_shift    [NP]     the chunk's rot_shift in that sequence (rotate_q)
-    pair_pos      [NP]     the chunk's first logical position there (the reference's table only)
+    pair_pos      [NP]     the chunk's first logical position there (the reference's table; a window)
     seq_indptr    [B + 1]  sequence b's pairs are seq_pairs[seq_indptr[b] : seq_indptr[b+1]]
     seq_pairs     [NP]
     max_chunk_pages int    host side: the largest chunk's pages (sizes the split grid, no sync)
@@ -50,7 +50,7 @@ import torch
 from .triton_import import tl, triton
 from .decode import copy_into, lazy_decode
 from .page_table import PageTable, interpreting, use_triton
-from .paged_attention import LN2, _rotate_query, _scaled_pv, fp8_args, split_count
+from .paged_attention import LN2, _rotate_query, _scaled_pv, cap_window_args, fp8_args, soft_cap, split_count
 from .reference import paged_attention_ref
 from .v_layout import load_v, v_args
 
@@ -176,6 +176,7 @@ def _shared_chunk_kernel(
     K_SCALE=None, V_SCALE=None, stride_ksp=None, stride_ksh=None, stride_vsp=None, stride_vsh=None,
     KV_FP8: tl.constexpr = False, SCALE_V_TILE: tl.constexpr = False, QK_F16: tl.constexpr = False,
     V_KEYS_MAJOR: tl.constexpr = False,
+    PAIR_POS=None, softcap_log2=None, window=None, SOFTCAP: tl.constexpr = False, WINDOWED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -202,6 +203,8 @@ def _shared_chunk_kernel(
         freq = tl.load(INV_FREQ + dh)
         # each row once, at its own offset: the angle (m - s) * f in fp32, as the reference
         qa, qb = _rotate_query(q1, q2, qp - shift, freq, rope_scale, dtype, FAST_TRIG)
+        if WINDOWED:   # each row's chunk starts at its own position: the window is per row
+            c_pos = tl.load(PAIR_POS + pair, mask=row_ok, other=0)
 
         e_start = tl.load(CHUNK_INDPTR + c)
         e_end = tl.load(CHUNK_INDPTR + c + 1)
@@ -236,7 +239,13 @@ def _shared_chunk_kernel(
                 sc = sc * (ks * qk_scale_log2)[None, :]
             else:
                 sc = sc * qk_scale_log2
-            sc = tl.where(k_ok[None, :], sc, float("-inf"))
+            if SOFTCAP:
+                sc = soft_cap(sc, softcap_log2)
+            if WINDOWED:
+                vis = k_ok[None, :] & (qp[:, None] - (c_pos[:, None] + tok[None, :]) < window)
+                sc = tl.where(vis, sc, float("-inf"))
+            else:
+                sc = tl.where(k_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -310,7 +319,8 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                         out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, num_splits: int | None = None,
                         block_n: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, split_target: float = 4.0) -> torch.Tensor:
+                        num_stages: int | None = None, split_target: float = 4.0, softcap: float | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """Decode attention (rope_mode="rotate_q") of q [B, H, D] at q_pos [B] over each sequence's
     private entries (`private`, one CSR row per sequence, its own new token's page included) and its
     shared chunks (`shared`): the same result as lazy_decode over the union of both (module
@@ -318,7 +328,8 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     key is in `shared` (a decode step whose own pages are pairs too: every key precedes the
     query, so no run needs the causal mask). fp8 pages come with
     k_scale / v_scale as in lazy_decode. Tuning: block_n keys per KV tile, num_warps, num_stages,
-    num_splits (splits of a chunk's pages; None: about split_target programs per SM).
+    num_splits (splits of a chunk's pages; None: about split_target programs per SM). softcap,
+    window: as lazy_decode (a window masks a shared chunk's keys per pair, from pair_pos).
     Returns [B, H, D] in q.dtype (written into `out` if given). No host sync: capturable."""
     B, H, D = q.shape
     if not use_triton(q):
@@ -328,7 +339,8 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                                            [[] for _ in range(B)], device=q.device)
         res = paged_attention_ref(q, torch.arange(B + 1, dtype=torch.int32, device=q.device), q_pos, k_pages,
                                   v_pages, shared.union_table(private, page), inv_freq, "rotate_q",
-                                  attention_scaling, sm_scale, k_scale=k_scale, v_scale=v_scale)
+                                  attention_scaling, sm_scale, k_scale=k_scale, v_scale=v_scale,
+                                  softcap=softcap, window=window)
         return copy_into(out, res)
     num_pages, Hkv, page, _ = k_pages.shape
     assert D % 32 == 0 and H % Hkv == 0, "head_dim multiple of 32, H % Hkv == 0"
@@ -340,7 +352,8 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         priv = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
         priv, priv_lse = lazy_decode(q, k_pages, v_pages, private, q_pos, inv_freq, rope_mode="rotate_q",
                                      attention_scaling=attention_scaling, sm_scale=sm_scale, out=priv,
-                                     return_lse=True, k_scale=k_scale, v_scale=v_scale)
+                                     return_lse=True, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
+                                     window=window)
     scaled = fp8_args(q, k_pages, v_pages, k_scale, v_scale, qk_f16=False)
     G = H // Hkv
     GP = triton.next_power_of_2(G)
@@ -357,7 +370,9 @@ def shared_chunk_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     po = torch.empty(NP, splits, H, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(NP, splits, H, dtype=torch.float32, device=q.device)
     scale = D ** -0.5 if sm_scale is None else sm_scale
-    meta = {}
+    meta = cap_window_args(softcap, window)
+    if window is not None:
+        meta["PAIR_POS"] = shared.pair_pos
     if not interp:
         meta["num_warps"] = num_warps or (4 if rows <= 64 else 8)
         meta["num_stages"] = num_stages or 2

@@ -26,7 +26,8 @@ score soft-capping but gemma2's) and its decoder layer is one of the shapes ``La
   softmax scale, without q/k norms; sliding and global layers alternate under one RoPE table;
   attention scores are soft-capped, ``tanh(s / attn_logit_softcapping) * attn_logit_softcapping``
   before the mask and softmax, and the logits likewise by ``final_logit_softcapping``. torch's
-  SDPA cannot soft-cap, so its CPU attention computes explicit scores (``model_runner.capped_attention``);
+  SDPA cannot soft-cap, so its torch attention computes explicit scores
+  (``model_runner.capped_attention``); the Triton kernels cap (and window) in registers;
 - mixtral, qwen2_moe, qwen3_moe, olmoe: mistral's, qwen2's, qwen3's layer (olmoe: llama's
   pre-norms with olmo2's whole-q/k norms) whose MLP is a sparse mixture-of-experts block: a
   router picks each token's top-k experts and mixes their outputs (qwen2_moe adds a gated shared
@@ -46,9 +47,10 @@ last W logical positions, as in a full forward. ``LayerKind`` holds each kind's 
 window. The pool and stored chunk KV hold every layer's keys rotated by one table, the *storage*
 table (``ModelParts.rope_table``: the global layers'), so everything that places or re-rotates
 KV outside the forward (tiers, block copies) stays one-table; a sliding layer's keys are turned
-from the storage rotation to their own (two pure rotations) when attention reads them. Only the
-CPU torch attention implements windows: on CUDA a model with sliding layers is refused
-(``ModelRunner``) until the Triton kernels take a window.
+from the storage rotation to their own (two pure rotations) when attention reads them. The
+Triton kernels take a window but rotate only the query: on CUDA they run gemma2's sliding layers
+(one table), and a model whose sliding layers have a table of their own (gemma3_text) is refused
+(``ModelRunner``).
 """
 from __future__ import annotations
 
@@ -74,8 +76,8 @@ class LayerFamily:
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
     moe: bool = False            # the MLP is a sparse mixture-of-experts block (CPU only; see the module docstring)
-    windows: bool = False        # sliding-window and global layer kinds (config.layer_types; CPU only)
-    softcap: bool = False        # attention scores and logits soft-capped (gemma2; CPU only)
+    windows: bool = False        # sliding-window and global layer kinds (config.layer_types)
+    softcap: bool = False        # attention scores and logits soft-capped (gemma2)
     layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
     tested: str = ""             # what tests/test_parity.py / test_families.py hold it to
 
@@ -96,14 +98,14 @@ FAMILIES: dict[str, LayerFamily] = {
                          layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
     "gemma3_text": LayerFamily(qk_norm="head", norms="sandwich", fused_norm=False, windows=True,
                                layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
-                               "layers with their own RoPE; CPU only (the GPU kernels take no window yet)",
+                               "layers with their own RoPE; CPU only (the GPU kernels rotate the query only, "
+                               "and cannot turn stored keys to the sliding layers' own RoPE)",
                                tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
     "gemma2": LayerFamily(norms="sandwich", fused_norm=False, windows=True, softcap=True,
                           layer="Gemma 2: pre- and post-norms, (1 + w) RMSNorm, alternating sliding-window and "
-                          "global layers under one RoPE, attention scores and logits soft-capped (tanh); CPU only "
-                          "(the GPU kernels take no window and no soft-cap yet)",
+                          "global layers under one RoPE, attention scores and logits soft-capped (tanh)",
                           tested=_PARITY + "; window 8 under chunks longer than the window; soft-caps 5 and 3 "
-                          "shown to matter"),
+                          "shown to matter; on CUDA the Triton kernels' windows and caps"),
     "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts); "
                            "CPU only (no fused expert kernel yet)", tested=_MOE_PARITY),
     "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert; CPU only",
@@ -172,7 +174,7 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2 and Gemma 3 (text; CPU) and the "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2, Gemma 3 (text; CPU) and the "
             "mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
 

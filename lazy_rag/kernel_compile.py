@@ -15,7 +15,8 @@ nothing: the compile and the load take turns.
 
 A compiled variant depends on the attention's shape (heads, KV heads, head dim, RoPE), the model's
 dtype, the pool's and the store's KV dtype and the page size, never on the number of layers, the
-vocabulary or the weights. So this builds a one-layer model of the checkpoint's config with random
+vocabulary or the weights. So this builds a one-layer model of the checkpoint's config (a layer per
+layer kind: Gemma 2's sliding layers launch windowed variants) with random
 weights (the config alone is read: no weights are loaded, and a random-weights architecture,
 ``random:NAME``, works as well) and runs on it what a build and a query run:
 
@@ -130,12 +131,15 @@ def triton_cache_entries() -> int:
 
 
 def one_layer_config(config):
-    """A copy of ``config`` with one decoder layer and a small vocabulary: the same attention
-    (heads, KV heads, head dim, RoPE) as the model's, so the same kernel variants."""
+    """A copy of ``config`` with one decoder layer per layer kind (one for most models; Gemma 2's
+    global and sliding layers launch the kernels with and without a window, two variants) and a
+    small vocabulary: the same attention (heads, KV heads, head dim, RoPE, windows, soft-cap) as
+    the model's, so the same kernel variants."""
     cfg = config.__class__.from_dict(config.to_dict())
-    cfg.num_hidden_layers = 1
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types[:1])
+    kinds = list(dict.fromkeys(getattr(cfg, "layer_types", None) or []))
+    cfg.num_hidden_layers = max(1, len(kinds))
+    if kinds:
+        cfg.layer_types = kinds
     cfg.vocab_size = COMPILE_VOCAB
     cfg.pad_token_id = None   # an embedding's padding row must lie inside the smaller vocabulary
     return cfg

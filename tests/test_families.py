@@ -5,6 +5,7 @@ test_engine_oracle.py hold llama, mistral and qwen: lazy and block against a for
 chunk-visibility mask and position ids, full and prefix against a plain causal forward, greedy
 tokens equal, many requests in flight sharing chunks at different offsets. And what is still
 refused names its feature and the nearest supported family."""
+import copy
 import importlib.util
 import random
 
@@ -33,11 +34,11 @@ def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
 
 
 def _runs_on(family, device):
-    """Gemma 3's and Gemma 2's sliding-window layers (and Gemma 2's soft-caps) and the
-    mixture-of-experts MLPs run on the CPU only (CUDA refuses them, as
-    test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window, test_gemma2_is_refused_on_cuda
-    and test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there."""
-    return torch.device("cpu") if family in ("gemma3_text", "gemma2") or family in MOE_FAMILIES else device
+    """Gemma 3's sliding layers (a RoPE table of their own) and the mixture-of-experts MLPs run on
+    the CPU only (CUDA refuses them, as test_gemma3_is_refused_on_cuda_naming_its_local_rope and
+    test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there. Gemma 2
+    runs on CUDA, its windows and soft-caps in the Triton kernels."""
+    return torch.device("cpu") if family == "gemma3_text" or family in MOE_FAMILIES else device
 
 
 def _model(family, seed=0):
@@ -367,8 +368,6 @@ def test_gemma_windows_match_oracle_under_many_chunks_longer_than_the_window(fam
 def test_gemma3_window_and_local_rope_change_the_answer(tokenizer):
     """The parity tests can fail: the oracle with the window, or with the sliding layers' own
     RoPE, is far from one without; the engine follows each one."""
-    import copy
-
     base = _gemma(8)
     rng = random.Random(5)
     segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 50)], [0, 1, 2], tail=20)
@@ -425,7 +424,7 @@ def test_gemma3_ape_recovery_matches_the_oracle_with_windows(tokenizer):
         assert torch.isfinite(llm.next_token_logits(segs, recovery=recovery)).all()
 
 
-def test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window():
+def test_gemma3_is_refused_on_cuda_naming_its_local_rope():
     from types import SimpleNamespace
 
     from lazy_rag.engine.model_runner import ModelRunner
@@ -433,7 +432,8 @@ def test_gemma3_is_refused_on_cuda_naming_the_missing_kernel_window():
     with pytest.raises(UnsupportedModelError) as err:
         ModelRunner(ModelParts(_gemma(16)), SimpleNamespace(device=torch.device("cuda")))
     msg = str(err.value)
-    assert "sliding-window layers (3 of 4, window 16)" in msg and "Triton" in msg and "device='cpu'" in msg
+    assert "sliding_attention layers have a RoPE table of their own" in msg and "Triton" in msg
+    assert "device='cpu'" in msg
 
 
 def test_gemma3_window_layer_kinds_and_local_rope_are_in_the_fingerprint(tokenizer):
@@ -466,8 +466,6 @@ def test_gemma2_soft_caps_change_the_answer_and_the_engine_follows(tokenizer):
     """The parity tests can fail: the oracle without either soft-cap is far from the engine (which
     caps), and the engine matches the oracle with them in every torch path (lazy over the pool,
     block, full's fresh attention, APE, decode)."""
-    import copy
-
     from lazy_rag.oracle import ape_logits
 
     model = _gemma(8, seed=2, family="gemma2")
@@ -493,20 +491,50 @@ def test_gemma2_soft_caps_change_the_answer_and_the_engine_follows(tokenizer):
     assert parts.scaling == 12 ** -0.5 and (parts.softcap, parts.final_softcap) == (5.0, 3.0)
 
 
-def test_gemma2_is_refused_on_cuda():
-    from types import SimpleNamespace
+def test_gemma2_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
+    """What CUDA runs, on the CPU in Triton's interpreter (the runner's kernel switches on as on
+    CUDA): chunk encodes, lazy, block, full and prefix prefills through the runs kernel with each
+    layer's window and the scores' cap (fresh sequences too: fresh_on_kernels), decode steps
+    through the shared-chunk kernel (shared_chunks "on": every cached run a pair, masked per pair
+    by its window), APE's two key groups (the cap taken over T). Chunks longer than the window, a
+    question longer than it, decoding past it."""
+    from lazy_rag.oracle import ape_logits
 
-    from lazy_rag.engine.model_runner import ModelRunner
+    model = _gemma(8, seed=2, family="gemma2")
+    llm = small_llm(model, tokenizer, page_size=4, shared_chunks="on")
+    runner = llm.engine.runner
+    assert runner.layer_options == [dict(softcap=5.0, window=w) for w in (None, 8, None, 8)]
+    runner.use_kernels = runner.fresh_on_kernels = True
+    rng = random.Random(6)
+    segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 21)], [0, 1, 2], tail=11)
+    layout = llm.prepare(segs)
+    ref = block_diagonal_logits(model, layout)[-1]
+    for mode in ("lazy", "block"):
+        assert rel_err(llm.next_token_logits(segs, mode=mode), ref) < 1e-4, mode
+    plain = causal_logits(model, layout.token_ids)[-1]
+    for mode in ("full", "prefix"):
+        assert rel_err(llm.next_token_logits(segs, mode=mode), plain) < 1e-4, mode
+    assert rel_err(llm.next_token_logits(segs, recovery="ape0.6s1.5"), ape_logits(model, layout, 0.6, 1.5)[-1]) < 1e-4
+    steps = runner.shared_decode_steps
+    handle = llm.engine.submit(segs, mode="lazy", max_new_tokens=4, logprobs=0)
+    llm.engine.run_until_done()
+    assert runner.shared_decode_steps - steps == 3
+    tokens = [tok for tok, _, _ in handle.logprobs]
+    assert tokens == greedy_block_diagonal(model, layout, 4)
+    # each decode step's distribution, not only its argmax, is the oracle's
+    want = _oracle_logprobs(model, layout, tokens)
+    assert max(abs(lp - w) for (_, lp, _), w in zip(handle.logprobs, want)) < 1e-4
 
-    with pytest.raises(UnsupportedModelError) as err:
-        ModelRunner(ModelParts(_gemma(16, family="gemma2")), SimpleNamespace(device=torch.device("cuda")))
-    msg = str(err.value)
-    assert "sliding-window layers (2 of 4, window 16)" in msg and "Triton" in msg and "device='cpu'" in msg
-    # every layer global: the soft-cap alone is refused
-    model = _gemma(16, family="gemma2", layer_types=["full_attention"] * 4)
-    with pytest.raises(UnsupportedModelError, match=r"soft-caps its attention scores \(attn_logit_softcapping 5.0\)"
-                                                    r".*device='cpu'"):
-        ModelRunner(ModelParts(model), SimpleNamespace(device=torch.device("cuda")))
+
+def _oracle_logprobs(model, layout, tokens):
+    """The oracle's log-probability of each of ``tokens`` generated after ``layout`` in turn."""
+    cur = copy.deepcopy(layout)
+    out = []
+    for tok in tokens:
+        out.append(float(torch.log_softmax(block_diagonal_logits(model, cur)[-1].double(), -1)[tok]))
+        cur.uncached.append(len(cur.token_ids))
+        cur.token_ids.append(tok)
+    return out
 
 
 def test_gemma2_soft_caps_are_in_the_fingerprint(tokenizer):

@@ -23,7 +23,13 @@ from lazy_rag.llm import LazyLLM
 def test_the_one_layer_model_has_the_models_attention():
     from transformers import Qwen2Config
 
+    from tiny_models import tiny_model
+
     qwen = Qwen2Config(**{**random_config("qwen2.5-0.5b").to_dict(), "pad_token_id": 151643})
+    gemma2 = tiny_model("gemma2", seed=0, hidden_size=128).config   # global and sliding layers
+    two = one_layer_config(gemma2)
+    assert two.layer_types == ["full_attention", "sliding_attention"] and two.num_hidden_layers == 2
+    assert (two.sliding_window, two.attn_logit_softcapping) == (gemma2.sliding_window, gemma2.attn_logit_softcapping)
     for cfg in (random_config("llama-3.1-8b"), qwen):
         one = one_layer_config(cfg)
         assert one.num_hidden_layers == 1 and one.vocab_size == COMPILE_VOCAB and one.pad_token_id is None

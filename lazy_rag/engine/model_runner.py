@@ -19,17 +19,20 @@ each sequence's pages through the path that computes it exactly and fastest (``S
   logical positions (a pure rotation by rot_shift) and runs one SDPA call with the visibility
   mask: the same function as the kernels' torch reference, vectorised.
 
-Sliding-window layers (gemma3_text, ``architecture.LayerKind``): every key is written rotated by
-the storage table (the global layers'); a sliding layer's attention takes its keys rotated by its
-own table (the fresh path from the forward, the torch path turning gathered keys from the storage
-rotation to its own) and masks keys more than its window behind each query's logical position.
-The Triton kernels take no window: on CUDA such a model is refused.
-gemma2's layers share one table, so its sliding layers read the stored rotation as it is.
+Sliding-window layers (gemma3_text, gemma2, ``architecture.LayerKind``): every key is written
+rotated by the storage table (the global layers'); a sliding layer's attention takes its keys
+rotated by its own table (the fresh path from the forward, the torch path turning gathered keys
+from the storage rotation to its own) and masks keys more than its window behind each query's
+logical position. gemma2's layers share one table, so its sliding layers read the stored rotation
+as it is, and the Triton kernels, which rotate only the query, take its window
+(``layer_options``); gemma3_text's sliding layers have a table of their own, which the kernels
+cannot turn stored keys to: on CUDA it is refused.
 
-Soft-capped attention scores (gemma2, ``ModelParts.softcap``): every torch path (fresh, torch
-over the pool, APE, the question probe) caps the scores before the mask and softmax; SDPA cannot,
-so the fresh and pool paths compute explicit scores (``capped_attention``). The Triton kernels do
-not cap: on CUDA such a model is refused.
+Soft-capped attention scores (gemma2, ``ModelParts.softcap``): every path caps the scores before
+the mask and softmax: the torch ones (fresh, torch over the pool, APE, the question probe)
+through explicit scores (``capped_attention``: SDPA cannot cap), the Triton kernels in registers
+(``layer_options``). On the kernels' device fresh sequences and tails take the kernels too
+(``fresh_on_kernels``): explicit fp32 scores grow as new tokens x keys.
 
 Encodes capture the new tokens' keys before rotation: the position-free KV a chunk is stored as
 (quantised to fp8 with per-token scales when the pool is fp8, like the pool's own copy).
@@ -66,19 +69,13 @@ class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
                  max_graph_tokens: int = 4096, shared_chunks: str = "auto"):
         self.parts, self.pool = parts, pool
-        if parts.windowed and pool.device.type == "cuda":
-            windows = sorted({k.window for k in parts.kinds if k.window is not None})
-            sliding = sum(parts.kinds[k].window is not None for k in parts.layer_kind)
+        own_tables = [k.name for k in parts.kinds if k.rope is not parts.kinds[0].rope]
+        if own_tables and pool.device.type == "cuda":
             raise UnsupportedModelError(
-                f"This {parts.config.model_type} model has sliding-window layers ({sliding} of "
-                f"{len(parts.layers)}, window {', '.join(map(str, windows))}), which lazy-rag runs on the CPU only: "
-                "the CUDA Triton attention kernels do not implement sliding windows yet. Load it with device='cpu'."
-            )
-        if parts.softcap is not None and pool.device.type == "cuda":
-            raise UnsupportedModelError(
-                f"This {parts.config.model_type} model soft-caps its attention scores (attn_logit_softcapping "
-                f"{parts.softcap}), which lazy-rag runs on the CPU only: the CUDA Triton attention kernels do not "
-                "soft-cap yet. Load it with device='cpu'.")
+                f"This {parts.config.model_type} model's {', '.join(own_tables)} layers have a RoPE table of their "
+                "own, which lazy-rag runs on the CPU only: the CUDA Triton attention kernels rotate the query "
+                "only, and cannot turn keys stored under the global layers' table to another. Load it with "
+                "device='cpu'.")
         if parts.family.moe and pool.device.type == "cuda":
             raise UnsupportedModelError(
                 f"This {parts.config.model_type} model's MLP is a mixture-of-experts block ({num_experts(parts.config)} "
@@ -92,8 +89,15 @@ class ModelRunner:
         self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)
         self.shared_decode_steps = 0         # eager decode steps that read shared chunks once
         self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
+        # each layer's keyword arguments for the kernels: its scores' soft-cap and its window
+        # (architecture.LayerKind; None where off, the kernels' defaults)
+        self.layer_options = [dict(softcap=parts.softcap, window=parts.kinds[k].window) for k in parts.layer_kind]
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
         self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
+        # soft-capped scores: fresh sequences and tails on the kernels as well, since SDPA cannot
+        # cap and capped_attention's explicit fp32 scores take new tokens x keys x heads (2 GB a
+        # layer for one 8k-token prompt with Gemma-2-2B's 8 heads)
+        self.fresh_on_kernels = self.use_kernels and parts.softcap is not None
         self.graphs = self.append_graphs = None
         self.graph_mempool = None   # one memory pool for every captured graph (they never run at once)
         if cuda_graphs and self.use_kernels:
@@ -149,8 +153,9 @@ class ModelRunner:
     def paged_prefill(self, i: int, q, qo, q_pos, table, plan, **options):
         """Layer ``i``'s attention of the new tokens q [n, H, D] (unrotated) over their page table,
         through the Triton prefill kernel (every step's paged sequences, APE's groups, the captured
-        append steps). ``options``: ``sm_scale`` (default the model's), ``out``, ``return_lse``."""
-        options.setdefault("sm_scale", self.parts.scaling)
+        append steps). ``options``: ``sm_scale`` (default the model's), ``softcap`` (default the
+        layer's), ``out``, ``return_lse``."""
+        options = {"sm_scale": self.parts.scaling, **self.layer_options[i], **options}
         return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq, rope_mode="rotate_q",
                             attention_scaling=self.parts.rope_table.attention_scaling, plan=plan,
                             **self.pool.scales(i), **options)
@@ -357,7 +362,7 @@ class StepAttention:
         # where one SDPA call per chunk per layer leaves the GPU waiting on Python (7x slower at 256
         # tokens per chunk on an H100). One long fresh prompt keeps SDPA's flash kernel.
         encodes = pack_fresh     # a forward with chunk encodes in it is never a decode step
-        pack_fresh = pack_fresh and runner.use_kernels and len(seqs) > 1
+        pack_fresh = (pack_fresh and runner.use_kernels and len(seqs) > 1) or runner.fresh_on_kernels
         self.runner, self.probe = runner, probe
         p, pool = runner.parts, runner.pool
         self.scaling, self.softcap, self.shape = p.scaling, p.softcap, p.shape
@@ -439,10 +444,10 @@ class StepAttention:
         for a, b in self.fresh:   # k: the layer's own rotation (ModelRunner.forward)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_stored[a:b], v[a:b],
                                  self.scaling, window, self.softcap)
-        for a, b, pages, T in self.tails:   # CUDA only, where no model has windows or soft-caps (ModelRunner)
+        for a, b, pages, T in self.tails:   # CUDA only: every kind's keys as stored (ModelRunner)
             kk, vv = pool.run_tokens(i, pages, T)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype),
-                                 vv.to(q.dtype), self.scaling)
+                                 vv.to(q.dtype), self.scaling, window, self.softcap)
         for a, b, keys in self.torch_paths:
             o[a:b] = keys.attend(pool, i, apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), self.scaling, self.softcap)
         return o
@@ -456,7 +461,8 @@ class ApeKernelGroups:
     """APE on the Triton kernels for one sequence: its keys split into the chunks' group and the
     rest (two page tables over the same pages; a page that mixes both hides the other group's
     slots through explicit positions), each attended with its log-sum-exp, the chunk group at
-    sm_scale / T with log-sum-exp T * lse + ln S, merged."""
+    sm_scale / T with log-sum-exp T * lse + ln S, merged. A soft-cap c (gemma2) caps the scores
+    before the division by T, as ``ape_attention``: cap(s) / T is the cap c / T of s / T."""
 
     def __init__(self, runner: ModelRunner, seq, span, pos):
         dev, ps = runner.pool.device, runner.pool.page_size
@@ -475,12 +481,12 @@ class ApeKernelGroups:
         self.temperature, self.log_scale = seq.recovery.ape_temperature, math.log(seq.recovery.ape_scale)
 
     def attend(self, i: int, q):
-        r, scaling = self.runner, self.runner.parts.scaling
+        r, scaling, cap = self.runner, self.runner.parts.scaling, self.runner.parts.softcap
         parts = []
         for table, t, ls in zip(self.tables, (self.temperature, 1.0), (self.log_scale, 0.0)):
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # merged before rounding
             o, lse = r.paged_prefill(i, q, self.qo, self.q_pos, table, self.plan, sm_scale=scaling / t, out=out,
-                                     return_lse=True)
+                                     return_lse=True, softcap=None if cap is None else cap / t)
             parts.append((t * lse + ls, o))
         return merge_by_lse(parts).to(q.dtype)
 

@@ -8,7 +8,8 @@
 # lazy_prefill's: run boundaries, split-KV, the mask segmentation; beside it the benchmarks' tiles
 # prefill, lazy_rag.bench.tiles_prefill), test_page_copy.py and test_fp8.py (fp8 pages with
 # per-token scales: decode, both prefills and the block copy against the reference over the
-# dequantised pages).
+# dequantised pages), test_softcap_window.py (Gemma 2's score soft-cap and sliding windows in
+# decode, prefill, fp8 decode and the shared-chunk decode).
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
 # The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail
