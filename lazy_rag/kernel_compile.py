@@ -330,6 +330,8 @@ def run_steps(llm, kv_dtypes, step=None, *, contexts=CONTEXT_CHUNKS, encoded=ENC
                 for kv, idx in indexes.items():
                     def query(pool=pool, idx=idx):
                         for k, n, path in runs:   # cold from the store, cold re-encoded, warm
+                            if path == "encode" and idx.store.kv_format:
+                                continue   # stored quantised KV is always read (chunk_tiers)
                             pool.engine.clear_cache()
                             with pool.engine.planner.chooser.forcing(encode=path == "encode"):
                                 for _ in range(2 if path == "warm" else 1):   # (the second finds them)

@@ -76,8 +76,11 @@ def test_the_steps_run_a_builds_encodes_its_calibration_and_queries_and_keep_no_
     assert not kept.exists() and os.environ[CALIBRATION_ENV] == str(kept)   # not kept
     stats = llm.stats()     # per index: each context's chunks read per question, then again before a warm query
     reads = sum(sweep["contexts"]) * (len(sweep["questions"]) + len(sweep["short_long"]))
-    assert stats["tier_disk_hits"] == 2 * reads
-    assert stats["tier_recomputed_not_read"] == 2 * sum(sweep["encoded"]) * len(sweep["short_long"])
+    # then the batch reads its index's first chunks once more: the fp8 index's host copies of the
+    # same passages are not the fp32 index's KV
+    assert stats["tier_disk_hits"] == 2 * reads + min(4, max(sweep["contexts"]))
+    # (the fp8 index's chunks are always read: stored quantised KV is never encoded again instead)
+    assert stats["tier_recomputed_not_read"] == sum(sweep["encoded"]) * len(sweep["short_long"])
     assert stats["chunk_hits"] >= 2 * sum(sweep["contexts"]) * len(sweep["short_long"])
     assert stats["requests_running"] == 0
 
