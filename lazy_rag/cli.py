@@ -848,7 +848,7 @@ def bench(
     results_dir: Path = typer.Option(Path("benchmarks/results"), help=_bench_help("results_dir")),
     plots: bool = typer.Option(True, help=_bench_help("plots")),
     as_json: bool = typer.Option(False, "--json", help=_bench_help("as_json")),
-    progress: str = typer.Option("auto", callback=_progress_style, help=_bench_help("progress")),
+    progress: str = typer.Option("auto", help=_bench_help("progress")),
 ):
     """Serve the paper's RAG workload (CPU: a small SmolLM2 variant) in every mode, or a named
     --preset; write JSON records and PNG plots to benchmarks/results/ and print a summary table."""
