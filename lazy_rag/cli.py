@@ -50,11 +50,12 @@ def _version(value: bool) -> None:
 
 def _progress_style(value: str) -> str:
     """--progress checked before anything loads (a model load takes a minute)."""
-    from .progress import STYLES
+    from .progress import check_style
 
-    if value not in STYLES:
-        raise typer.BadParameter(f"{value!r} is not a progress style; choose one of {', '.join(STYLES)}.")
-    return value
+    try:
+        return check_style(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.callback()

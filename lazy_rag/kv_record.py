@@ -48,10 +48,15 @@ def kv_dtype_named(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     return KV_DTYPES.get(KV_DTYPE_NAMES.get(name, name))
 
 
+def quantized_format(dtype: torch.dtype | None) -> str | None:
+    """"fp8" or "int4" for a quantised stored KV dtype (``ChunkKV.format``'s names), None for
+    16/32-bit KV: an index of quantised KV answers from its stored KV (``engine.chunk_tiers``)."""
+    return "int4" if dtype == INT4 else "fp8" if dtype == torch.float8_e4m3fn else None
+
+
 def quantized_kv_dtype(name) -> bool:
-    """Whether a stored KV dtype's name means quantised KV (fp8, int4): an index of it answers
-    from its stored KV (``engine.chunk_tiers``)."""
-    return name not in (None, "auto") and kv_dtype_named(name, None) in (torch.float8_e4m3fn, INT4)
+    """Whether a stored KV dtype's name means quantised KV (``quantized_format``)."""
+    return quantized_format(kv_dtype_named(name, None)) is not None
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

@@ -13,6 +13,14 @@ import time
 STYLES = ("auto", "bar", "lines", "none")
 
 
+def check_style(style: str) -> str:
+    """``style``, if it is one of ``STYLES``; else a ValueError naming the choices (callers check it
+    before long work starts: a model load takes a minute)."""
+    if style not in STYLES:
+        raise ValueError(f"{style!r} is not a progress style; choose one of {', '.join(STYLES)}.")
+    return style
+
+
 def _clock_text(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rest = divmod(seconds, 3600)
@@ -30,8 +38,7 @@ def resolved_style(style: str, stream=None) -> str:
 class Progress:
     def __init__(self, total: int, label: str, style: str = "auto", stream=None, every_s: float = 30.0,
                  every_fraction: float = 0.05, clock=time.monotonic):
-        if style not in STYLES:
-            raise ValueError(f"Unknown progress style {style!r}; choose one of {', '.join(STYLES)}.")
+        check_style(style)
         self.stream = stream or sys.stderr
         style = resolved_style(style, self.stream)
         self.style, self.total, self.label = style, max(int(total), 1), label

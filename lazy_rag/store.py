@@ -46,8 +46,8 @@ import torch
 from .chunk_kv import NOT_IN_MEMORY, ChunkKV
 from .errors import LazyIndexError
 from .file_writes import fsync_dir, pwrite_all, start_writeback
-from .kv_record import (INT4, RECORD_HEADER, PackedRecord, first_byte_cached, kv_dtype_name, pack, read_body, read_header,
-                        record_metadata, unpack)
+from .kv_record import (RECORD_HEADER, PackedRecord, first_byte_cached, kv_dtype_name, pack, quantized_format,
+                        read_body, read_header, record_metadata, unpack)
 from .segments import token_ids_key
 
 log = logging.getLogger(__name__)
@@ -468,9 +468,7 @@ class ChunkStore:
     def kv_format(self) -> str | None:
         """"fp8" or "int4" for a store of quantised KV, None for 16/32-bit KV: its chunks' cache
         key (``chunk_tiers.chunk_key``) carries it."""
-        if self.kv_dtype == INT4:
-            return "int4"
-        return "fp8" if self.kv_dtype == torch.float8_e4m3fn else None
+        return quantized_format(self.kv_dtype)
 
     @property
     def db(self) -> IndexDB | None:

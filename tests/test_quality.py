@@ -88,6 +88,13 @@ def test_gap_closed_estimates_the_share_and_is_seeded():
 
 
 # -- configurations -------------------------------------------------------------------------------
+def test_options_refuse_a_progress_style_before_any_model_loads():
+    from lazy_rag.quality import EvalOptions
+
+    with pytest.raises(LazyRagError, match="'plain' is not a progress style; choose one of auto, bar"):
+        EvalOptions(model="smollm2", progress="plain").check()
+
+
 def test_configs_parse_and_refuse_nonsense():
     c = Config.parse("lazy+sink+epic16")
     assert (c.mode, c.index_options, c.generate_options) == ("lazy", {"shared_prefix": True}, {"recovery": "epic16"})

@@ -28,7 +28,7 @@ from ..errors import LazyRagError
 from .checkpoint import Checkpoint, code_digest, signature_digest
 from .configs import Config, parse_configs
 from .data import Dataset, cache_dir, load_dataset, passages_hash
-from ..progress import Progress
+from ..progress import Progress, check_style
 from ..reuse_risk import first_token_entropy
 from .prompts import EXAMPLE_QUESTION_IDS, FROZEN, Prompt, get_prompt
 from .retrieval import load_retrieval, save_retrieval
@@ -68,6 +68,10 @@ class EvalOptions:
     resume: bool = True                   # start from the checkpoint's answers (False: overwrite it)
 
     def check(self) -> None:
+        try:
+            check_style(self.progress)
+        except ValueError as e:
+            raise LazyRagError(str(e)) from None
         if self.task not in TASKS:
             raise LazyRagError(f"Unknown task {self.task!r}; choose one of {', '.join(TASKS)}.")
         if self.task == "bridge" and (self.retrieval_file or self.ks or self.gold_positions):
