@@ -93,3 +93,23 @@ def test_adapter_file_round_trip_and_refusals(tmp_path, tokenizer):
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
     with pytest.raises(WrapperError, match="damaged|not a readable|non-finite"):
         ChunkWrapper.load(tmp_path / "bad.safetensors")
+
+
+def test_only_an_adapted_chunk_takes_a_graphed_step_out_of_its_graph(tokenizer):
+    """A chunk adapter gates through hooks, outside any captured graph: a step that encodes an
+    adapted chunk runs eagerly, one that encodes a plain wrapper's chunk need not, and where every
+    step is eager (no graphs: the CPU) encoding changes nothing."""
+    model = tiny_model("llama", seed=4)
+    llm = small_llm(model, tokenizer)
+    adapted = _adapted_wrapper(model)
+    plain = ChunkWrapper(adapted.vectors * 2, 3, 2)
+    segs = chunked_prompt(random.Random(2), [random_ids(random.Random(3), 9)])
+    ids = {}
+    for name, w in (("adapted", adapted), ("plain", plain)):
+        llm.next_token_logits(segs, source=ChunkSource(wrapper=w))  # registers the wrapper (and its adapter)
+        (span,) = llm.prepare(segs, ChunkSource(wrapper=w)).spans
+        ids[name] = span.token_ids
+    runner = llm.engine.runner
+    assert runner.append_graphs is None and not runner.encode_leaves_graph(ids["adapted"])
+    runner.append_graphs = object()  # as on a GPU, where query steps replay captured graphs
+    assert runner.encode_leaves_graph(ids["adapted"]) and not runner.encode_leaves_graph(ids["plain"])

@@ -194,6 +194,9 @@ class KVPlanner:
         # is paid anyway: the chooser weighs only the chunk's tokens against its read
         in_prefill = seq.mode == "lazy" and not seq.recovery.selects
         own = len(self._new_positions(seq)) if in_prefill else 0
+        # ...unless encoding a chunk moves the step out of its captured graph (a chunk adapter's
+        # chunk): the first such chunk pays an eager forward's fixed cost
+        eager = False
         pending, tokens, short = [], 0, None
         try:
             for _, ids, cid, prefix, _, key in self._chunks(seq):
@@ -204,9 +207,11 @@ class KVPlanner:
                                             f"{self.encoding[key].id}")
                 if not self.chooser.calibrated and store is not None and hasattr(store, "read_nowait"):
                     self._calibrate()
+                leaves = in_prefill and not eager and self.runner.encode_leaves_graph(ids)
                 kv, tier = self.tiers.fetch(key, ids, cid, store, kv_dtype=self.pool.dtype, chooser=self.chooser,
-                                            batch_tokens=tokens + own)
+                                            batch_tokens=0 if leaves else tokens + own)
                 if kv is None and in_prefill:
+                    eager = eager or leaves
                     pages = tuple(self.pm.allocate(self.pool.pages_for(len(ids))))  # OutOfPages: refused
                     seq.private += pages
                     seq.pending_chunks[key] = (pages, ids, cid, tier == "recompute")

@@ -180,11 +180,10 @@ class ModelRunner:
                 out = self.append_graphs.run(seqs)
                 if out is not None:
                     return out
-        elif self.append_graphs is not None and not scoring and ChunkAdapters.find(self.parts.model) is None:
+        elif self.append_graphs is not None and not scoring and not any(self.encode_leaves_graph(j.tokens) for j in jobs):
             # a cold request's step (its missing chunks encoded in its prefill) from a graph too:
             # eager, a launch-bound shape pays more in kernel launches than `full` pays to
-            # re-encode the same tokens. Chunk adapters gate per token outside any graph, so
-            # their steps stay eager.
+            # re-encode the same tokens.
             out = self.append_graphs.run_encoding(jobs, seqs)
             if out is not None:
                 logits, caught, spans = out
@@ -210,6 +209,16 @@ class ModelRunner:
                     s.scored_logits = part
             logits = torch.stack([part[-1] for part in parts])
         return logits
+
+    def encode_leaves_graph(self, token_ids) -> bool:
+        """Would encoding this chunk in a request's step run that step eagerly, where it would
+        otherwise replay a captured graph? So for a chunk encoded with a chunk adapter: adapters
+        gate per token through hooks, outside any graph. The read-or-encode chooser then counts an
+        eager forward's fixed cost against encoding it (``kv_planner``)."""
+        if self.append_graphs is None:
+            return False  # every step is eager: encoding it changes nothing
+        adapters = ChunkAdapters.find(self.parts.model)
+        return adapters is not None and adapters.column_of(token_ids) is not None
 
     def _keep_encoded(self, seqs, caught, spans) -> None:
         """Each sequence's ``encoded_kv``: its encode jobs' KV, copied out of the step's captured

@@ -38,6 +38,9 @@ from .statistics import PairedBootstrap
 from .tasks import GOLD_POSITIONS, TASKS, TaskItem, build_bridge_task, open_items
 
 BENCHMARK = "quality_squad"
+# where a served chunk's KV came from (GenerationStats.chunk_sources): resident in the pool, the
+# host tier, read from the disk, encoded (never stored), or encoded although stored (faster here)
+TTFT_TIERS = ("pool", "host", "disk", "encoded", "recomputed")
 
 
 @dataclass
@@ -281,24 +284,28 @@ class _Evaluation:
             after_block()
         return rows
 
-    def ttft_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, list[float]]:
+    def ttft_pass(self, setting: Setting, items: list[TaskItem]) -> dict[str, dict]:
         """TTFT of each configuration on the first ``ttft_n`` items, one request at a time,
         interleaved across configurations (load changes hit them alike), after one untimed warm-up
-        request per configuration (one-time costs: the shared prefix's KV, kernel set-up)."""
+        request per configuration (one-time costs: the shared prefix's KV, kernel set-up). Per
+        configuration: ``ms`` (one per item) and ``sources`` (tier -> chunks, summed)."""
         subset = items[:self.o.ttft_n]
-        times: dict[str, list[float]] = {c.name: [] for c in self.configs}
+        out: dict[str, dict] = {c.name: {"ms": [], "sources": {}} for c in self.configs}
         if not subset:
-            return times
+            return out
         for c in self.configs:
-            self.runtime.first_token_ms(self.request(setting, c, subset[0], 1))
+            self.runtime.first_token(self.request(setting, c, subset[0], 1))
         for it in subset:
             for c in self.configs:
-                times[c.name].append(self.runtime.first_token_ms(self.request(setting, c, it, 1)))
+                ms, sources = self.runtime.first_token(self.request(setting, c, it, 1))
+                out[c.name]["ms"].append(ms)
+                for tier, n in sources.items():
+                    out[c.name]["sources"][tier] = out[c.name]["sources"].get(tier, 0) + n
             self.progress.advance(len(self.configs))
-        return times
+        return out
 
     # -- records --------------------------------------------------------------------------------------
-    def summarise(self, setting: Setting, rows: dict[str, list[dict]], ttft: dict[str, list[float]],
+    def summarise(self, setting: Setting, rows: dict[str, list[dict]], ttft: dict[str, dict],
                   seconds: float) -> list[dict]:
         n = len(rows["full"])
         boot = PairedBootstrap(n, self.o.bootstrap, self.o.seed)
@@ -360,7 +367,8 @@ class _Evaluation:
             else:
                 rec.update({"gap_closed_pct": None, "gap_closed_ci_low": None, "gap_closed_ci_high": None})
             hits = [x["gold_index"] is not None for x in r]
-            ttft_ms = ttft.get(c.name, [])
+            timed = ttft.get(c.name) or {}
+            ttft_ms, sources = timed.get("ms", []), timed.get("sources", {})
             rec.update({
                 "kl_vs_full_first_token": stats.fmean(col("kl_vs_full")),
                 "answer_words_mean": stats.fmean(col("answer_words")),
@@ -368,6 +376,8 @@ class _Evaluation:
                 "chunks_per_question_mean": stats.fmean(len(x["chunk_ids"]) for x in r),
                 "ttft_ms_mean": stats.fmean(ttft_ms) if ttft_ms else None,
                 "ttft_ms_p50": stats.median(ttft_ms) if ttft_ms else None, "ttft_n": len(ttft_ms),
+                # where the timed requests' chunks came from (a cold chunk encoded costs a forward)
+                **{f"ttft_chunks_{tier}": sources.get(tier, 0) for tier in TTFT_TIERS},
                 "seconds_per_question": stats.fmean(col("seconds")),
                 "quality_pass_s": seconds,
                 "bootstrap_resamples": self.o.bootstrap,
@@ -431,7 +441,7 @@ class _Evaluation:
                         for _, items in settings)
             self.progress.close()
             self.progress = Progress(total, "eval", style=self.o.progress)
-            self.progress.advance(ckpt.answers() + sum(len(t) for s in ckpt.state.values()
+            self.progress.advance(ckpt.answers() + sum(len(t["ms"]) for s in ckpt.state.values()
                                                        for t in (s.get("ttft") or {}).values()))
             for setting, _ in settings:  # open every index first: its messages come before the progress lines
                 for c in self.configs:

@@ -7,7 +7,7 @@ nowhere else.
 
 Answers are generated in batches through the serving engine (the one runtime of every request,
 recovery included). Batched requests share their wall time, so their TTFT is not a single
-request's: ``first_token_ms`` times one request alone.
+request's: ``first_token`` times one request alone.
 
 Teacher forcing (``reference_rows`` for ``full``, ``teacher_forced_kl`` for the others) serves
 the same prompt again with full's answer appended as uncached text, one new token, and reads the
@@ -197,10 +197,12 @@ class Runtime:
             batch.append({**req, "output_first_logits": False, "score_rows": rows, "score_fn": fn})
         return [res.score for res in self.llm.engine.generate(batch)] if batch else []
 
-    def first_token_ms(self, request: Request) -> float:
-        """TTFT of ``request`` served alone (one request in flight, one new token)."""
+    def first_token(self, request: Request) -> tuple[float, dict[str, int]]:
+        """TTFT (ms) of ``request`` served alone (one request in flight, one new token), and where
+        its chunks came from (tier -> count: pool, host, disk, encoded, recomputed): a TTFT is
+        read with them, as a cold chunk encoded costs a forward a hot one does not."""
         (res,) = self.llm.engine.generate([self._request(request, 1)])
-        return float(res.stats.ttft_ms)
+        return float(res.stats.ttft_ms), dict(res.stats.chunk_sources)
 
     def _request(self, r: Request, max_new_tokens: int) -> dict:
         return dict(segments=r.index.segments(r.question, list(r.chunk_ids)), mode=r.mode,

@@ -263,3 +263,19 @@ def test_quantised_stored_kv_is_always_read_and_kept_apart_from_unquantised_kv(l
     eng.clear_cache()
     alone = llm.generate(segments(), max_new_tokens=3, output_first_logits=True, source=ChunkSource((), unquantised))
     assert torch.equal(alone.first_logits, second.first_logits)
+
+
+@pytest.mark.parametrize("leaves, path", [(False, "recomputed"), (True, "disk")])
+def test_an_encode_that_takes_the_step_out_of_its_graph_pays_a_forward(llm, monkeypatch, leaves, path):
+    """In a lazy prefill an encode costs only its tokens (the forward runs anyway), unless it
+    moves the step out of its captured graph (a chunk adapter's chunk on a GPU): then it pays an
+    eager forward's fixed cost too, and a record in the page cache is read instead."""
+    eng = llm.engine
+    kvs = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False)))
+    eng.clear_cache()
+    store = ColdStore(kvs, 1 << 20, cached=True)  # 1 MB from the page cache: ~0.5 ms
+    chooser = eng.planner.chooser
+    chooser.forward_s, chooser.token_s = 1e-2, 1e-7  # 10 ms a forward, ~1 us a chunk's tokens
+    monkeypatch.setattr(eng.runner, "encode_leaves_graph", lambda ids: leaves)
+    out = llm.generate(segments(), max_new_tokens=1, mode="lazy", source=ChunkSource((), store))
+    assert out.stats.chunk_sources == {path: 3}

@@ -62,6 +62,9 @@ def test_open_retrieval_run_pairs_every_config_with_full_and_writes_the_report(r
     assert full["gap_closed_pct"] is None and lazy["gap_closed_pct"] is None
     assert "gap_closed_ci_low" in by_setting["retrieved"]["lazy+sink"]
     assert all(r["ttft_n"] == 1 and r["ttft_ms_mean"] > 0 for r in run.records)
+    # where the timed request's chunks came from: full reads none; lazy's two chunks, each from one tier
+    served = lambda r: sum(r[f"ttft_chunks_{t}"] for t in ("pool", "host", "disk", "encoded", "recomputed"))  # noqa: E731
+    assert served(full) == 0 and served(lazy) == 2
     assert by_setting["last"]["full"]["recall_at_k_pct"] == 100.0
     assert all(a["gold_index"] == 1 for a in run.answers if a["gold_position"] == "last")
     # block and lazy compute the same function: the same answers
