@@ -110,6 +110,7 @@ def test_only_an_adapted_chunk_takes_a_graphed_step_out_of_its_graph(tokenizer):
         (span,) = llm.prepare(segs, ChunkSource(wrapper=w)).spans
         ids[name] = span.token_ids
     runner = llm.engine.runner
-    assert runner.append_graphs is None and not runner.encode_leaves_graph(ids["adapted"])
-    runner.append_graphs = object()  # as on a GPU, where query steps replay captured graphs
+    if runner.append_graphs is None:
+        assert not runner.encode_leaves_graph(ids["adapted"])
+        runner.append_graphs = object()  # as on a GPU, where query steps replay captured graphs
     assert runner.encode_leaves_graph(ids["adapted"]) and not runner.encode_leaves_graph(ids["plain"])
