@@ -71,7 +71,20 @@ class ChunkWrapper:
 
     @property
     def digest(self) -> str:
-        """What stored KV depends on: the vectors' bytes and the split into header and trailer."""
+        """What stored KV depends on: the vectors' bytes and the split into header and trailer
+        (and the adapter's). Every request's cache keys read it, and hashing an adapter (MBs,
+        from the GPU) took ~20 ms: it is kept until a tensor changes (a trainer's in-place step
+        bumps its version; a new tensor has a new id)."""
+        tensors = [self.vectors] + ([t for _, t in sorted(self.adapter.tensors().items())] if self.adapter else [])
+        state = (self.header, self.trailer, self.adapter.describe() if self.adapter else None,
+                 [t._version for t in tensors])
+        kept = getattr(self, "_digest", None)
+        if (kept is None or kept[0] != state or len(kept[1]) != len(tensors)
+                or any(a is not b for a, b in zip(kept[1], tensors))):
+            kept = self._digest = (state, tensors, self._compute_digest())
+        return kept[2]
+
+    def _compute_digest(self) -> str:
         h = hashlib.sha256(f"{self.header}|{self.trailer}|".encode())
         h.update(self.vectors.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         if self.adapter is not None:

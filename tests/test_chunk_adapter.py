@@ -114,3 +114,23 @@ def test_only_an_adapted_chunk_takes_a_graphed_step_out_of_its_graph(tokenizer):
         assert not runner.encode_leaves_graph(ids["adapted"])
         runner.append_graphs = object()  # as on a GPU, where query steps replay captured graphs
     assert runner.encode_leaves_graph(ids["adapted"]) and not runner.encode_leaves_graph(ids["plain"])
+
+
+def test_the_digest_is_kept_until_a_tensor_changes(monkeypatch):
+    """Every request's cache keys read the digest, so it is computed once; an in-place change of
+    the vectors or an adapter factor (a trainer's step), or a new tensor, gives a new one."""
+    model = tiny_model("llama", seed=4)
+    w = _adapted_wrapper(model)
+    first = w.digest
+    hashed = []
+    real = ChunkWrapper._compute_digest
+    monkeypatch.setattr(ChunkWrapper, "_compute_digest", lambda self: hashed.append(1) or real(self))
+    assert [w.digest for _ in range(3)] == [first] * 3 and hashed == []
+    name, (a, b) = next(iter(w.adapter.weights.items()))
+    b.add_(0.1)                       # in place: the tensor's version changes
+    second = w.digest
+    assert second != first and len(hashed) == 1
+    w.adapter.weights[name] = (a, b.clone())  # another tensor, equal values: the same digest
+    assert w.digest == second and len(hashed) == 2
+    w.vectors = w.vectors * 2
+    assert w.digest not in (first, second)

@@ -13,7 +13,7 @@ small enough to change the output by far more than the tolerances (shown).
 import pytest
 import torch
 
-from _cases import CHUNKS, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
+from _cases import CHUNKS, DEVICE, DTYPES, MIXED, PREFILL, TOL, Case, inv_freq_for, rel_err
 from test_fp8 import fp8_pages
 from test_shared_chunks import SharingCase
 from lazy_rag.kernels import lazy_decode, lazy_prefill, paged_attention_ref
@@ -156,13 +156,14 @@ def test_shared_chunk_decode(window, softcap):
 
 
 def test_prefill_window_edge_at_every_offset():
-    """Windows 1 to 12 over 4-token pages, one page per KV tile (block_n 4): for some window a
-    page's last key lands on the edge of a query tile's window (q_min - window + 1, the oldest
-    key its first row still sees), where the runs kernel's skip of pages out of every row's
-    window must stop."""
+    """Windows 1 to 3 pages, one page per KV tile (block_n = page: 4 under the interpreter, 16 on
+    a GPU, whose tensor-core dot needs K >= 16): for some window a page's last key lands on the
+    edge of a query tile's window (q_min - window + 1, the oldest key its first row still sees),
+    where the runs kernel's skip of pages out of every row's window must stop."""
     dtype = DTYPES[0]
-    c = _case([([0, 2], 20, 9), ([3, 1], 6, 6)], G=2, D=64, page=4, dtype=dtype, seed=21)
-    for window in range(1, 13):
+    page = 16 if DEVICE == "cuda" else 4
+    c = _case([([0, 2], 20, 9), ([3, 1], 6, 6)], G=2, D=64, page=page, dtype=dtype, seed=21)
+    for window in range(1, 3 * page + 1):
         out = lazy_prefill(c.q, c.qo_indptr, c.q_pos, c.k_pages, c.v_pages, c.table, _inv(c),
-                           window=window, block_n=4)
+                           window=window, block_n=page)
         assert rel_err(out, _ref(c, None, None, window)) < TOL[dtype], window
