@@ -13,7 +13,7 @@ from lazy_rag import Chunk
 from lazy_rag.random_models import IdTokenizer
 from lazy_rag.errors import LazyRagError
 from lazy_rag.oracle import ape_logits, block_diagonal_logits, causal_logits, visibility_mask
-from lazy_rag.engine.recovery import Recovery
+from lazy_rag.engine.recovery import SCORERS, Recovery
 from tiny_models import tiny_model
 
 
@@ -75,7 +75,9 @@ def test_a_method_is_one_row_that_the_quality_configurations_take_too():
 
 
 @pytest.mark.parametrize("selector", ["prophet", "cacheblend"])
-def test_recomputing_nothing_is_lazy_and_everything_is_full(llm, prompt, selector):
+def test_recomputing_nothing_is_lazy_and_everything_is_full(llm, prompt, selector, monkeypatch):
+    # nothing or everything needs no ranking: the selector's scoring pass (an extra forward) is skipped
+    monkeypatch.setitem(SCORERS, Recovery.parse(f"{selector}50").select, lambda *a: pytest.fail("scored"))
     layout = llm.prepare(prompt)
     lazy = block_diagonal_logits(llm.model, layout)[-1]
     full = causal_logits(llm.model, layout.token_ids)[-1]

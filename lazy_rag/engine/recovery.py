@@ -201,6 +201,12 @@ def choose_recomputed(seq, runner) -> list[int]:
     """The chunk tokens (positions) the request recomputes beyond its boundary heads: the
     ``seq.recompute_budget`` candidates its selector scores highest."""
     candidates = recompute_candidates(seq)
+    if seq.recompute_budget <= 0:
+        return []
+    if seq.recompute_budget >= len(candidates):
+        # all of them (``auto`` serving a risky answer again as full re-encoding): no scoring pass,
+        # which is an extra eager forward
+        return candidates
     scores = SCORERS[seq.recovery.select](runner, seq, candidates)
     top = scores.topk(seq.recompute_budget).indices.tolist()
     return [candidates[j] for j in top]
