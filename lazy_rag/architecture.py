@@ -31,7 +31,9 @@ score soft-capping but gemma2's) and its decoder layer is one of the shapes ``La
 - mixtral, qwen2_moe, qwen3_moe, olmoe: mistral's, qwen2's, qwen3's layer (olmoe: llama's
   pre-norms with olmo2's whole-q/k norms) whose MLP is a sparse mixture-of-experts block: a
   router picks each token's top-k experts and mixes their outputs (qwen2_moe adds a gated shared
-  expert). The checkpoint's own block runs it, on the CPU only (``LayerFamily.moe``).
+  expert). The checkpoint's own block runs it, on the CPU only (``LayerFamily.moe``);
+- granitemoe, granitemoeshared: granite's layer (its multipliers) with the experts in
+  ``block_sparse_moe`` (granitemoeshared adds a shared MLP beside them, on for every token).
 
 Mixture-of-experts and packing: the engine packs the tokens of many sequences into one
 [n_tokens, hidden] batch, which the block takes as one sequence; its router scores and picks
@@ -114,6 +116,11 @@ FAMILIES: dict[str, LayerFamily] = {
                              "experts; CPU only", tested=_MOE_PARITY),
     "olmoe": LayerFamily(qk_norm="whole", moe=True, layer="llama's pre-norms, q/k normed over all heads, routed "
                          "experts; CPU only", tested=_MOE_PARITY),
+    "granitemoe": LayerFamily(multipliers=True, moe=True, layer="granite's layer (multipliers), routed experts "
+                              "(block_sparse_moe); CPU only", tested=_MOE_PARITY + ", non-neutral multipliers"),
+    "granitemoeshared": LayerFamily(multipliers=True, moe=True, layer="granitemoe's layer plus a shared MLP beside "
+                                    "the experts; CPU only",
+                                    tested=_MOE_PARITY + ", a shared MLP, non-neutral multipliers"),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # default, linear, llama3 and yarn give fixed frequencies; `dynamic` (and longrope) change with the
@@ -124,11 +131,8 @@ KNOWN_UNSUPPORTED = {
     "gemma3": ("a vision tower (the multimodal checkpoint); its text model, model type gemma3_text, runs",
                "gemma3_text"),
     "gemma": ("its embedding normaliser and (1 + weight) norms, not wired into lazy-rag's layer", "llama"),
-    # mixture-of-experts layers lazy-rag has not wired in (mixtral, qwen2_moe, qwen3_moe and olmoe run)
-    "granitemoe": ("a mixture-of-experts block outside the layer's MLP (block_sparse_moe) with Granite's "
-                   "multipliers", "granite"),
-    "granitemoeshared": ("a mixture-of-experts block outside the layer's MLP (block_sparse_moe) with Granite's "
-                         "multipliers", "granite"),
+    # mixture-of-experts layers lazy-rag has not wired in (mixtral, qwen2_moe, qwen3_moe, olmoe and
+    # the granite ones run)
     "granitemoehybrid": ("a mixture-of-experts MLP and Mamba layers", "granite"),
     "phimoe": ("LayerNorm norms and a sparsemixer-routed mixture-of-experts MLP, not wired into lazy-rag's layer",
                "phi3"),
@@ -286,8 +290,9 @@ def layer_fingerprint(config) -> str | None:
         # the weights' shapes carry the expert count (and which layers are sparse), but how many
         # experts each token mixes, and whether their weights are renormalised over those
         # (qwen/olmoe's norm_topk_prob; mixtral always does: null), are config values
-        return json.dumps({"num_experts": num_experts(config), "num_experts_per_tok": int(config.num_experts_per_tok),
-                           "norm_topk_prob": getattr(config, "norm_topk_prob", None)}, sort_keys=True)
+        moe = {"num_experts": num_experts(config), "num_experts_per_tok": int(config.num_experts_per_tok),
+               "norm_topk_prob": getattr(config, "norm_topk_prob", None)}
+        return json.dumps({**moe, **(multipliers_of(config) if fam.multipliers else {})}, sort_keys=True)
     if windowed(config):
         # the model fingerprint's "rope" is the storage table only: the sliding layers' RoPE, which
         # layers slide and how far change every layer after the first sliding one
@@ -298,8 +303,20 @@ def layer_fingerprint(config) -> str | None:
                            "query_pre_attn_scalar": float(config.query_pre_attn_scalar), **caps}, sort_keys=True)
     if not fam.multipliers:
         return None
+    return json.dumps(multipliers_of(config), sort_keys=True)
+
+
+def moe_block(layer) -> torch.nn.Module:
+    """A mixture-of-experts layer's expert block: ``mlp`` (mixtral, qwen, olmoe) or
+    ``block_sparse_moe`` (granitemoe)."""
+    block = getattr(layer, "block_sparse_moe", None)
+    return layer.mlp if block is None else block
+
+
+def multipliers_of(config) -> dict:
+    """Granite's scalar multipliers (the granite families' config values outside the weights)."""
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-    return json.dumps({k: float(getattr(config, k)) for k in keys}, sort_keys=True)
+    return {k: float(getattr(config, k)) for k in keys}
 
 
 def rope_table_of(model) -> RopeTable:
@@ -425,13 +442,15 @@ class ModelParts:
         """The layer's MLP of y [n, hidden]. transformers' mixture-of-experts blocks read their
         input as [batch, seq, hidden]: the packed rows go in as one sequence (the router works per
         token, so packing does not change a token's experts); dense layers of a MoE model
-        (qwen's ``mlp_only_layers``) take that shape too."""
+        (qwen's ``mlp_only_layers``) take that shape too. The granite families keep their experts
+        in ``block_sparse_moe``, beside an optional shared MLP that every token goes through."""
         if not self.family.moe:
             return layer.mlp(y)
-        out = layer.mlp(y[None])
+        out = moe_block(layer)(y[None])
         if isinstance(out, tuple):   # transformers 4's blocks (and patched ones): (hidden states, router logits)
             out = out[0]
-        return out[0]
+        shared = getattr(layer, "shared_mlp", None)
+        return out[0] if shared is None else out[0] + shared(y)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states x [n, hidden] (granite divides by logits_scaling, gemma2

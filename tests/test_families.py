@@ -14,7 +14,7 @@ import torch
 
 from helpers import rel_err, small_llm
 from lazy_rag import Chunk, LazyLLM
-from lazy_rag.architecture import ModelParts, check_supported
+from lazy_rag.architecture import ModelParts, check_supported, moe_block
 from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from tiny_models import MOE_FAMILIES, tiny_model
@@ -164,8 +164,7 @@ REFUSED = [
     # (config, words the message must hold: the feature, then the nearest supported family)
     (lambda: _config("gemma"), ("embedding normaliser", "nearest supported family is llama")),
     (lambda: _config("llama", attn_logit_softcapping=50.0), ("soft-capping of attention scores", "plain llama")),
-    (lambda: _config("granitemoe"), ("mixture-of-experts block outside the layer's MLP",
-                                     "nearest supported family is granite")),
+    (lambda: _config("granitemoehybrid"), ("Mamba layers", "nearest supported family is granite")),
     (lambda: _config("phimoe"), ("sparsemixer-routed mixture-of-experts", "nearest supported family is phi3")),
     (lambda: _config("olmoe", clip_qkv=8.0), ("q/k/v clipping (clip_qkv 8.0)", "plain olmoe checkpoint")),
     (lambda: _config("deepseek_v3"), ("multi-head latent attention (MLA)", "nearest supported family is llama")),
@@ -248,16 +247,25 @@ def test_moe_routing_is_per_token_and_differs_between_tokens(family):
     their experts (else the parity tests could not tell the mixing apart)."""
     parts = ModelParts(_model(family))
     layer = parts.layers[0]
-    block = layer.mlp
-    assert parts.family.moe and hasattr(block, "gate") and hasattr(block, "experts")
+    block = moe_block(layer)
+    router = _router(block)
+    assert parts.family.moe and router is not None and hasattr(block, "experts")
     x = torch.randn(41, parts.shape.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         packed = parts._mlp(layer, x)
         alone = torch.cat([parts._mlp(layer, x[i:i + 1]) for i in range(len(x))])
-        picked = block.gate(x)[-1]   # the router returns (..., weights, experts)
-        assert torch.equal(picked, torch.cat([block.gate(x[i:i + 1])[-1] for i in range(len(x))]))
+        picked = router(x)[-1]   # the router returns (..., weights, experts)
+        assert torch.equal(picked, torch.cat([router(x[i:i + 1])[-1] for i in range(len(x))]))
     assert rel_err(packed, alone) < 1e-5
     assert len({tuple(sorted(p)) for p in picked.tolist()}) >= 4   # of the 6 pairs of 4 experts
+
+
+def _router(block):
+    """A mixture-of-experts block's router: ``gate`` (mixtral, qwen, olmoe) or ``router`` (granite);
+    None for a dense MLP (qwen2_moe's layer 1)."""
+    if not hasattr(block, "experts"):
+        return None
+    return block.router if hasattr(block, "router") else block.gate
 
 
 def _routing(gate, how):
@@ -287,8 +295,9 @@ def test_moe_expert_mixing_changes_the_answer(family, tokenizer, monkeypatch):
     for how in ("first expert", "equal weights"):
         with monkeypatch.context() as mp:
             for layer in llm.model.model.layers:
-                if hasattr(layer.mlp, "gate"):   # (qwen2_moe's layer 1 is dense)
-                    mp.setattr(layer.mlp.gate, "forward", _routing(layer.mlp.gate, how))
+                router = _router(moe_block(layer))
+                if router is not None:   # (qwen2_moe's layer 1 is dense)
+                    mp.setattr(router, "forward", _routing(router, how))
             changed = block_diagonal_logits(llm.model, layout)[-1]
             assert rel_err(changed, ref) > 1e-2, how
             llm.engine.clear_cache()
@@ -307,6 +316,9 @@ def test_moe_router_top_k_is_in_the_fingerprint(tokenizer):
     assert '"num_experts_per_tok": 2' in a.fingerprint["layer"] and '"norm_topk_prob": true' in a.fingerprint["layer"]
     more = small_llm(tiny_model("qwen3_moe", hidden_size=128, num_experts=8), tokenizer)
     assert more.fingerprint["weights"] != a.fingerprint["weights"]
+    # granite's experts: the router's top-k and the multipliers both
+    g = small_llm(_model("granitemoe"), tokenizer).fingerprint["layer"]
+    assert '"num_experts_per_tok": 2' in g and '"residual_multiplier": 0.4' in g
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

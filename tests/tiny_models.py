@@ -1,6 +1,7 @@
 """Tiny random checkpoints of every supported family (and a few unsupported ones)."""
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
+                          GraniteMoeConfig, GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, OlmoeConfig,
                           OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -60,6 +61,14 @@ MOE_FAMILIES = {
                                                         "moe_intermediate_size": 64, "norm_topk_prob": True}),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0,
                                               "eos_token_id": 2}),
+    # granite's multipliers far from neutral (as for granite) around the experts; the shared one
+    # with a shared MLP beside them
+    "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 6.0, "residual_multiplier": 0.4,
+        "attention_multiplier": 0.6, "logits_scaling": 3.0}),
+    "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 96,
+        "embedding_multiplier": 6.0, "residual_multiplier": 0.4, "attention_multiplier": 0.6, "logits_scaling": 3.0}),
 }
 # gemma3_text's RoPE per layer kind: the sliding layers' local base, the global layers' own (scaled)
 GEMMA3_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
