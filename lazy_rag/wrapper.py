@@ -76,6 +76,8 @@ class ChunkWrapper:
         from the GPU) took ~20 ms: it is kept until a tensor changes (a trainer's in-place step
         bumps its version; a new tensor has a new id)."""
         tensors = [self.vectors] + ([t for _, t in sorted(self.adapter.tensors().items())] if self.adapter else [])
+        if any(t.is_inference() for t in tensors):   # no version counter: nothing tells a change
+            return self._compute_digest()
         state = (self.header, self.trailer, self.adapter.describe() if self.adapter else None,
                  [t._version for t in tensors])
         kept = getattr(self, "_digest", None)
