@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import multiprocessing.util as mp_util
 import threading
 import traceback
 
@@ -72,6 +73,10 @@ class RankPool:
         self.group = RankGroup(0, size, store, timeout_s, describe_failure=self.describe_failure)
         self._store = store   # (the workers' rendezvous: kept while they live)
         atexit.register(self.shutdown)
+        # A process started by multiprocessing (the server's engine process) runs no atexit
+        # handlers: at its exit it joins its non-daemonic children, the workers, which wait for
+        # this pipe to close. A finalizer with an exit priority runs before that join.
+        mp_util.Finalize(None, self.shutdown, exitpriority=10)
 
     def new_engine_id(self) -> int:
         return next(self._ids)
