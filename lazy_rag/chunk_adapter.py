@@ -119,6 +119,7 @@ class ChunkAdapters:
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._slots: list[tuple[int, int, int]] = []  # (first, end) virtual ids of a wrapper -> its column
         self.gate: torch.Tensor | None = None
+        self.columns: set[int] = set()   # the gate's columns that are on for some token
         self._modules: dict | None = None
 
     @classmethod
@@ -185,12 +186,13 @@ class ChunkAdapters:
                     return column
         return None
 
-    def gate_for(self, spans, length: int | tuple, device) -> torch.Tensor | None:
-        """A gate [*length, width] with ones on each (start, end, token ids) span's own column
-        (chunks without an adapter stay off); None when no span has one. A tuple ``length``
-        addresses [batch, length] forwards: spans then carry their row first."""
+    def gate_for(self, spans, length: int | tuple, device) -> tuple[torch.Tensor | None, set[int]]:
+        """(a gate [*length, width] with ones on each (start, end, token ids) span's own column,
+        chunks without an adapter staying off, and the columns it turns on); (None, empty) when no
+        span has one. A tuple ``length`` addresses [batch, length] forwards: spans then carry their
+        row first."""
         shape = (length,) if isinstance(length, int) else tuple(length)
-        gate = None
+        gate, columns = None, set()
         for span in spans:
             *row, start, end, ids = span
             column = self.column_of(ids)
@@ -199,7 +201,8 @@ class ChunkAdapters:
             if gate is None:
                 gate = torch.zeros(*shape, self.width)
             gate[(*row, slice(start, end), column)] = 1.0
-        return None if gate is None else gate.to(device=device, dtype=self._dtype())
+            columns.add(column)
+        return (None if gate is None else gate.to(device=device, dtype=self._dtype())), columns
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -216,6 +219,8 @@ class ChunkAdapters:
                 return None
             x = inputs[0]
             for index, a, b, scale in self._per_module.get(name, ()):
+                if index not in self.columns:   # off for every token: no work (and no autograd
+                    continue                    # through another adapter's inference tensors)
                 low = torch.nn.functional.linear(x, a.to(x.dtype)) * gate[..., index:index + 1].to(x.dtype)
                 delta = torch.nn.functional.linear(low, b.to(x.dtype))
                 output = output + (delta * scale if scale != 1.0 else delta)
@@ -223,14 +228,16 @@ class ChunkAdapters:
         return hook
 
     @contextlib.contextmanager
-    def gated(self, gate: torch.Tensor | None):
-        """Apply the adapters to the tokens ``gate`` selects ([..., adapters]) for one forward.
-        The hooks exist only inside this context (a hooked module takes nn.Module's slow call
-        path: ~3x the eager launch time of a small model's query step if they stayed on)."""
+    def gated(self, gate: torch.Tensor | None, columns: set[int]):
+        """Apply the adapters to the tokens ``gate`` selects ([..., adapters]) for one forward;
+        ``columns``: the adapters it turns on for some token (the others are skipped). The hooks
+        exist only inside this context (a hooked module takes nn.Module's slow call path: ~3x the
+        eager launch time of a small model's query step if they stayed on)."""
         if gate is None:
             yield
             return
-        previous, self.gate = self.gate, gate
+        previous, self.gate = (self.gate, self.columns), gate
+        self.columns = set(columns)
         outer = not self._hooks
         if outer:
             modules = self._named_modules()
@@ -238,7 +245,7 @@ class ChunkAdapters:
         try:
             yield
         finally:
-            self.gate = previous
+            self.gate, self.columns = previous
             if outer:
                 for handle in self._hooks.values():
                     handle.remove()
@@ -256,4 +263,4 @@ def encoding_chunks(model, spans, length: int | tuple, device):
     adapters = ChunkAdapters.find(model)
     if adapters is None:
         return contextlib.nullcontext()
-    return adapters.gated(adapters.gate_for(spans, length, device))
+    return adapters.gated(*adapters.gate_for(spans, length, device))

@@ -636,9 +636,10 @@ def tune(
     micro_batch: int = typer.Option(8, help="Prompts per forward (memory)."),
     header: int = typer.Option(8, help="Wrapper vectors before each chunk."),
     trailer: int = typer.Option(8, help="Wrapper vectors after each chunk."),
-    method: str = typer.Option("wrapper", help="wrapper: the vectors only; lora: the vectors plus a chunk adapter "
-                                               "(LoRA deltas applied only while chunks are encoded; the query and "
-                                               "full answers keep the checkpoint)."),
+    method: str = typer.Option("auto", help="wrapper: the vectors only; lora: the vectors plus a chunk adapter "
+                                            "(LoRA deltas applied only while chunks are encoded; the query and "
+                                            "full answers keep the checkpoint); auto: lora when the wrapper it "
+                                            "starts from carries an adapter (Qwen2.5-0.5B's), else wrapper."),
     rank: int = typer.Option(8, help="The chunk adapter's LoRA rank (--method lora)."),
     alpha: float = typer.Option(16.0, help="The chunk adapter's LoRA alpha (scale alpha / rank)."),
     adapter_lr: float = typer.Option(5e-4, help="The chunk adapter's learning rate (--method lora)."),

@@ -246,6 +246,34 @@ def test_tune_index_starts_from_its_wrapper_and_rewraps_it(llm, tmp_path):
                    progress="none", llm=llm)
 
 
+def test_tuning_an_index_whose_wrapper_carries_an_adapter_continues_that_adapter(llm, tmp_path):
+    """Qwen2.5-0.5B's bundled wrapper carries a chunk adapter: `lazy-rag tune DIR` (method auto)
+    starts from its vectors and its adapter and trains both, rather than dropping the adapter for
+    vectors from token embeddings; a method that would not continue it is refused, naming it."""
+    from lazy_rag.chunk_adapter import new_adapter
+    from lazy_rag.tune.run import tune_index
+
+    adapter = new_adapter(llm.model, rank=2, alpha=4.0, seed=3)
+    g = torch.Generator().manual_seed(3)
+    adapter.weights = {n: (a.detach().cpu(), torch.randn(b.shape, generator=g) * 0.2) for n, (a, b) in adapter.weights.items()}
+    start = dataclasses.replace(_wrapper(llm, 9, header=2, trailer=2), adapter=adapter)
+    _index(llm, tmp_path / "idx", start)
+    options = TuneOptions(header=2, trailer=2, steps=2, batch=8, micro_batch=8, lr=1e-7, adapter_lr=1e-7, held_out=4,
+                          max_answer_tokens=3, eval_every=2)
+    wrapper, report = tune_index(tmp_path / "idx", options, examples=24, k=2, device="cpu", progress="none",
+                                 work_dir=tmp_path / "work", log=lambda m: None, llm=llm)
+    assert report["init"] == start.digest and wrapper.adapter is not None and wrapper.recipe["method"] == "lora"
+    assert (wrapper.adapter.rank, wrapper.adapter.alpha) == (2, 4.0)
+    for name, (a, b) in wrapper.adapter.weights.items():   # a near-zero rate: still the adapter it started from
+        a0, b0 = adapter.weights[name]
+        assert torch.allclose(a, a0, atol=2e-3) and torch.allclose(b, b0, atol=2e-3), name   # (stored in bf16)
+    assert torch.allclose(wrapper.vectors, start.vectors, atol=1e-4)
+    for method, rank in (("wrapper", 8), ("lora", 4)):
+        with pytest.raises(LazyRagError, match="carries a chunk adapter"):
+            train_wrapper(llm, _examples(40, random.Random(5)), dataclasses.replace(options, method=method, rank=rank),
+                          tmp_path / "w.safetensors", None, progress="none", init=start)
+
+
 def test_tune_refuses_too_little_data(llm, tmp_path):
     with pytest.raises(LazyRagError, match="Too little data"):
         train_wrapper(llm, _examples(10, random.Random(1)), TuneOptions(steps=1), tmp_path / "w.safetensors",

@@ -21,8 +21,7 @@ def _start_from(llm, init, current, options: TuneOptions):
     """The wrapper a run starts from: ``init`` "auto" means ``current`` (an index's wrapper) when
     it has the run's shape, "none" token embeddings, anything else a wrapper by name or path."""
     if str(init).lower() == "auto":
-        fits = current is not None and current.adapter is None and (current.header, current.trailer) == (
-            options.header, options.trailer)
+        fits = current is not None and (current.header, current.trailer) == (options.header, options.trailer)
         return current if fits else None
     return llm.host.resolve_wrapper(init)  # None for "none"
 

@@ -109,7 +109,7 @@ def student_logp(llm, vectors: torch.Tensor, batch: list[StudentInput],
         for b, item in enumerate(batch):
             for start, end in item.layout.chunk_spans:
                 gate[b, start:end, adapter_column] = 1
-    with adapters.gated(gate):
+    with adapters.gated(gate, {adapter_column} if adapter_column is not None else set()):
         hidden = model.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
     reads = [(b, kind, rows) for b, item in enumerate(batch) for kind, rows in item.reads.items()]
     at_b = torch.tensor([b for b, _, rows in reads for _ in rows], dtype=torch.long, device=dev)

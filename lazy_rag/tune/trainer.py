@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,16 +44,35 @@ class TuneOptions:
     top_k: int = 64                # teacher log-probs kept per row
     max_answer_tokens: int = 24
     eval_every: int = 20
-    method: str = "wrapper"        # "wrapper": vectors only; "lora": vectors + a chunk adapter
+    method: str = "auto"           # "wrapper": vectors only; "lora": vectors + a chunk adapter; "auto":
+                                   # lora when the wrapper it starts from carries an adapter (``for_start``)
     rank: int = 8                  # the chunk adapter's LoRA rank (method lora)
     alpha: float = 16.0            # its scale is alpha / rank
     adapter_lr: float = 5e-4
     targets: tuple = DEFAULT_TARGETS
     gold_weight: float = 0.0       # cross-entropy on labelled answers, added to the KL with this weight
 
+    def for_start(self, init: "ChunkWrapper | None") -> "TuneOptions":
+        """The options a run from ``init`` trains with: "auto" becomes lora with ``init``'s adapter
+        settings when it carries an adapter (its adapter is trained on, not dropped), else wrapper.
+        An adapter cannot be continued as vectors alone, nor under other LoRA settings."""
+        adapter = init.adapter if init is not None else None
+        if adapter is None:
+            return self if self.method != "auto" else replace(self, method="wrapper")
+        mine = replace(self, method="lora", rank=adapter.rank, alpha=adapter.alpha, targets=tuple(adapter.targets))
+        if self.method == "auto":
+            return mine
+        if (self.method, self.rank, float(self.alpha), tuple(self.targets)) != (
+                "lora", mine.rank, float(mine.alpha), mine.targets):
+            raise LazyRagError(f"Wrapper {init.name or init.digest} carries a chunk adapter (rank {adapter.rank}, "
+                               f"alpha {adapter.alpha:g}, {len(adapter.targets)} target layers) that --method "
+                               f"{self.method} --rank {self.rank} --alpha {self.alpha:g} would not continue. Use "
+                               "--method auto (or lora with its settings), or start from token embeddings (--init none).")
+        return self
+
     def check(self) -> None:
-        if self.method not in ("wrapper", "lora"):
-            raise LazyRagError(f"--method must be wrapper or lora (got {self.method!r}).")
+        if self.method not in ("wrapper", "lora", "auto"):
+            raise LazyRagError(f"--method must be auto, wrapper or lora (got {self.method!r}).")
         if self.method == "lora" and (self.rank < 1 or self.adapter_lr <= 0 or not self.targets):
             raise LazyRagError(f"--method lora needs --rank >= 1, --adapter-lr > 0 and some --targets (got "
                                f"{self.rank}, {self.adapter_lr}, {self.targets}).")
@@ -236,10 +255,11 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     examples were made (source, ranking file, gold placement), recorded in the wrapper's recipe.
     Returns the wrapper and a report (held-out KL curve, timings)."""
     options.check()
+    options = options.for_start(init)
     if options.gold_weight > 0 and not any(e.gold for e in examples):
         raise LazyRagError("--gold-weight needs labelled answers, and none of these examples has one (an index's "
                            "own chunks have none: tune it with --gold-weight 0).")
-    if init is not None and (init.header, init.trailer, init.adapter) != (options.header, options.trailer, None):
+    if init is not None and (init.header, init.trailer) != (options.header, options.trailer):
         raise LazyRagError(f"Cannot start from wrapper {init.name} ({init.header}+{init.trailer} vectors"
                            f"{', with a chunk adapter' if init.adapter else ''}): this run trains {options.header}+"
                            f"{options.trailer} vectors. Match --header/--trailer, or start from token embeddings.")
@@ -269,6 +289,12 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     adapter_key = f"tune:{id(vectors)}"  # this run's adapter, removed when it ends
     if options.method == "lora":
         adapter = new_adapter(model, options.rank, options.alpha, options.targets, options.seed)
+        if init is not None and init.adapter is not None:   # continue the wrapper's own adapter
+            with torch.no_grad():
+                for name, (a, b) in adapter.weights.items():
+                    a0, b0 = init.adapter.weights[name]
+                    a.copy_(a0.to(a.device, a.dtype))
+                    b.copy_(b0.to(b.device, b.dtype))
         factors = [t for pair in adapter.weights.values() for t in pair]
         groups.append({"params": factors, "lr": options.adapter_lr})
         column = adapters.add(adapter, key=adapter_key, trainable=True)
