@@ -584,7 +584,8 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         rows.append({"name": name, "model": m.model, "weights": m.weights, "bytes": m.size,
                      "default": name == DEFAULT_MODEL, "installed": is_installed(name),
                      "chunk_wrapper": None if w is None else {"header": w.header, "trailer": w.trailer,
-                                                               "steps": w.recipe.get("steps"), "digest": w.digest},
+                                                               "steps": w.recipe.get("steps"), "digest": w.digest,
+                                                               "adapter": w.adapter.describe() if w.adapter else None},
                      "install": install_command(name)})
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -597,7 +598,8 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         w = r["chunk_wrapper"]
         t.add_row(r["name"] + ("\n(default)" if r["default"] else ""), f"{r['model']}\n{r['weights']}, {_human(r['bytes'])}",
                   "yes" if r["installed"] else "no",
-                  "-" if w is None else f"{w['header']}+{w['trailer']} slots, {w['steps'] or '?'} steps")
+                  "-" if w is None else f"{w['header']}+{w['trailer']} slots, {w['steps'] or '?'} steps"
+                  + (f", chunk adapter (rank {w['adapter']['rank']})" if w["adapter"] else ""))
     out.print(t)
     # the commands below the table, one line each: a command folded into a table cell cannot be copied
     for r in rows:

