@@ -200,11 +200,12 @@ def index(
         out.print(f"  {path} changed while it was indexed: the index holds the text read; run `lazy-rag index` "
                   "again to index the new version.", markup=False, highlight=False)
     w = idx.wrapper
+    adapter = f", chunk adapter rank {w.adapter.rank}" if w is not None and w.adapter is not None else ""
     moved = f", {_human(rep.kv_bytes_moved)} compacted" if rep.kv_records_moved else ""
     encoded = f", {rep.chunks_encoded} encoded" if rep.chunks_encoded != rep.chunks_added else ""
     out.print(f"{rep.chunks_total} chunks ({rep.chunks_added} new{encoded}), {rep.tokens_total} tokens, "
               f"{_human(rep.kv_bytes_written)} of KV written{moved} in {rep.seconds:.1f} s -> {out_dir}"
-              + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots)" if w is not None else ""),
+              + (f" (chunk wrapper {w.name}, {w.header}+{w.trailer} slots{adapter})" if w is not None else ""),
               markup=False, highlight=False)
 
 
