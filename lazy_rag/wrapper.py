@@ -81,8 +81,8 @@ class ChunkWrapper:
         state = (self.header, self.trailer, self.adapter.describe() if self.adapter else None,
                  [t._version for t in tensors])
         kept = getattr(self, "_digest", None)
-        if (kept is None or kept[0] != state or len(kept[1]) != len(tensors)
-                or any(a is not b for a, b in zip(kept[1], tensors))):
+        # (the state's versions are one per tensor: equal states have as many tensors)
+        if kept is None or kept[0] != state or any(a is not b for a, b in zip(kept[1], tensors)):
             kept = self._digest = (state, tensors, self._compute_digest())
         return kept[2]
 

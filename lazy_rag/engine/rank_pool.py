@@ -15,7 +15,6 @@ hangs is bounded by the collectives' timeout. Workers exit when rank 0 does (the
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import multiprocessing.util as mp_util
@@ -72,10 +71,10 @@ class RankPool:
             self.procs.append(proc)
         self.group = RankGroup(0, size, store, timeout_s, describe_failure=self.describe_failure)
         self._store = store   # (the workers' rendezvous: kept while they live)
-        atexit.register(self.shutdown)
-        # A process started by multiprocessing (the server's engine process) runs no atexit
-        # handlers: at its exit it joins its non-daemonic children, the workers, which wait for
-        # this pipe to close. A finalizer with an exit priority runs before that join.
+        # At exit, from multiprocessing's own exit handler, in this process and in one that
+        # multiprocessing started (the server's engine process, which runs no atexit handler and
+        # joins its non-daemonic children, the workers, who wait for this pipe to close): a
+        # finalizer with an exit priority runs before that join.
         mp_util.Finalize(None, self.shutdown, exitpriority=10)
 
     def new_engine_id(self) -> int:

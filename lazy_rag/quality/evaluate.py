@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import statistics as stats
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -290,7 +291,7 @@ class _Evaluation:
         request per configuration (one-time costs: the shared prefix's KV, kernel set-up). Per
         configuration: ``ms`` (one per item) and ``sources`` (tier -> chunks, summed)."""
         subset = items[:self.o.ttft_n]
-        out: dict[str, dict] = {c.name: {"ms": [], "sources": {}} for c in self.configs}
+        out: dict[str, dict] = {c.name: {"ms": [], "sources": Counter()} for c in self.configs}
         if not subset:
             return out
         for c in self.configs:
@@ -299,8 +300,7 @@ class _Evaluation:
             for c in self.configs:
                 ms, sources = self.runtime.first_token(self.request(setting, c, it, 1))
                 out[c.name]["ms"].append(ms)
-                for tier, n in sources.items():
-                    out[c.name]["sources"][tier] = out[c.name]["sources"].get(tier, 0) + n
+                out[c.name]["sources"].update(sources)
             self.progress.advance(len(self.configs))
         return out
 

@@ -62,8 +62,7 @@ class TuneOptions:
         mine = replace(self, method="lora", rank=adapter.rank, alpha=adapter.alpha, targets=tuple(adapter.targets))
         if self.method == "auto":
             return mine
-        if (self.method, self.rank, float(self.alpha), tuple(self.targets)) != (
-                "lora", mine.rank, float(mine.alpha), mine.targets):
+        if replace(self, targets=tuple(self.targets)) != mine:   # lora with the adapter's own settings, or refused
             raise LazyRagError(f"Wrapper {init.name or init.digest} carries a chunk adapter (rank {adapter.rank}, "
                                f"alpha {adapter.alpha:g}, {len(adapter.targets)} target layers) that --method "
                                f"{self.method} --rank {self.rank} --alpha {self.alpha:g} would not continue. Use "
