@@ -83,9 +83,13 @@ def test_recomputing_nothing_is_lazy_and_everything_is_full(llm, prompt, selecto
     full = causal_logits(llm.model, layout.token_ids)[-1]
     none = llm.generate(prompt, max_new_tokens=1, recovery=f"{selector}0", output_first_logits=True)
     assert rel_err(none.first_logits, lazy) < 1e-4 and none.stats.recomputed_tokens == 0
-    every = llm.generate(prompt, max_new_tokens=1, recovery=f"{selector}100", output_first_logits=True)
-    assert rel_err(every.first_logits, full) < 1e-4
-    assert every.stats.recomputed_tokens == 83 and every.stats.cached_tokens == 0
+    for mode in ("lazy", "block"):
+        every = llm.generate(prompt, max_new_tokens=1, mode=mode, recovery=f"{selector}100", output_first_logits=True)
+        assert rel_err(every.first_logits, full) < 1e-4
+        assert every.stats.recomputed_tokens == 83 and every.stats.cached_tokens == 0
+        # admitted as full re-encoding: no chunk is read (the pool holds them from the run above)
+        assert every.stats.chunk_sources == {}, mode
+    assert llm.stats()["pages_private"] == 0
 
 
 @pytest.mark.parametrize("recovery", ["prophet25", "cacheblend30", "epic3+prophet30", "epic2+cacheblend20+ape0.8s1.2"])

@@ -21,8 +21,10 @@ the step's tokens padded with tokens of one padding sequence that reads and writ
 scratch page, and the kernel's query-tile plan padded with tiles that own no query row. The
 token count varies far more than a decode batch does, so the buckets are coarser (at most ~1.5x
 padding) and the number of graphs is bounded (least recently used dropped). A step longer than
-the largest bucket is GPU-bound anyway and stays eager. Steps with a fresh sequence (full mode,
-a prefix miss), a prefix tail, APE or explicit slot positions stay eager too.
+the largest bucket is GPU-bound anyway and stays eager. A fresh sequence (full mode, a prefix
+miss, a request served again as full re-encoding) takes the Triton kernel over its own pages in
+a step of up to ``max_encode_tokens`` tokens (an fp8 pool's stays eager: its SDPA attends to the
+exact new K/V); steps with a prefix tail, APE or explicit slot positions stay eager.
 
 A cold lazy request's step, which encodes the request's missing chunks as extra sequences ahead of
 its own tokens (``kv_planner``), replays an append graph as well (``AppendGraphs.run_encoding``):
@@ -379,9 +381,15 @@ class AppendGraphs:
         if not seqs or len(seqs) > self.max_batch:
             return None
         n = sum(len(s.compute_pos) for s in seqs)
-        T = token_bucket(n, self.max_encode_tokens if encodes else self.max_tokens)
-        paged = ("paged", "fresh", "tail") if encodes else ("paged",)
-        if T is None or any(attention_path(s, True, ps)[0] not in paged for s in seqs):
+        paths = [attention_path(s, True, ps)[0] for s in seqs]
+        # fresh sequences (full mode, a request served again as full re-encoding) take the Triton
+        # kernel over their own pages as in an encoding step, up to that step's token limit, where
+        # a small model's eager step is launch-bound. Not from an fp8 pool: full's eager SDPA
+        # attends to the exact new K/V, the kernel would read them quantised.
+        fresh = "fresh" in paths and not r.pool.quantized
+        T = token_bucket(n, self.max_encode_tokens if encodes or fresh else self.max_tokens)
+        paged = ("paged", "fresh", "tail") if encodes else ("paged", "fresh") if fresh else ("paged",)
+        if T is None or any(path not in paged for path in paths):
             return None
         tables = [page_rows(s, ps) for s in seqs]
         if any(t[4] is not None for t in tables):

@@ -50,7 +50,7 @@ from .chunk_tiers import ChunkTiers, chunk_key, span_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
 from .read_or_encode import ReadOrEncode
-from .recovery import recompute_budget
+from .recovery import recompute_budget, recomputes_every_chunk_token
 from .sequence import EncodeJob, Run, Sequence
 
 
@@ -86,8 +86,11 @@ class KVPlanner:
         seq.encoded_now = 0
         seq.prefetched = {}
         try:
-            self._place_missing_chunks(seq)
-            getattr(self, f"_admit_{seq.mode}")(seq)
+            if recomputes_every_chunk_token(seq):
+                self._admit_recomputed(seq)
+            else:
+                self._place_missing_chunks(seq)
+                getattr(self, f"_admit_{seq.mode}")(seq)
         except OutOfPages:
             self._drop_prefetched(seq)
             self.release(seq)
@@ -433,6 +436,14 @@ class KVPlanner:
     def _admit_full(self, seq: Sequence) -> None:
         self._private_run(seq, 0, seq.num_tokens)
         seq.compute_pos = list(range(seq.num_tokens))
+
+    def _admit_recomputed(self, seq: Sequence) -> None:
+        """A selector that recomputes every cached chunk token (``auto`` serving a risky answer
+        again as full re-encoding): the whole prompt computed at its own positions, as ``full``
+        admits it (recompute-all equals full), so no chunk is read, no scoring pass chooses, and
+        the step is an ordinary causal prefill that a captured graph can replay."""
+        self._admit_full(seq)
+        seq.selected = sum(span.cached_tokens for span in seq.layout.spans)
 
     def publish(self, seq: Sequence) -> None:
         """Prefix mode, after prefill: hand the request's full prompt pages to the prefix cache."""

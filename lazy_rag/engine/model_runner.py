@@ -9,7 +9,9 @@ each sequence's pages through the path that computes it exactly and fastest (``S
 
 - a *fresh* sequence (nothing cached: full mode, a prefix-mode miss, a chunk encoded alone)
   attends only to its own new tokens, causally: torch SDPA (flash on CUDA) over contiguous
-  q/k/v, which is what a user of plain transformers gets, so ``full`` is measured at its best;
+  q/k/v, which is what a user of plain transformers gets, so ``full`` is measured at its best
+  (on CUDA a step of up to 2,048 such tokens replays a captured graph instead, the Triton kernel
+  over the sequence's own pages: launch-bound otherwise, ``cuda_graphs``);
 - on CUDA, a long tail after reused prefix pages gathers the sequence's pages once per layer and
   runs SDPA with a lower-right causal mask (as vLLM runs flash attention over its paged prefix),
   and every other sequence goes through the Triton lazy-RoPE kernels (``rope_mode="rotate_q"``:

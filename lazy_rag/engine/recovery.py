@@ -197,6 +197,19 @@ def recompute_budget(seq) -> int:
     return min(candidates, round(rec.ratio * candidates))
 
 
+def recomputes_every_chunk_token(seq) -> bool:
+    """Does the request's selector recompute all of its cached chunk tokens (a ratio of 1, as
+    ``auto`` escalates to full re-encoding)? The planner then admits it as ``full`` does. APE
+    still groups recomputed chunk tokens apart, and a shared prefix stays read from its cache,
+    so both keep the selector's path."""
+    rec = seq.recovery
+    if (seq.mode not in ("lazy", "block") or not rec.selects or rec.ape or not seq.layout.spans
+            or seq.layout.prefix_len):
+        return False
+    candidates = sum(span.cached_tokens for span in seq.layout.spans)
+    return candidates > 0 and recompute_budget(seq) >= candidates
+
+
 def choose_recomputed(seq, runner) -> list[int]:
     """The chunk tokens (positions) the request recomputes beyond its boundary heads: the
     ``seq.recompute_budget`` candidates its selector scores highest."""

@@ -51,8 +51,9 @@ one-line answers) and is paired with `full` (everything re-encoded) on each ques
   first-token KL and the first token's entropy.
 - TTFT: a fixed subset of each setting (its first `ttft_n` questions) served one request at a
   time after the quality pass, so chunks are already stored as in deployment; batched quality
-  passes give no single-request TTFT. The table shows the median (one kernel compile inside the
-  timed requests moved a 20-request mean from 31 to 215 ms); the records keep the mean too.
+  passes give no single-request TTFT. The subset is served once untimed first, so one-time costs
+  (kernel compiles, a CUDA graph per new step shape) fall outside the timed requests, as on a
+  warm server. The table shows the median; the records keep the mean too.
 - Configurations `MODE[+option...]`: `lazy+sink` = chunks encoded after the prompt's fixed head
   (shared prefix); `lazy+epicN` = the first N tokens of every chunk recomputed at query time.
   `block` computes the same function as `lazy`.

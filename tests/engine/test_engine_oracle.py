@@ -156,6 +156,24 @@ def test_cold_requests_encode_in_a_graph_and_keep_their_kv(real_shape_llm):
     eng.pm.check()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (tests/gpu_parity.sh)")
+def test_full_prefills_and_recompute_all_replay_a_graph(real_shape_llm):
+    """A full-mode prefill of up to 2,048 tokens, and a chunk request recomputing every chunk token
+    (admitted as full re-encoding), replay an append graph (the kernel over the request's own
+    pages) instead of an eager step; the first token is the oracle's causal forward's."""
+    rng = random.Random(13)
+    reqs = requests(rng, 3, num_chunks=6, chunk_len=(60, 300), vocab=120000, max_new=1)
+    eng = real_shape_llm.engine
+    for segs, _ in reqs:
+        for opts in (dict(mode="full"), dict(mode="lazy", recovery="prophet100"), dict(mode="block", recovery="prophet100")):
+            before = eng.stats()["append_graph_replays"]
+            res = real_shape_llm.generate(segs, max_new_tokens=1, output_first_logits=True, **opts)
+            assert eng.stats()["append_graph_replays"] == before + 1, opts
+            ref = teacher_forced_logits(real_shape_llm, segs, "full", res.token_ids[:1])[0].cpu()
+            assert rel_err(res.first_logits, ref) < 1e-3, opts
+    eng.pm.check()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA only (tests/gpu_parity.sh)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_rms_norm_rounds_like_every_familys_module(dtype):
