@@ -201,14 +201,26 @@ def test_append_graph_inputs_reproduce_the_eager_step(llm):
 
 
 @pytest.mark.parametrize("mode", ["full", "prefix"])
-def test_append_graphs_leave_steps_without_the_kernels_eager(llm, mode):
-    """A fresh sequence (full mode, a prefix miss) runs SDPA, which the append graphs do not hold."""
+def test_fresh_sequences_take_the_append_graphs_up_to_their_limit(llm, mode):
+    """A fresh sequence (full mode, a prefix miss) packs into an append graph, the Triton kernel
+    over its own pages (the interpreter here), with the eager step's (SDPA's) logits; a step over
+    the encoding limit, a batch over the graphs' largest, or an fp8 pool's (whose eager SDPA
+    attends to the exact new K/V, the kernel to them quantised) stays eager."""
     from lazy_rag.engine.cuda_graphs import AppendGraphs
 
     eng = engine(llm, num_pages=200, page_size=4, max_num_seqs=8)
     seqs = _first_prefill_step(eng, workload(2, seed=7), mode)
-    assert AppendGraphs(eng.runner, page_step=4).pack(seqs) is None
+    n = sum(len(s.compute_pos) for s in seqs)
+    graphs = AppendGraphs(eng.runner, page_step=4)
+    buf, key = graphs.pack(seqs)
+    got = graphs.packed_forward(buf.to(eng.pool.device), key)[:len(seqs)]
+    eng.runner.graphs = eng.runner.append_graphs = None
+    eager = eng.runner.run(seqs)
+    assert got.shape == eager.shape and (got - eager).abs().max() < 1e-4
+    assert AppendGraphs(eng.runner, page_step=4, max_encode_tokens=n - 1).pack(seqs) is None
     assert AppendGraphs(eng.runner, page_step=4, max_batch=1).pack(seqs[:1] * 2) is None
+    fp8 = engine(llm, num_pages=200, page_size=4, max_num_seqs=8, kv_dtype="fp8")
+    assert AppendGraphs(fp8.runner, page_step=4).pack(_first_prefill_step(fp8, workload(2, seed=7), mode)) is None
 
 
 def test_refused_admission_does_not_turn_its_own_placement_into_a_hit(llm):
