@@ -31,7 +31,8 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
                                     block_m sets the query rows
     copy_rotate_run(k, v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq,
                     k_scale=None, v_scale=None)
-                                    Block-Attention's copy inside the engine pool (page_copy.py)
+                                    Block-Attention's copy inside the engine pool (page_copy.py);
+                                    inv_freq [D/2], or [L, D/2] for each layer's own table
     fp8 KV (kv_quant.py): float8_e4m3fn pages with one fp16 scale per (token, KV head),
                                     k_scale / v_scale [num_pages, Hkv, page_size]; lazy_decode,
                                     lazy_prefill, paged_attention_ref and copy_rotate_run take

@@ -3,7 +3,8 @@
 Block mode places a chunk in the pool once (keys at chunk-local rotation, like lazy) and, for
 each request, copies it into the request's own pages at the chunk's offset with the keys
 re-rotated to their logical positions. Every layer and KV head of every source page is one
-program: read K and V once, rotate K by the constant angle ``shift * inv_freq`` (fp32), write
+program: read K and V once, rotate K by the constant angle ``shift * inv_freq`` (fp32; the
+layer's own inv_freq for a model whose layers have different RoPE tables), write
 both to the destination slots, which may straddle page boundaries (the chunk need not start on
 a page boundary of the request's run). Bytes moved: the chunk's KV read once and written once,
 the floor for a materialised copy.
@@ -23,7 +24,7 @@ from .reference import copy_rotate_run_ref
 
 @triton.jit
 def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, v_l, v_p, v_h, v_t, v_d, SRC, DST, n_tokens, first_slot, shift, INV_FREQ,
-                        NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
+                        freq_l, NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
                         KS=None, VS=None, ss_l=None, ss_p=None, ss_h=None,
                         KV_FP8: tl.constexpr = False, SOFT_FP8: tl.constexpr = False):
     pg = tl.program_id(0)                 # source page within the chunk
@@ -50,7 +51,7 @@ def _copy_rotate_kernel(K, V, s_l, s_p, s_h, s_t, v_l, v_p, v_h, v_t, v_d, SRC, 
         ks = tl.load(KS + sc_src, mask=ok, other=0.0).to(tl.float32)[:, None]
         k1 = k1 * ks
         k2 = k2 * ks
-    ang = shift * tl.load(INV_FREQ + dh)
+    ang = shift * tl.load(INV_FREQ + layer * freq_l + dh)
     c = tl.cos(ang)[None, :]
     s = tl.sin(ang)[None, :]
     if KV_FP8:
@@ -84,8 +85,8 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
     k, v       [L, P, Hkv, page, D] pool (modified in place; source and destination pages must
                not overlap)
     src_pages  [ceil(n_tokens / page)] int, dst_pages [m] int (device tensors)
-    inv_freq   [D/2] fp32: the model's RoPE frequencies (no attention_scaling: it was applied
-               once when the keys were first rotated)
+    inv_freq   [D/2] fp32: the model's RoPE frequencies, or [L, D/2]: each layer's own (no
+               attention_scaling: it was applied once when the keys were first rotated)
     k_scale, v_scale  [L, P, Hkv, page] for a float8_e4m3fn pool (kernels/kv_quant.py): each
                key is dequantised, rotated in fp32 and quantised again with a new scale (a second
                rounding of the key); values and their scales are copied as they are
@@ -102,6 +103,7 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
         return
     meta = {} if interpreting() and not k.is_cuda else {"num_warps": 4}
     grid = (triton.cdiv(n_tokens, page), L * H)
+    inv_freq = inv_freq.to(device=k.device, dtype=torch.float32).contiguous()
     scaled = {}
     if k_scale is not None:
         assert v_scale.stride() == k_scale.stride() and k_scale.stride(-1) == 1
@@ -109,6 +111,6 @@ def copy_rotate_run(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n
                       ss_h=k_scale.stride(2), KV_FP8=True,
                       SOFT_FP8=interpreting() and not k.is_cuda)
     _copy_rotate_kernel[grid](k, v, k.stride(0), k.stride(1), k.stride(2), k.stride(3), *v.stride(),
-                              src_pages, dst_pages, n_tokens, first_slot, float(shift),
-                              inv_freq.to(device=k.device, dtype=torch.float32),
+                              src_pages, dst_pages, n_tokens, first_slot, float(shift), inv_freq,
+                              inv_freq.stride(0) if inv_freq.dim() == 2 else 0,   # one table: every layer's
                               NUM_HEADS=H, PAGE=page, HALF=D // 2, **scaled, **meta)

@@ -123,9 +123,10 @@ def paged_attention_ref(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable,
 def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tensor, n_tokens: int,
                         dst_pages: torch.Tensor, first_slot: int, shift: int, inv_freq: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    """Torch reference of kernels.page_copy.copy_rotate_run (also the CPU path). fp8 pools
-    (k_scale / v_scale [L, P, H, page]): keys dequantised, rotated in fp32 and quantised again with
-    new per-token scales; values and their scales copied as they are."""
+    """Torch reference of kernels.page_copy.copy_rotate_run (also the CPU path); inv_freq [D/2]
+    or, per layer, [L, D/2]. fp8 pools (k_scale / v_scale [L, P, H, page]): keys dequantised,
+    rotated in fp32 and quantised again with new per-token scales; values and their scales
+    copied as they are."""
     L, _, H, page, D = k.shape
     src = src_pages.long()
     slots = torch.arange(first_slot, first_slot + n_tokens, device=k.device)
@@ -138,6 +139,8 @@ def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tenso
         t[:, dpage, :, doff] = x.permute(1, 0, 2, *range(3, x.dim()))
 
     c, s = rope_cos_sin(torch.tensor(float(shift), device=k.device), inv_freq)
+    if c.dim() == 2:   # [L, D/2]: each layer's own frequencies, over the run's [L, n, H, D]
+        c, s = c[:, None, None], s[:, None, None]
     if k_scale is None:
         put(k, rotate(tokens(k), c, s).to(k.dtype))
         put(v, tokens(v))

@@ -67,6 +67,30 @@ class RopeTable:
         return h.hexdigest()[:16]
 
 
+@dataclass(frozen=True, eq=False)
+class LayerRopes:
+    """Each layer's own RoPE table, for a model whose layers do not all share one (Gemma 3's
+    sliding and global layers): layer i rotates by ``tables[of_layer[i]]``. ``inv_freq`` and
+    ``rotate`` are RopeTable's over a leading layer axis, so what rotates a chunk's keys in every
+    layer at once (placing it in the pool, Block-Attention's copy) takes either."""
+
+    tables: tuple[RopeTable, ...]
+    of_layer: tuple[int, ...]
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Each layer's inverse frequencies, [layers, head_dim // 2] fp32."""
+        return torch.stack([t.inv_freq for t in self.tables])[list(self.of_layer)]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [layers, n, heads, head_dim] by its positions [n], each layer by its own table."""
+        out = torch.empty_like(x)
+        for j, table in enumerate(self.tables):
+            layers = torch.tensor([i for i, t in enumerate(self.of_layer) if t == j], device=x.device)
+            out[layers] = table.rotate(x[layers], positions)
+        return out
+
+
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
     """cos, sin of shape [*pos.shape, D/2] in fp32 (the half table; both halves use it)."""
     ang = pos.to(torch.float32)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float32)

@@ -31,28 +31,28 @@ score soft-capping but gemma2's) and its decoder layer is one of the shapes ``La
 - mixtral, qwen2_moe, qwen3_moe, olmoe: mistral's, qwen2's, qwen3's layer (olmoe: llama's
   pre-norms with olmo2's whole-q/k norms) whose MLP is a sparse mixture-of-experts block: a
   router picks each token's top-k experts and mixes their outputs (qwen2_moe adds a gated shared
-  expert). The checkpoint's own block runs it, on the CPU only (``LayerFamily.moe``);
+  expert). The checkpoint's own block runs it (``LayerFamily.moe``);
 - granitemoe, granitemoeshared: granite's layer (its multipliers) with the experts in
   ``block_sparse_moe`` (granitemoeshared adds a shared MLP beside them, on for every token).
 
 Mixture-of-experts and packing: the engine packs the tokens of many sequences into one
 [n_tokens, hidden] batch, which the block takes as one sequence; its router scores and picks
 experts per token (softmax and top-k over each row of its logits, no capacity limit or batch
-statistics), so a token's output does not depend on what it is packed with. On CUDA the block is
-refused: its routing gathers a data-dependent number of tokens per expert, which the engine's
-captured CUDA graphs cannot replay, and lazy-rag has no fused expert kernel yet.
+statistics), so a token's output does not depend on what it is packed with. On CUDA the experts
+run as transformers' ``grouped_mm`` experts implementation (its default): the routed tokens
+sorted by expert and each projection one grouped GEMM over all experts, with no host sync, so a
+step's experts are one kernel per projection, not a Python loop, and the step graphs capture them.
 
 Sliding windows and position-free reuse: a window is a mask over *logical* positions (a query at
 p sees keys at p - W + 1 .. p), which lazy-rag assigns at query time exactly like RoPE; a chunk
 encoded alone sees its own tokens within the window, and in a sliding layer the question sees the
 last W logical positions, as in a full forward. ``LayerKind`` holds each kind's RoPE table and
-window. The pool and stored chunk KV hold every layer's keys rotated by one table, the *storage*
-table (``ModelParts.rope_table``: the global layers'), so everything that places or re-rotates
-KV outside the forward (tiers, block copies) stays one-table; a sliding layer's keys are turned
-from the storage rotation to their own (two pure rotations) when attention reads them. The
-Triton kernels take a window but rotate only the query: on CUDA they run gemma2's sliding layers
-(one table), and a model whose sliding layers have a table of their own (gemma3_text) is refused
-(``ModelRunner``).
+window. Stored chunk KV is unrotated; the pool keeps each layer's keys rotated by that layer's
+own table (``ModelParts.layer_rope``: gemma3_text's sliding layers by their local one, every other
+layer by the global one), so every attention path, the Triton kernels' (which rotate only the
+query) included, takes a layer's keys as stored and rotates its query by the same table. What
+rotates a chunk's keys in every layer at once (placing it in the pool, block mode's copy) takes
+``ModelParts.pool_rope``.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
-from .kernels.rope import RopeTable
+from .kernels.rope import LayerRopes, RopeTable
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class LayerFamily:
                                  # after (gemma3_text)
     multipliers: bool = False    # granite's embedding / residual / attention multipliers and logits_scaling
     fused_norm: bool = True      # its RMSNorm rounds to x's dtype before the weight multiply (olmo2's after)
-    moe: bool = False            # the MLP is a sparse mixture-of-experts block (CPU only; see the module docstring)
+    moe: bool = False            # the MLP is a sparse mixture-of-experts block (see the module docstring)
     windows: bool = False        # sliding-window and global layer kinds (config.layer_types)
     softcap: bool = False        # attention scores and logits soft-capped (gemma2)
     layer: str = ""              # the layer in words (`lazy-rag models`, docs/models.md)
@@ -100,26 +100,25 @@ FAMILIES: dict[str, LayerFamily] = {
                          layer="q/k normed over all heads, post-norms instead of pre-norms", tested=_PARITY),
     "gemma3_text": LayerFamily(qk_norm="head", norms="sandwich", fused_norm=False, windows=True,
                                layer="Gemma 3: pre- and post-norms, (1 + w) RMSNorm, sliding-window and global "
-                               "layers with their own RoPE; CPU only (the GPU kernels rotate the query only, "
-                               "and cannot turn stored keys to the sliding layers' own RoPE)",
-                               tested=_PARITY + "; windows 8 and 16 under chunks longer than the window"),
+                               "layers with their own RoPE",
+                               tested=_PARITY + "; windows 8 and 16 under chunks longer than the window; on CUDA "
+                               "the Triton kernels' windows with each layer's own RoPE"),
     "gemma2": LayerFamily(norms="sandwich", fused_norm=False, windows=True, softcap=True,
                           layer="Gemma 2: pre- and post-norms, (1 + w) RMSNorm, alternating sliding-window and "
                           "global layers under one RoPE, attention scores and logits soft-capped (tanh)",
                           tested=_PARITY + "; window 8 under chunks longer than the window; soft-caps 5 and 3 "
                           "shown to matter; on CUDA the Triton kernels' windows and caps"),
-    "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts); "
-                           "CPU only (no fused expert kernel yet)", tested=_MOE_PARITY),
-    "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert; CPU only",
+    "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts)", tested=_MOE_PARITY),
+    "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert",
                              tested=_MOE_PARITY + ", a shared expert and a dense layer"),
     "qwen3_moe": LayerFamily(qk_norm="head", moe=True, layer="qwen3's layer (q/k normed per head), routed "
-                             "experts; CPU only", tested=_MOE_PARITY),
+                             "experts", tested=_MOE_PARITY),
     "olmoe": LayerFamily(qk_norm="whole", moe=True, layer="llama's pre-norms, q/k normed over all heads, routed "
-                         "experts; CPU only", tested=_MOE_PARITY),
+                         "experts", tested=_MOE_PARITY),
     "granitemoe": LayerFamily(multipliers=True, moe=True, layer="granite's layer (multipliers), routed experts "
-                              "(block_sparse_moe); CPU only", tested=_MOE_PARITY + ", non-neutral multipliers"),
+                              "(block_sparse_moe)", tested=_MOE_PARITY + ", non-neutral multipliers"),
     "granitemoeshared": LayerFamily(multipliers=True, moe=True, layer="granitemoe's layer plus a shared MLP beside "
-                                    "the experts; CPU only",
+                                    "the experts",
                                     tested=_MOE_PARITY + ", a shared MLP, non-neutral multipliers"),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -178,8 +177,8 @@ class ModelShape:
 
 def _families_line() -> str:
     return ("lazy-rag runs Llama (incl. SmolLM, llama3 RoPE scaling), Mistral (no sliding window), Qwen2, Qwen3, "
-            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2, Gemma 3 (text; CPU) and the "
-            "mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (CPU) checkpoints (model types "
+            "Granite, Phi-3 (incl. Phi-4; default RoPE), OLMo 2, Gemma 2, Gemma 3 (text) and the "
+            "mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite MoE checkpoints (model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
 
 
@@ -294,7 +293,7 @@ def layer_fingerprint(config) -> str | None:
                "norm_topk_prob": getattr(config, "norm_topk_prob", None)}
         return json.dumps({**moe, **(multipliers_of(config) if fam.multipliers else {})}, sort_keys=True)
     if windowed(config):
-        # the model fingerprint's "rope" is the storage table only: the sliding layers' RoPE, which
+        # the model fingerprint's "rope" is the global table only: the sliding layers' RoPE, which
         # layers slide and how far change every layer after the first sliding one
         # (the soft-caps only where set: gemma3_text's fingerprints stay as they were)
         caps = {k: float(getattr(config, k)) for k in SOFTCAP_KEYS if getattr(config, k, None) is not None}
@@ -341,11 +340,10 @@ class LayerKind:
 
 
 def layer_kinds(model) -> tuple[list[LayerKind], list[int]]:
-    """The model's layer kinds, the storage kind first (the global layers', whose table the pool
-    and stored KV are rotated by), and each layer's kind index. One global kind for every family
-    but gemma3_text, whose rotary module holds one table per kind (``{kind}_inv_freq``), and
-    gemma2, whose kinds share its one table (so a sliding layer's keys need no turn from the
-    stored rotation)."""
+    """The model's layer kinds, the global kind first (its table is the model fingerprint's), and
+    each layer's kind index. One global kind for every family but gemma3_text, whose rotary
+    module holds one table per kind (``{kind}_inv_freq``), and gemma2, whose kinds share its one
+    table (the same object)."""
     config = model.config
     if not windowed(config):
         return [LayerKind("full_attention", rope_table_of(model), None)], [0] * config.num_hidden_layers
@@ -377,9 +375,16 @@ class ModelParts:
         self.model = model
         self.config = model.config
         self.family = FAMILIES[model.config.model_type]
-        # each layer's kind (RoPE table and window); the storage table every key is kept rotated by
+        # each layer's kind (RoPE table and window) and RoPE table, which the pool keeps the
+        # layer's keys rotated by; rope_table: the global layers' (the model fingerprint's)
         self.kinds, self.layer_kind = layer_kinds(model)
         self.rope_table = self.kinds[0].rope
+        self.layer_rope = [self.kinds[k].rope for k in self.layer_kind]
+        # a chunk's keys in every layer at once: the one table where every layer shares it, else
+        # each layer's (LayerRopes)
+        shared = all(t is self.rope_table for t in self.layer_rope)
+        self.pool_rope = self.rope_table if shared else LayerRopes(tuple(k.rope for k in self.kinds),
+                                                                   tuple(self.layer_kind))
         self.windowed = any(k.window is not None for k in self.kinds)
         inner = model.model
         self.embed = inner.embed_tokens

@@ -49,7 +49,9 @@ class ModelHost:
         self.parts = ModelParts(model)
         compiler_setup.start(self.parts.device)   # (a model loaded elsewhere: from here)
         self.shape = self.parts.shape
-        self.rope_table = self.parts.rope_table
+        # the RoPE the engine's pool keeps keys rotated by (each layer's own table where they
+        # differ: ModelParts.pool_rope); the fingerprint's is the global table
+        self.rope_table = self.parts.pool_rope
         if isinstance(shared_prefix, str):
             shared_prefix = tokenize_text(tokenizer, shared_prefix, first=True)
         self.default_source = ChunkSource(tuple(int(t) for t in shared_prefix or ()))
@@ -85,7 +87,7 @@ class ModelHost:
     def fingerprint(self) -> dict:
         """What stored KV depends on: model weights, tokenizer and RoPE (dtype recorded apart)."""
         if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.rope_table)
+            self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.parts.rope_table)
         return self._fingerprint
 
     # -- prompts ----------------------------------------------------------------------------------

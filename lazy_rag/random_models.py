@@ -24,6 +24,17 @@ ARCHITECTURES: dict[str, dict] = {
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, tie_word_embeddings=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen3-30B-A3B's shape: 48 layers, 32 query / 4 KV heads of 128, q/k normed per head, 128 experts
+    # of width 768, 8 routed per token (~3.3B active parameters); and the dense Qwen3 model with the
+    # same active parameters (its MLP the width of 8 experts), the MoE decode's yardstick
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3-a3b-dense": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                            max_position_embeddings=40960,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768,
                        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
@@ -51,15 +62,16 @@ class IdTokenizer:
 
 
 def random_config(name: str, layers: int | None = None):
-    """The LlamaConfig of a named architecture (``layers`` overrides its depth)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The config of a named architecture (``layers`` overrides its depth)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if name not in ARCHITECTURES:
         raise LazyRagError(f"Unknown random architecture {name!r}; choose one of {', '.join(ARCHITECTURES)}.")
     kwargs = dict(ARCHITECTURES[name])
     if layers is not None:
         kwargs["num_hidden_layers"] = layers
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kwargs.pop("model_type", "llama")]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                    "qwen3_moe": Qwen3MoeConfig}[kwargs.pop("model_type", "llama")]
     return config_class(**kwargs)
 
 

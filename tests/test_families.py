@@ -33,14 +33,6 @@ def _prompt(rng, chunks, order, head=5, gap=2, tail=7):
     return segs + [_ids(rng, tail)]
 
 
-def _runs_on(family, device):
-    """Gemma 3's sliding layers (a RoPE table of their own) and the mixture-of-experts MLPs run on
-    the CPU only (CUDA refuses them, as test_gemma3_is_refused_on_cuda_naming_its_local_rope and
-    test_moe_is_refused_on_cuda_and_under_tensor_parallel check): their tests stay there. Gemma 2
-    runs on CUDA, its windows and soft-caps in the Triton kernels."""
-    return torch.device("cpu") if family == "gemma3_text" or family in MOE_FAMILIES else device
-
-
 def _model(family, seed=0):
     # head_dim 32: on CUDA the Triton kernels run them too (tests/gpu_parity.sh)
     return tiny_model(family, "default", seed=seed, hidden_size=128)
@@ -48,7 +40,7 @@ def _model(family, seed=0):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tokenizer, device):
-    return small_llm(_model(request.param).to(_runs_on(request.param, device)), tokenizer)
+    return small_llm(_model(request.param).to(device), tokenizer)
 
 
 def test_lazy_and_block_match_oracle_over_awkward_layouts(tiny):
@@ -94,7 +86,7 @@ def test_concurrent_requests_sharing_chunks_match_oracle(family, tokenizer, devi
     through the engine's packed steps: every first token's logits are the oracle's."""
     from lazy_rag.oracle import oracle_gaps, teacher_forced_logits
 
-    llm = LazyLLM(_model(family, seed=5).to(_runs_on(family, device)), tokenizer, num_pages=96, page_size=8,
+    llm = LazyLLM(_model(family, seed=5).to(device), tokenizer, num_pages=96, page_size=8,
                   max_num_seqs=8, max_batched_tokens=128)
     llm.eos_ids = set()
     rng = random.Random(11)
@@ -254,9 +246,17 @@ def test_moe_routing_is_per_token_and_differs_between_tokens(family):
     with torch.no_grad():
         packed = parts._mlp(layer, x)
         alone = torch.cat([parts._mlp(layer, x[i:i + 1]) for i in range(len(x))])
-        picked = router(x)[-1]   # the router returns (..., weights, experts)
-        assert torch.equal(picked, torch.cat([router(x[i:i + 1])[-1] for i in range(len(x))]))
-    assert rel_err(packed, alone) < 1e-5
+        logits, _, picked = router(x)   # the router returns (logits, weights, experts)
+        picked_alone = torch.cat([router(x[i:i + 1])[-1] for i in range(len(x))])
+    # a batch's matmul may round differently from one row's (by the machine's thread count), so a
+    # token whose k-th and next router logits nearly tie may pick another expert packed: compare the
+    # tokens with a clear choice, which must be nearly all of them
+    k = picked.shape[-1]
+    top = logits.topk(k + 1).values
+    clear = top[:, k - 1] - top[:, k] > 1e-4
+    assert clear.sum() >= len(x) - 2
+    assert torch.equal(picked[clear], picked_alone[clear])
+    assert rel_err(packed[clear], alone[clear]) < 1e-5
     assert len({tuple(sorted(p)) for p in picked.tolist()}) >= 4   # of the 6 pairs of 4 experts
 
 
@@ -322,19 +322,11 @@ def test_moe_router_top_k_is_in_the_fingerprint(tokenizer):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_is_refused_on_cuda_and_under_tensor_parallel(family):
-    from types import SimpleNamespace
-
-    from lazy_rag.engine.model_runner import ModelRunner
+def test_moe_is_refused_under_tensor_parallel(family):
     from lazy_rag.errors import LazyRagError
     from lazy_rag.random_models import IdTokenizer
 
-    model = _model(family)
-    with pytest.raises(UnsupportedModelError) as err:
-        ModelRunner(ModelParts(model), SimpleNamespace(device=torch.device("cuda")))
-    msg = str(err.value)
-    assert "mixture-of-experts block (4 experts)" in msg and "fused expert path" in msg and "device='cpu'" in msg
-    llm = LazyLLM(model, IdTokenizer(), tensor_parallel=2, num_pages=8)
+    llm = LazyLLM(_model(family), IdTokenizer(), tensor_parallel=2, num_pages=8)
     with pytest.raises(LazyRagError, match=r"tensor_parallel=2 does not split mixture-of-experts MLPs.*"
                                            r"\(4 experts\).*Use tensor_parallel=1"):
         llm.engine
@@ -354,7 +346,7 @@ def test_gemma_windows_match_oracle_under_many_chunks_longer_than_the_window(fam
     one shorter (they see chunk and gap tokens): lazy and block equal the oracle's per-layer-type
     masks, full and prefix a plain causal forward, and greedy tokens (decoding past the window)
     the oracle's. Gemma 2's layers also soft-cap their scores and logits."""
-    llm = small_llm(_gemma(window, family=family).to(_runs_on(family, device)), tokenizer)
+    llm = small_llm(_gemma(window, family=family).to(device), tokenizer)
     rng = random.Random(window)
     lengths = [1, window - 1, window, window + 1, 2 * window + 3, 40, 3, 75, window * 3, 17, 5, 2]
     chunks = [_ids(rng, n) for n in lengths]
@@ -409,7 +401,7 @@ def test_gemma3_window_and_local_rope_change_the_answer(tokenizer):
 def test_gemma3_chunks_placed_again_from_the_host_tier_match_oracle(tokenizer, device):
     """Chunk KV kept position-free in the host tier (every layer's keys unrotated) and placed
     back into the pool (rotated by the storage table) serves lazy and block exactly."""
-    llm = small_llm(_gemma(8, seed=3).to(_runs_on("gemma3_text", device)), tokenizer)
+    llm = small_llm(_gemma(8, seed=3).to(device), tokenizer)
     rng = random.Random(8)
     chunks = [_ids(rng, n) for n in (21, 9, 34)]
     first = _prompt(rng, chunks, [0, 1, 2])
@@ -422,11 +414,12 @@ def test_gemma3_chunks_placed_again_from_the_host_tier_match_oracle(tokenizer, d
     assert llm.stats()["chunk_from_host"] > 0
 
 
-def test_gemma3_ape_recovery_matches_the_oracle_with_windows(tokenizer):
-    """The torch path's APE (and its visibility) honours each layer's window."""
+def test_gemma3_ape_recovery_matches_the_oracle_with_windows(tokenizer, device):
+    """APE (the torch path's visibility, or on CUDA the kernels' two key groups) honours each
+    layer's window and RoPE table."""
     from lazy_rag.oracle import ape_logits
 
-    llm = small_llm(_gemma(8, seed=4), tokenizer, page_size=4)
+    llm = small_llm(_gemma(8, seed=4).to(device), tokenizer, page_size=4)
     rng = random.Random(2)
     segs = [_ids(rng, 5), Chunk(_ids(rng, 30)), _ids(rng, 2), Chunk(_ids(rng, 9)), _ids(rng, 7)]
     layout = llm.prepare(segs)
@@ -436,16 +429,85 @@ def test_gemma3_ape_recovery_matches_the_oracle_with_windows(tokenizer):
         assert torch.isfinite(llm.next_token_logits(segs, recovery=recovery)).all()
 
 
-def test_gemma3_is_refused_on_cuda_naming_its_local_rope():
-    from types import SimpleNamespace
+def test_gemma3_cacheblend_compares_keys_under_each_layers_own_rope(tokenizer, device, monkeypatch):
+    """CacheBlend's K/V deviation compares a causal pass's keys with the pool's under the layer's
+    own table: at the first layer (sliding), before any attention, a chunk's KV encoded alone is
+    the prompt's, so every candidate deviates by rounding only (under the global table it would
+    not)."""
+    from lazy_rag.engine.recovery import Recovery
 
-    from lazy_rag.engine.model_runner import ModelRunner
+    llm = small_llm(_gemma(8, seed=4).to(device), tokenizer)
+    runner, scores = llm.engine.runner, []
+    deviation = runner.kv_deviation
+    monkeypatch.setattr(runner, "kv_deviation", lambda *args: scores.append(deviation(*args)) or scores[-1])
+    rng = random.Random(4)
+    segs = _prompt(rng, [_ids(rng, n) for n in (30, 12)], [0, 1])
+    llm.next_token_logits(segs, recovery=Recovery(select="kv_deviation", ratio=0.3, select_layer=0))
+    assert llm.host.parts.kinds[llm.host.parts.layer_kind[0]].window == 8
+    assert len(scores) == 1 and len(scores[0]) == 42 and scores[0].max() < 1e-8
 
-    with pytest.raises(UnsupportedModelError) as err:
-        ModelRunner(ModelParts(_gemma(16)), SimpleNamespace(device=torch.device("cuda")))
-    msg = str(err.value)
-    assert "sliding_attention layers have a RoPE table of their own" in msg and "Triton" in msg
-    assert "device='cpu'" in msg
+
+def test_each_layer_keeps_its_keys_under_its_own_rope(tokenizer):
+    """The pool keeps each layer's keys rotated by the layer's own RoPE table, which the kernels
+    take per layer: Gemma 3's sliding layers the local table, its global layer the global one,
+    and whatever rotates a chunk's keys in every layer at once each layer's row. A model whose
+    layers share one table keeps that one object (and one frequency tensor), as ever."""
+    from lazy_rag.kernels.rope import LayerRopes
+
+    llm = small_llm(_gemma(8), tokenizer)
+    parts, options = llm.host.parts, llm.engine.runner.layer_options
+    local, whole = parts.kinds[1].rope, parts.rope_table   # (the global kind first)
+    assert not torch.equal(local.inv_freq, whole.inv_freq)
+    assert [t is local for t in parts.layer_rope] == [True, False, True, True]
+    for o, t in zip(options, parts.layer_rope):
+        assert torch.equal(o["inv_freq"], t.inv_freq) and o["attention_scaling"] == t.attention_scaling
+    rope = llm.host.rope_table   # the planner's: placing chunks, block's copies
+    assert isinstance(rope, LayerRopes)
+    assert torch.equal(rope.inv_freq, torch.stack([t.inv_freq for t in parts.layer_rope]))
+    k, pos = torch.randn(4, 5, 2, 32, dtype=torch.float64), torch.arange(3, 8)
+    for i, t in enumerate(parts.layer_rope):
+        assert torch.equal(rope.rotate(k, pos)[i], t.rotate(k[i], pos))
+    llm = small_llm(_model("granite"), tokenizer)
+    parts, options = llm.host.parts, llm.engine.runner.layer_options
+    assert all(t is parts.rope_table for t in parts.layer_rope) and llm.host.rope_table is parts.rope_table
+    assert all(o["inv_freq"] is options[0]["inv_freq"] for o in options)
+
+
+def test_gemma3_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
+    """What CUDA runs, on the CPU in Triton's interpreter (the runner's kernel switches on as on
+    CUDA), each layer's keys under its own RoPE table: chunk encodes and lazy and block prefills
+    through the runs kernel, block's copies re-rotating each layer by its own frequencies, over
+    chunks longer than the window with the question's window straddling the last one or holding
+    question tokens only; the chunks placed again from the host tier; a decode step through the
+    shared-chunk kernel. The kernels given the global table in every layer miss the oracle by far."""
+    model = _gemma(8, seed=5)
+    llm = small_llm(model, tokenizer, page_size=4, shared_chunks="on")
+    runner = llm.engine.runner
+    runner.use_kernels = runner.fresh_on_kernels = True
+    rng = random.Random(9)
+    chunks = [_ids(rng, n) for n in (19, 9, 13)]
+    # the last token's window: 3 question and 2 gap tokens and the last chunk's end; question tokens only
+    prompts = [_prompt(rng, chunks, order, head=4, gap=2, tail=tail) for order, tail in (([0, 1, 2], 3),
+                                                                                         ([2, 0, 1], 11))]
+    for segs in prompts:
+        ref = block_diagonal_logits(model, llm.prepare(segs))[-1]
+        for mode in ("lazy", "block"):
+            assert rel_err(llm.next_token_logits(segs, mode=mode), ref) < 1e-4, (mode, segs[-1])
+        llm.engine.pm.evict_unreferenced()   # the next prompt's chunks come from the host tier
+    assert llm.stats()["chunk_from_host"] > 0
+    layout = llm.prepare(prompts[0])
+    steps = runner.shared_decode_steps
+    handle = llm.engine.submit(prompts[0], mode="lazy", max_new_tokens=2, logprobs=0)
+    llm.engine.run_until_done()
+    assert runner.shared_decode_steps - steps == 1
+    tokens = [tok for tok, _, _ in handle.logprobs]
+    assert tokens == greedy_block_diagonal(model, layout, 2)
+    want = _oracle_logprobs(model, layout, tokens)
+    assert max(abs(lp - w) for (_, lp, _), w in zip(handle.logprobs, want)) < 1e-4
+    whole = runner.layer_options[1]   # the global layer's
+    runner.layer_options = [dict(o, inv_freq=whole["inv_freq"], attention_scaling=whole["attention_scaling"])
+                            for o in runner.layer_options]
+    assert rel_err(llm.next_token_logits(prompts[1], mode="lazy"), ref) > 1e-2
 
 
 def test_gemma3_window_layer_kinds_and_local_rope_are_in_the_fingerprint(tokenizer):
@@ -515,7 +577,9 @@ def test_gemma2_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
     model = _gemma(8, seed=2, family="gemma2")
     llm = small_llm(model, tokenizer, page_size=4, shared_chunks="on")
     runner = llm.engine.runner
-    assert runner.layer_options == [dict(softcap=5.0, window=w) for w in (None, 8, None, 8)]
+    assert [(o["softcap"], o["window"]) for o in runner.layer_options] == [(5.0, w) for w in (None, 8, None, 8)]
+    # one RoPE table for every layer: one frequency tensor
+    assert all(o["inv_freq"] is runner.layer_options[0]["inv_freq"] for o in runner.layer_options)
     runner.use_kernels = runner.fresh_on_kernels = True
     rng = random.Random(6)
     segs = _prompt(rng, [_ids(rng, n) for n in (30, 12, 21)], [0, 1, 2], tail=11)

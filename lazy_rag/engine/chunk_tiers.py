@@ -15,8 +15,9 @@ key convention; on CUDA the copy runs on its own stream from pinned memory and r
 so the scheduler can run other requests while it is in flight.
 
 Pool convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): a chunk's keys rotated at
-chunk-local positions 0..L-1, so that a table entry with rot_shift = the chunk's start gives the
-kernels the exact logical rotation. Stored KV (host tier, disk) is unrotated.
+chunk-local positions 0..L-1, each layer's by its own RoPE table (``ModelParts.pool_rope``), so
+that a table entry with rot_shift = the chunk's start gives the kernels the exact logical
+rotation. Stored KV (host tier, disk) is unrotated.
 
 fp8 (an engine whose pool is float8_e4m3fn, or a store of fp8 KV): the host tier holds a chunk's
 KV in the format it was stored or encoded in (``ChunkKV`` with fp8 k / v and fp16 per-token
@@ -47,7 +48,7 @@ import torch
 
 from ..lru import ByteLRU
 from ..kernels import FP8, dequantize_rows
-from ..kernels.rope import RopeTable
+from ..kernels.rope import LayerRopes, RopeTable
 from ..segments import token_ids_key
 from ..chunk_kv import NOT_IN_MEMORY, ChunkKV, ChunkKVStore
 from .page_pool import PagePool
@@ -236,8 +237,9 @@ class ChunkTiers:
             self.counters["bytes_to_disk"] += store.write_back(chunk_id, tuple(token_ids), kv)
         return kv
 
-    def place(self, pool: PagePool, pages: list[int], kv: ChunkKV, rope_table: RopeTable) -> Transfer:
-        """Copy kv into ``pages``, keys rotated at chunk-local positions. On CUDA the copy and
+    def place(self, pool: PagePool, pages: list[int], kv: ChunkKV, rope_table: RopeTable | LayerRopes) -> Transfer:
+        """Copy kv into ``pages``, keys rotated at chunk-local positions by ``rope_table``
+        (``ModelParts.pool_rope``: each layer's own where they differ). On CUDA the copy and
         rotation run on a side stream; the returned Transfer's event marks completion. fp8 or int4
         KV, or an fp8 pool: keys dequantised, rotated in fp32 and (fp8 pool) quantised again, per
         token."""

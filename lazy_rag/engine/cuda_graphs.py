@@ -83,12 +83,10 @@ class DecodeAttention:
     def __call__(self, i: int, q, k_stored, v):
         r = self.runner
         if self.shared is not None:
-            return shared_chunk_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.shared, self.q_pos, r.inv_freq,
-                                       attention_scaling=r.parts.rope_table.attention_scaling,
+            return shared_chunk_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.shared, self.q_pos,
                                        sm_scale=r.parts.scaling, **r.pool.scales(i), **r.layer_options[i])
-        return lazy_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.q_pos, r.inv_freq, rope_mode="rotate_q",
-                           attention_scaling=r.parts.rope_table.attention_scaling, sm_scale=r.parts.scaling,
-                           **r.pool.scales(i), **r.layer_options[i])
+        return lazy_decode(q, r.pool.k[i], r.pool.v[i], self.table, self.q_pos, rope_mode="rotate_q",
+                           sm_scale=r.parts.scaling, **r.pool.scales(i), **r.layer_options[i])
 
 
 @dataclass

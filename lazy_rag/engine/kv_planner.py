@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import torch
 
-from ..kernels.rope import RopeTable
+from ..kernels.rope import LayerRopes, RopeTable
 from ..requests import CHUNK_MODES
 from .chunk_tiers import ChunkTiers, chunk_key, span_key
 from .page_manager import PageManager
@@ -72,10 +72,11 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
 
 
 class KVPlanner:
-    def __init__(self, pm: PageManager, tiers: ChunkTiers, rope_table: RopeTable, runner):
-        self.pm, self.tiers, self.rope_table, self.runner = pm, tiers, rope_table, runner
+    def __init__(self, pm: PageManager, tiers: ChunkTiers, pool_rope: RopeTable | LayerRopes, runner):
+        # the rotation of the pool's keys (each layer's own table: ModelParts.pool_rope)
+        self.pm, self.tiers, self.pool_rope, self.runner = pm, tiers, pool_rope, runner
         self.pool = pm.pool
-        self.inv_freq = rope_table.inv_freq.to(self.pool.device, torch.float32)
+        self.inv_freq = pool_rope.inv_freq.to(self.pool.device, torch.float32)
         self.chooser = ReadOrEncode()  # read a cold chunk's KV from the disk, or encode it again
         self.encoding: dict = {}       # chunk key -> the admitted request whose prefill encodes it
 
@@ -172,7 +173,7 @@ class KVPlanner:
         e = self.pm.insert(key, len(ids), cost=len(ids))
         try:
             if kv is not None:
-                e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.rope_table)
+                e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.pool_rope)
             else:
                 tier = "encoded"
                 self.tiers.keep(key, self._encode_into(e, ids, prefix), ids, chunk_id, store)
@@ -228,7 +229,7 @@ class KVPlanner:
                     short = err
                     break
                 if kv is not None:
-                    e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.rope_table)
+                    e.meta["transfer"] = self.tiers.place(self.pool, e.pages, kv, self.pool_rope)
                     seq.prefetched[key] = (e, tier)
                 else:
                     pending.append((key, e, ids, cid, tier == "recompute"))

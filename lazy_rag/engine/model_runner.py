@@ -21,14 +21,13 @@ each sequence's pages through the path that computes it exactly and fastest (``S
   logical positions (a pure rotation by rot_shift) and runs one SDPA call with the visibility
   mask: the same function as the kernels' torch reference, vectorised.
 
-Sliding-window layers (gemma3_text, gemma2, ``architecture.LayerKind``): every key is written
-rotated by the storage table (the global layers'); a sliding layer's attention takes its keys
-rotated by its own table (the fresh path from the forward, the torch path turning gathered keys
-from the storage rotation to its own) and masks keys more than its window behind each query's
-logical position. gemma2's layers share one table, so its sliding layers read the stored rotation
-as it is, and the Triton kernels, which rotate only the query, take its window
-(``layer_options``); gemma3_text's sliding layers have a table of their own, which the kernels
-cannot turn stored keys to: on CUDA it is refused.
+Each layer's keys are written rotated by the layer's own RoPE table (``ModelParts.layer_rope``:
+the model's one table, but for gemma3_text's sliding layers, whose local table differs from the
+global layers'), and every path rotates the layer's queries by that same table: the kernels take
+it per call (``layer_options``), the torch paths take the gathered keys as stored, turned to their
+logical positions by a pure rotation of the layer's own table. Sliding-window layers (gemma3_text,
+gemma2, ``architecture.LayerKind``) also mask keys more than their window behind each query's
+logical position, the kernels through their ``window``.
 
 Soft-capped attention scores (gemma2, ``ModelParts.softcap``): every path caps the scores before
 the mask and softmax: the torch ones (fresh, torch over the pool, APE, the question probe)
@@ -54,12 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..architecture import ModelParts, num_experts, softcap
+from ..architecture import ModelParts, softcap
 from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..chunk_kv import ChunkKV
-from ..errors import UnsupportedModelError
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
 from .page_pool import PagePool
 from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,
@@ -71,29 +69,17 @@ class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
                  max_graph_tokens: int = 4096, shared_chunks: str = "auto"):
         self.parts, self.pool = parts, pool
-        own_tables = [k.name for k in parts.kinds if k.rope is not parts.kinds[0].rope]
-        if own_tables and pool.device.type == "cuda":
-            raise UnsupportedModelError(
-                f"This {parts.config.model_type} model's {', '.join(own_tables)} layers have a RoPE table of their "
-                "own, which lazy-rag runs on the CPU only: the CUDA Triton attention kernels rotate the query "
-                "only, and cannot turn keys stored under the global layers' table to another. Load it with "
-                "device='cpu'.")
-        if parts.family.moe and pool.device.type == "cuda":
-            raise UnsupportedModelError(
-                f"This {parts.config.model_type} model's MLP is a mixture-of-experts block ({num_experts(parts.config)} "
-                "experts), which lazy-rag runs on the CPU only: there is no fused expert path (a grouped expert "
-                "kernel) on CUDA yet, and the checkpoint's own block routes a data-dependent number of tokens to "
-                "each expert, which the engine's captured CUDA graphs cannot replay. Load it with device='cpu'."
-            )
         # a tensor-parallel rank's group (``tensor_parallel.RankGroup``): forwards check lockstep
         # and the recovery selectors' scores, sums over this rank's heads, are summed over all ranks
         self.group = getattr(parts, "group", None)
         self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)
         self.shared_decode_steps = 0         # eager decode steps that read shared chunks once
-        self.inv_freq = parts.rope_table.inv_freq.to(pool.device)
-        # each layer's keyword arguments for the kernels: its scores' soft-cap and its window
+        # each layer's keyword arguments for the kernels: the RoPE table its keys are stored
+        # rotated by (one device copy per table), its scores' soft-cap and its window
         # (architecture.LayerKind; None where off, the kernels' defaults)
-        self.layer_options = [dict(softcap=parts.softcap, window=parts.kinds[k].window) for k in parts.layer_kind]
+        freqs = {id(t): t.inv_freq.to(pool.device) for t in parts.layer_rope}
+        self.layer_options = [dict(inv_freq=freqs[id(t)], attention_scaling=t.attention_scaling, softcap=parts.softcap,
+                                   window=parts.kinds[k].window) for t, k in zip(parts.layer_rope, parts.layer_kind)]
         # the Triton kernels: CUDA tensors and a head_dim multiple of 32 (their tiling)
         self.use_kernels = pool.device.type == "cuda" and parts.shape.head_dim % 32 == 0
         # soft-capped scores: fresh sequences and tails on the kernels as well, since SDPA cannot
@@ -114,7 +100,7 @@ class ModelRunner:
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
         ``attention(layer, q, k, v)`` -> [n, H, D] with q unrotated and k rotated at ``key_pos`` by the
-        layer's own RoPE table (as stored, for every layer of the storage kind).
+        layer's own RoPE table, as written to the pool.
         ``num_layers``: stop after that many layers. ``virtual=False``: no id is a chunk wrapper's
         slot (decode steps; a captured graph must not read the wrapper table). ``capture``: keep the
         unrotated K and V of every token (True) or of the first ``capture`` tokens (an int), or
@@ -128,7 +114,7 @@ class ModelRunner:
         if self.group is not None:
             self.group.check_lockstep([n, depth, int(ids.sum()), int(pos.sum())], "a forward")
         kp = pos if key_pos is None else key_pos
-        # each layer kind's key rotation (architecture.LayerKind); the first is the stored one
+        # each layer kind's key rotation, by its own table (architecture.LayerKind)
         kcs = [kind.rope.cos_sin(kp, p.dtype) for kind in p.kinds]
         caught = capture if isinstance(capture, tuple) else None
         m = caught[0].shape[1] if caught else n if capture is True else int(capture)
@@ -142,11 +128,10 @@ class ModelRunner:
             q, k, v = p.project_qkv(layer, p.attention_in(layer, x))
             if m:
                 caught[0][i], caught[1][i] = k[:m], v[:m]
-            k_stored = apply_cos_sin(k, *kcs[0])
+            k = apply_cos_sin(k, *kcs[p.layer_kind[i]])
             if write_page is not None:
-                self.pool.write_tokens(i, write_page, write_slot, k_stored, v)
-            kind = p.layer_kind[i]
-            o = attention(i, q, k_stored if kind == 0 else apply_cos_sin(k, *kcs[kind]), v)
+                self.pool.write_tokens(i, write_page, write_slot, k, v)
+            o = attention(i, q, k, v)
             x = p.attention_residual(layer, x, o.reshape(n, shp.num_heads * shp.head_dim))
             x = p.mlp_residual(layer, x)
         logits = None if logits_rows is None else p.logits(x[logits_rows])
@@ -158,8 +143,7 @@ class ModelRunner:
         append steps). ``options``: ``sm_scale`` (default the model's), ``softcap`` (default the
         layer's), ``out``, ``return_lse``."""
         options = {"sm_scale": self.parts.scaling, **self.layer_options[i], **options}
-        return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, self.inv_freq, rope_mode="rotate_q",
-                            attention_scaling=self.parts.rope_table.attention_scaling, plan=plan,
+        return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, rope_mode="rotate_q", plan=plan,
                             **self.pool.scales(i), **options)
 
     # -- steps and encodes ------------------------------------------------------------------------
@@ -303,7 +287,7 @@ class ModelRunner:
         slot = torch.tensor([where[p][1] for p in candidates], device=dev)
         shift = torch.tensor([where[p][2] for p in candidates], device=dev)
         cand = torch.tensor(candidates, device=dev)
-        cos, sin = self.parts.rope_table.cos_sin(cand - shift, dt)   # the cached key's rotation
+        cos, sin = self.parts.layer_rope[layer].cos_sin(cand - shift, dt)   # the cached key's rotation
         fresh_k = apply_cos_sin(k[layer, cand], cos, sin).float()
         cached_k, cached_v = (x.float() for x in self.pool.gather(layer, page, slot))
         sums = torch.stack([(fresh_k - cached_k).pow(2).sum((-1, -2)), cached_k.pow(2).sum((-1, -2)),
@@ -384,9 +368,8 @@ class StepAttention:
         if self.shared is not None:
             runner.shared_decode_steps += 1
             return
-        # each layer kind's query rotation, for the paths that take rotated q (the storage kind's first)
+        # each layer kind's query rotation, for the paths that take rotated q
         self.qcs = [kind.rope.cos_sin(batch.pos, p.dtype) for kind in p.kinds]
-        self.cos, self.sin = self.qcs[0]
         self.kind_of, self.windows = p.layer_kind, [kind.window for kind in p.kinds]
         paged, ape = [], []
         for j, seq in enumerate(seqs):
@@ -403,7 +386,7 @@ class StepAttention:
             elif path == "paged":
                 paged.append(j)
             else:
-                self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], runner.inv_freq, p)))
+                self.torch_paths.append((a, b, TorchSequenceKeys(seq, ps, batch.pos[a:b], p)))
         self.paged = None
         if paged:
             qo = [0]
@@ -455,7 +438,7 @@ class StepAttention:
         for a, b in self.fresh:   # k: the layer's own rotation (ModelRunner.forward)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), k_stored[a:b], v[a:b],
                                  self.scaling, window, self.softcap)
-        for a, b, pages, T in self.tails:   # CUDA only: every kind's keys as stored (ModelRunner)
+        for a, b, pages, T in self.tails:   # CUDA only: the layer's keys as stored (its own rotation)
             kk, vv = pool.run_tokens(i, pages, T)
             o[a:b] = causal_sdpa(apply_cos_sin(q[a:b], cos[a:b], sin[a:b]), kk.to(q.dtype),
                                  vv.to(q.dtype), self.scaling, window, self.softcap)
@@ -525,7 +508,7 @@ class QuestionProbe:
         dev = runner.pool.device
         self.runner = runner
         self.rows = torch.tensor(rows, device=dev)
-        self.keys = TorchSequenceKeys(seq, runner.pool.page_size, batch.pos[self.rows], runner.inv_freq, runner.parts)
+        self.keys = TorchSequenceKeys(seq, runner.pool.page_size, batch.pos[self.rows], runner.parts)
         index = {int(p): j for j, p in enumerate(self.keys.kpos.tolist())}
         self.columns = torch.tensor([index[p] for p in candidates], device=dev)
         self.total = torch.zeros(len(candidates), dtype=torch.float64, device=dev)
@@ -548,12 +531,12 @@ class QuestionProbe:
 
 class TorchSequenceKeys:
     """One sequence's keys for torch attention: which pool slots it reads, the pure rotation that
-    takes each stored key (rotated at position - rot_shift) to its logical position, and which
-    key each query may see. Hidden slots are simply not gathered. With ``parts`` (its layer kinds,
-    ``architecture.LayerKind``): a sliding layer's keys are turned from the stored rotation to
-    their logical positions in its own table, and its queries see only keys within its window."""
+    takes each stored key (rotated at position - rot_shift by its layer's own table) to its
+    logical position, and which key each query may see. Hidden slots are simply not gathered.
+    Per layer kind (``parts.kinds``, ``architecture.LayerKind``): that rotation in the kind's table
+    and the visibility within its window."""
 
-    def __init__(self, seq, page_size: int, q_pos: torch.Tensor, inv_freq: torch.Tensor, parts=None):
+    def __init__(self, seq, page_size: int, q_pos: torch.Tensor, parts):
         ids, ppos, plen, shift, slots = page_rows(seq, page_size)
         dev = q_pos.device
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
@@ -569,28 +552,14 @@ class TorchSequenceKeys:
         self.page, self.off, self.kpos = t(ids)[entry], off, kpos
         self.rotated = any(shift)  # else every key is stored at its logical rotation (block, prefix)
         kshift = t(shift)[entry]
-        self.cos, self.sin = rope_cos_sin(kshift, inv_freq, 1.0)
-        self.cos, self.sin = self.cos[:, None], self.sin[:, None]  # over heads
-        self.visible = kpos[None, :] <= q_pos[:, None]
-        # per layer kind (one kind, the stored one, but for gemma3_text): the visibility within its
-        # window, and for a kind other than the stored one the turn from the stored rotation
-        # (storage table at kpos - shift, times its attention_scaling) to its own at kpos: undo the
-        # one, apply the other (both pure rotations, the angles exactly as each table computes
-        # them), then the ratio of the two attention_scalings
-        self.kind_of = [] if parts is None else list(parts.layer_kind)
-        self.visibles, self.turns = [self.visible], [None]
-        for kind in ([] if parts is None else parts.kinds[1:]):
-            store = parts.kinds[0].rope
+        visible = kpos[None, :] <= q_pos[:, None]
+        self.kind_of = parts.layer_kind
+        self.shifts, self.visibles = [], []
+        for kind in parts.kinds:
+            cos, sin = rope_cos_sin(kshift, kind.rope.inv_freq, 1.0)
+            self.shifts.append((cos[:, None], sin[:, None]))   # over heads
             w = kind.window
-            self.visibles.append(self.visible if w is None else self.visible & (q_pos[:, None] - kpos[None, :] < w))
-            if kind.rope is store:   # gemma2: its kinds share one table, the stored rotation is theirs
-                self.turns.append(None)
-                continue
-            undo = rope_cos_sin(-(kpos - kshift), store.inv_freq.to(dev), 1.0)
-            own = rope_cos_sin(kpos, kind.rope.inv_freq.to(dev), 1.0)
-            self.turns.append((*(c[:, None] for c in undo + own), kind.rope.attention_scaling / store.attention_scaling))
-        if parts is not None and parts.kinds[0].window is not None:   # (every layer sliding)
-            self.visibles[0] = self.visible & (q_pos[:, None] - kpos[None, :] < parts.kinds[0].window)
+            self.visibles.append(visible if w is None else visible & (q_pos[:, None] - kpos[None, :] < w))
         rec = getattr(seq, "recovery", None)
         self.ape = (rec.ape_temperature, rec.ape_scale) if rec is not None and rec.ape else None
         if self.ape:
@@ -600,18 +569,15 @@ class TorchSequenceKeys:
 
     def visible_at(self, layer: int) -> torch.Tensor:
         """bool [n, m]: which gathered key each query sees in ``layer`` (its kind's window)."""
-        return self.visibles[self.kind_of[layer]] if self.kind_of else self.visible
+        return self.visibles[self.kind_of[layer]]
 
     def logical_keys(self, pool, layer: int):
         """(the gathered keys rotated at their logical positions by ``layer``'s own table, fp32
         [m, Hkv, D], their values [m, Hkv, D] as gathered) from ``layer`` of the pool."""
         keys, values = pool.gather(layer, self.page, self.off)
-        turn = self.turns[self.kind_of[layer]] if self.kind_of else None
-        if turn is not None:
-            ucos, usin, ocos, osin, ratio = turn
-            k = rotate(rotate(keys, ucos, usin), ocos, osin)
-            return (k if ratio == 1.0 else k * ratio), values
-        return (rotate(keys, self.cos, self.sin) if self.rotated else keys.float()), values
+        if not self.rotated:
+            return keys.float(), values
+        return rotate(keys, *self.shifts[self.kind_of[layer]]), values
 
     def attend(self, pool, layer: int, q_rot, scaling: float, cap: float | None = None):
         """q_rot [n, H, D] rotated at its positions -> [n, H, D]; ``cap``: the scores' soft-cap (gemma2)."""

@@ -10,9 +10,10 @@ position-free), a prefix-cache block, or one request's private tokens. The pool 
 and used pages; who owns a page and for how long is the block manager's business.
 
 Key convention (``kernels.DEFAULT_ROPE_MODE == "rotate_q"``): every page's keys are stored rotated at
-(logical position - rot_shift). Chunk pages are rotated at chunk-local positions 0..L-1 (the
-table gives rot_shift = the chunk's start in a request); private pages at their logical positions
-(rot_shift 0). Values are never rotated.
+(logical position - rot_shift), in each layer by that layer's own RoPE table
+(``ModelParts.layer_rope``: the model's one table, but for Gemma 3's sliding layers). Chunk pages
+are rotated at chunk-local positions 0..L-1 (the table gives rot_shift = the chunk's start in a
+request); private pages at their logical positions (rot_shift 0). Values are never rotated.
 
 fp8 pools (``dtype=torch.float8_e4m3fn``, ``EngineConfig(kv_dtype="fp8")``): k and v in fp8 plus
 one fp16 scale per (layer, page slot, KV head) for each,
@@ -170,8 +171,9 @@ class PagePool:
 
     def copy_rotate(self, src_pages: torch.Tensor, n_tokens: int, dst_pages: torch.Tensor, first_slot: int,
                     shift: int, inv_freq: torch.Tensor) -> None:
-        """Block-Attention's copy of a run inside the pool, keys rotated by ``shift``
-        (``kernels.copy_rotate_run``; fp8: dequantised, rotated, quantised again)."""
+        """Block-Attention's copy of a run inside the pool, keys rotated by ``shift`` positions of
+        ``inv_freq`` ([D/2], or each layer's own [layers, D/2]; ``kernels.copy_rotate_run``; fp8:
+        dequantised, rotated, quantised again)."""
         copy_rotate_run(self.k, self.v, src_pages, n_tokens, dst_pages, first_slot, shift, inv_freq,
                         k_scale=self.k_scale, v_scale=self.v_scale)
 

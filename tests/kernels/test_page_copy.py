@@ -44,3 +44,29 @@ def test_copy_rotate_run(n, page, first_slot, shift, dtype):
     touched = torch.zeros(P, page, dtype=torch.bool, device=dev())
     touched[dst.long()[slots // page], slots % page] = True
     assert torch.equal(k.permute(1, 3, 0, 2, 4)[~touched], before.permute(1, 3, 0, 2, 4)[~touched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_rotate_run_rotates_each_layer_by_its_own_frequencies(dtype):
+    """inv_freq [L, D/2] (a model whose layers have different RoPE tables, Gemma 3's sliding and
+    global layers): each layer's keys rotated by its own row, as copying that layer alone with it;
+    another layer's row would be far off."""
+    g = torch.Generator().manual_seed(5)
+    L, P, H, page, D, n, first_slot, shift = 3, 8, 2, 16, 64, 37, 5, 1000
+    k = torch.randn(L, P, H, page, D, generator=g).to(dev(), dtype)
+    v = torch.randn(L, P, H, page, D, generator=g).to(dev(), dtype)
+    inv = torch.stack([inv_freq_for(kind, D)[0] for kind in ("default", "linear", "llama3")]).to(dev())
+    src, dst = torch.tensor([6, 0, 3], device=dev()), torch.tensor([1, 7, 4], device=dev())
+
+    def copied(layers, freqs, fn=copy_rotate_run_ref):
+        kk, vv = k[layers].clone(), v[layers].clone()
+        fn(kk, vv, src, n, dst, first_slot, shift, freqs)
+        return kk, vv
+
+    for fn in (copy_rotate_run, copy_rotate_run_ref):
+        got_k, got_v = copied(slice(None), inv, fn)
+        for layer in range(L):
+            want_k, want_v = copied(slice(layer, layer + 1), inv[layer])
+            assert rel_err(got_k[layer], want_k[0]) < TOL[dtype] and torch.equal(got_v[layer], want_v[0])
+            other = copied(slice(layer, layer + 1), inv[(layer + 1) % L])[0]
+            assert rel_err(got_k[layer], other[0]) > 0.1
