@@ -497,14 +497,7 @@ def test_gemma3_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
         llm.engine.pm.evict_unreferenced()   # the next prompt's chunks come from the host tier
     assert llm.stats()["chunk_from_host"] > 0
     layout = llm.prepare(prompts[0])
-    steps = runner.shared_decode_steps
-    handle = llm.engine.submit(prompts[0], mode="lazy", max_new_tokens=2, logprobs=0)
-    llm.engine.run_until_done()
-    assert runner.shared_decode_steps - steps == 1
-    tokens = [tok for tok, _, _ in handle.logprobs]
-    assert tokens == greedy_block_diagonal(model, layout, 2)
-    want = _oracle_logprobs(model, layout, tokens)
-    assert max(abs(lp - w) for (_, lp, _), w in zip(handle.logprobs, want)) < 1e-4
+    _shared_decode_matches_oracle(llm, model, prompts[0], layout, new_tokens=2)
     whole = runner.layer_options[1]   # the global layer's
     runner.layer_options = [dict(o, inv_freq=whole["inv_freq"], attention_scaling=whole["attention_scaling"])
                             for o in runner.layer_options]
@@ -592,13 +585,20 @@ def test_gemma2_through_the_engines_kernel_paths_matches_the_oracle(tokenizer):
     for mode in ("full", "prefix"):
         assert rel_err(llm.next_token_logits(segs, mode=mode), plain) < 1e-4, mode
     assert rel_err(llm.next_token_logits(segs, recovery="ape0.6s1.5"), ape_logits(model, layout, 0.6, 1.5)[-1]) < 1e-4
+    _shared_decode_matches_oracle(llm, model, segs, layout, new_tokens=4)
+
+
+def _shared_decode_matches_oracle(llm, model, segs, layout, new_tokens):
+    """Greedy lazy decoding of ``segs`` whose every decode step reads its chunks through the
+    shared-chunk kernel: its tokens and each step's distribution (not only its argmax) are the
+    oracle's."""
+    runner = llm.engine.runner
     steps = runner.shared_decode_steps
-    handle = llm.engine.submit(segs, mode="lazy", max_new_tokens=4, logprobs=0)
+    handle = llm.engine.submit(segs, mode="lazy", max_new_tokens=new_tokens, logprobs=0)
     llm.engine.run_until_done()
-    assert runner.shared_decode_steps - steps == 3
+    assert runner.shared_decode_steps - steps == new_tokens - 1
     tokens = [tok for tok, _, _ in handle.logprobs]
-    assert tokens == greedy_block_diagonal(model, layout, 4)
-    # each decode step's distribution, not only its argmax, is the oracle's
+    assert tokens == greedy_block_diagonal(model, layout, new_tokens)
     want = _oracle_logprobs(model, layout, tokens)
     assert max(abs(lp - w) for (_, lp, _), w in zip(handle.logprobs, want)) < 1e-4
 
