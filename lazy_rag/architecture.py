@@ -108,7 +108,8 @@ FAMILIES: dict[str, LayerFamily] = {
                           "global layers under one RoPE, attention scores and logits soft-capped (tanh)",
                           tested=_PARITY + "; window 8 under chunks longer than the window; soft-caps 5 and 3 "
                           "shown to matter; on CUDA the Triton kernels' windows and caps"),
-    "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts)", tested=_MOE_PARITY),
+    "mixtral": LayerFamily(moe=True, layer="mistral's layer, a mixture-of-experts MLP (top-k routed experts)",
+                           tested=_MOE_PARITY),
     "qwen2_moe": LayerFamily(moe=True, layer="qwen2's layer, routed experts plus a gated shared expert",
                              tested=_MOE_PARITY + ", a shared expert and a dense layer"),
     "qwen3_moe": LayerFamily(qk_norm="head", moe=True, layer="qwen3's layer (q/k normed per head), routed "

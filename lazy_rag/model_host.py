@@ -50,8 +50,8 @@ class ModelHost:
         compiler_setup.start(self.parts.device)   # (a model loaded elsewhere: from here)
         self.shape = self.parts.shape
         # the RoPE the engine's pool keeps keys rotated by (each layer's own table where they
-        # differ: ModelParts.pool_rope); the fingerprint's is the global table
-        self.rope_table = self.parts.pool_rope
+        # differ); the fingerprint's is the global table, parts.rope_table
+        self.pool_rope = self.parts.pool_rope
         if isinstance(shared_prefix, str):
             shared_prefix = tokenize_text(tokenizer, shared_prefix, first=True)
         self.default_source = ChunkSource(tuple(int(t) for t in shared_prefix or ()))

@@ -462,7 +462,7 @@ def test_each_layer_keeps_its_keys_under_its_own_rope(tokenizer):
     assert [t is local for t in parts.layer_rope] == [True, False, True, True]
     for o, t in zip(options, parts.layer_rope):
         assert torch.equal(o["inv_freq"], t.inv_freq) and o["attention_scaling"] == t.attention_scaling
-    rope = llm.host.rope_table   # the planner's: placing chunks, block's copies
+    rope = llm.host.pool_rope   # the planner's: placing chunks, block's copies
     assert isinstance(rope, LayerRopes)
     assert torch.equal(rope.inv_freq, torch.stack([t.inv_freq for t in parts.layer_rope]))
     k, pos = torch.randn(4, 5, 2, 32, dtype=torch.float64), torch.arange(3, 8)
@@ -470,7 +470,7 @@ def test_each_layer_keeps_its_keys_under_its_own_rope(tokenizer):
         assert torch.equal(rope.rotate(k, pos)[i], t.rotate(k[i], pos))
     llm = small_llm(_model("granite"), tokenizer)
     parts, options = llm.host.parts, llm.engine.runner.layer_options
-    assert all(t is parts.rope_table for t in parts.layer_rope) and llm.host.rope_table is parts.rope_table
+    assert all(t is parts.rope_table for t in parts.layer_rope) and llm.host.pool_rope is parts.rope_table
     assert all(o["inv_freq"] is options[0]["inv_freq"] for o in options)
 
 

@@ -88,7 +88,7 @@ def test_shared_prefix_lazy_equals_block_and_chunk_kv_equals_hf_cache(tokenizer,
     for layer in range(model.config.num_hidden_layers):
         hf_k = out.past_key_values.layers[layer].keys[0, :, len(prefix):].transpose(0, 1)
         hf_v = out.past_key_values.layers[layer].values[0, :, len(prefix):].transpose(0, 1)
-        assert rel_err(llm.host.rope_table.rotate(kv.k[layer].to(device), pos), hf_k) < 1e-5
+        assert rel_err(llm.host.pool_rope.rotate(kv.k[layer].to(device), pos), hf_k) < 1e-5
         assert rel_err(kv.v[layer].to(device), hf_v) < 1e-5
     segs = [prefix, Chunk(_ids(rng, 14)), _ids(rng, 3), Chunk(chunk), _ids(rng, 5)]
     lazy = llm.next_token_logits(segs, mode="lazy")

@@ -144,7 +144,7 @@ def test_kv_deviation_picks_the_tokens_whose_cached_kv_deviates_most(llm, prompt
     with torch.no_grad():
         cache = model(input_ids=torch.tensor([layout.token_ids], device=dev), use_cache=True).past_key_values
     full_k, full_v = cache.layers[1].keys[0].transpose(0, 1).double(), cache.layers[1].values[0].transpose(0, 1).double()
-    rope = llm.host.rope_table
+    rope = llm.host.pool_rope
     positions, dev_scores = [], []
     for span in layout.spans:
         kv = llm.encode_chunk(span.token_ids)

@@ -80,7 +80,7 @@ class Engine:
         self.tiers = tiers or ChunkTiers(config.host_bytes)
         self.runner = ModelRunner(parts, self.pool, config.cuda_graphs, config.max_num_seqs,
                                   config.append_graph_tokens, config.shared_chunks)
-        self.planner = KVPlanner(self.pm, self.tiers, host.rope_table, self.runner)
+        self.planner = KVPlanner(self.pm, self.tiers, host.pool_rope, self.runner)
         self.scheduler = Scheduler(self.planner, config.max_num_seqs, config.max_batched_tokens)
         self.handles: dict[int, RequestHandle] = {}
         self.lock = threading.RLock()

@@ -50,7 +50,7 @@ from .chunk_tiers import ChunkTiers, chunk_key, span_key
 from .page_manager import PageManager
 from .page_pool import OutOfPages
 from .read_or_encode import ReadOrEncode
-from .recovery import recompute_budget, recomputes_every_chunk_token
+from .recovery import cached_chunk_tokens, recompute_budget, recomputes_every_chunk_token
 from .sequence import EncodeJob, Run, Sequence
 
 
@@ -444,7 +444,7 @@ class KVPlanner:
         admits it (recompute-all equals full), so no chunk is read, no scoring pass chooses, and
         the step is an ordinary causal prefill that a captured graph can replay."""
         self._admit_full(seq)
-        seq.selected = sum(span.cached_tokens for span in seq.layout.spans)
+        seq.selected = cached_chunk_tokens(seq)
 
     def publish(self, seq: Sequence) -> None:
         """Prefix mode, after prefill: hand the request's full prompt pages to the prefix cache."""

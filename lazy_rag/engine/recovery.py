@@ -187,13 +187,19 @@ def recompute_candidates(seq) -> list[int]:
     return [p for span in seq.layout.spans for p in range(span.start + span.skip, span.end)]
 
 
+def cached_chunk_tokens(seq) -> int:
+    """How many of the request's chunk tokens are read from cache (its boundary heads and the
+    shared prefix aside): the tokens a selector may recompute."""
+    return sum(span.cached_tokens for span in seq.layout.spans)
+
+
 def recompute_budget(seq) -> int:
     """How many chunk tokens the request's selector recomputes (0 without one): fixed at its
     admission, where the planner reserves their pages, so the selection never runs out of them."""
     rec = seq.recovery
     if not rec.selects:
         return 0
-    candidates = sum(span.cached_tokens for span in seq.layout.spans)
+    candidates = cached_chunk_tokens(seq)
     return min(candidates, round(rec.ratio * candidates))
 
 
@@ -206,7 +212,7 @@ def recomputes_every_chunk_token(seq) -> bool:
     if (seq.mode not in ("lazy", "block") or not rec.selects or rec.ape or not seq.layout.spans
             or seq.layout.prefix_len):
         return False
-    candidates = sum(span.cached_tokens for span in seq.layout.spans)
+    candidates = cached_chunk_tokens(seq)
     return candidates > 0 and recompute_budget(seq) >= candidates
 
 

@@ -165,7 +165,7 @@ def test_pool_bytes_and_encoded_kv_format(llm):
     pool = fp8_engine.pool
     k, v = pool.read_run(e.pages, len(ids))
     assert torch.equal(v.cpu(), dequantize_rows(kv.v, kv.v_scale))
-    want = llm.host.rope_table.rotate(dequantize_rows(kv.k, kv.k_scale), torch.arange(len(ids)))
+    want = llm.host.pool_rope.rotate(dequantize_rows(kv.k, kv.k_scale), torch.arange(len(ids)))
     assert ((k.cpu() - want).abs().amax(-1) <= 2.0 ** -4 * want.abs().amax(-1)).all()
 
 

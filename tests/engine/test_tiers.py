@@ -37,9 +37,9 @@ def test_placed_keys_are_chunk_local_rotations_of_the_stored_keys(tokenizer):
     pool = PagePool(shp.num_layers, 8, shp.num_kv_heads, 4, shp.head_dim)
     pages = pool.alloc(4)
     tiers = ChunkTiers(host_bytes=1 << 20, pin=False)
-    assert tiers.place(pool, pages, kv, llm.host.rope_table).ready()
+    assert tiers.place(pool, pages, kv, llm.host.pool_rope).ready()
     k, v = pool.read_run(pages, len(ids))
-    assert torch.allclose(k, llm.host.rope_table.rotate(kv.k, torch.arange(len(ids))))
+    assert torch.allclose(k, llm.host.pool_rope.rotate(kv.k, torch.arange(len(ids))))
     assert torch.equal(v, kv.v)
     assert tiers.counters["bytes_to_pool"] == kv.nbytes
 
