@@ -212,3 +212,24 @@ def test_the_math_kernel_retry_computes_the_same_losses(llm):
     for k in ("kl", "gold"):
         _close(math[k], plain[k])
     _close(vectors.grad, plain_grad)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_student_reads_what_lazy_serves_with_its_wrapper(tokenizer, family):
+    """The function a wrapper is trained on is the one ``lazy`` serves: the student's log-probs of
+    the last prompt row equal the engine's with the same vectors installed as a wrapper. Gemma 3's
+    window (8) is shorter than the chunks and the prompt, so a student that gave its sliding layers
+    the global mask would miss (the teacher's plain forward applies the window)."""
+    from lazy_rag.requests import ChunkSource
+    from lazy_rag.wrapper import ChunkWrapper
+
+    model = tiny_model(family, seed=5)
+    llm = small_llm(model, tokenizer)
+    rng = random.Random(3)
+    example = Example("What is it?", tuple(tuple(random_ids(rng, n)) for n in (11, 20, 6)))
+    vectors = torch.randn(HEADER + TRAILER, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    layout, last = wrapped_layout(llm, example, [], HEADER, TRAILER)
+    (lp,) = student_logp(llm, vectors, [StudentInput(layout, {"kl": (last,)})])
+    wrapper = ChunkWrapper(vectors, HEADER, TRAILER, "")
+    served = llm.next_token_logits(example.segments(tokenizer), mode="lazy", source=ChunkSource(wrapper=wrapper))
+    _close(lp["kl"][0], torch.log_softmax(served.float(), -1))

@@ -29,6 +29,9 @@ from .teacher import _save, teacher_outputs
 
 MIN_TRAIN, MIN_HELD_OUT = 16, 4
 INIT_TEXT = ("\n\nDocument:\n", "\n\n")  # header and trailer start as these tokens' embeddings
+# names how a run without a starting wrapper begins (and what its student reads), so a work dir's
+# checkpoint from another recipe is not resumed
+INIT_RECIPE = "token-embeddings, BOS first, windowed student"
 
 
 @dataclass
@@ -84,13 +87,28 @@ class TuneOptions:
                                f"{self.steps}, {self.batch}, {self.micro_batch}, {self.top_k}, {self.lr}).")
 
 
+def _leading_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before every prompt, or None (Qwen puts none)."""
+    ids = tokenizer("a").input_ids
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and ids and ids[0] == bos else None
+
+
 def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
-    emb = llm.host.parts.embed.weight.detach()
+    # the embedding module's output, not its weight rows: wrapper rows enter where it returns, and
+    # Gemma's module scales token rows by sqrt(hidden) (raw rows would start 25-60x too small)
+    embed, device = llm.host.parts.embed, llm.host.parts.device
     rows = []
     for text, n in zip(INIT_TEXT, (header, trailer)):
         ids = llm.tokenizer(text, add_special_tokens=False).input_ids or [0]
-        rows += [emb[ids[i % len(ids)]].float() for i in range(n)]
-    return torch.stack(rows).to(llm.host.parts.device).clone()
+        rows += [ids[i % len(ids)] for i in range(n)]
+    bos = _leading_bos(llm.tokenizer)
+    if bos is not None and header:
+        # a model whose prompts start with BOS (Gemma) attends to it as to nothing else; a chunk
+        # encoded alone has none, so the header's first vector starts as that token
+        rows[0] = bos
+    with torch.no_grad():
+        return embed(torch.tensor(rows, device=device)).float().clone()
 
 
 def _zero_losses(device) -> dict[str, torch.Tensor]:
@@ -301,7 +319,7 @@ def train_wrapper(llm, examples, options: TuneOptions, out: Path, work_dir: Path
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / options.steps))
     settings = json.loads(json.dumps({**asdict(options), "examples": len(examples), "fingerprint": llm.fingerprint["id"],
-                                      "init": init.digest if init is not None else None}))
+                                      "init": init.digest if init is not None else INIT_RECIPE}))
     # named by the settings: runs with other settings (another --gold-weight) can share a work dir and its teacher cache
     tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     ckpt = work_dir / f"checkpoint-{options.method}-{tag}.pt" if work_dir is not None else None
