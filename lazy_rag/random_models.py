@@ -35,6 +35,15 @@ ARCHITECTURES: dict[str, dict] = {
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                             max_position_embeddings=40960,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Gemma-3-12B's shape: 48 layers, five sliding-window layers (window 1024, local RoPE base 1e4)
+    # to one global layer (base 1e6, linear scaling 8), 16 query / 8 KV heads of 256, vocabulary 262k
+    "gemma-3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                        vocab_size=262208, sliding_window=1024, max_position_embeddings=131072,
+                        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(48)],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                            "factor": 8.0}}),
     "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768,
                        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 256}),
@@ -63,15 +72,17 @@ class IdTokenizer:
 
 def random_config(name: str, layers: int | None = None):
     """The config of a named architecture (``layers`` overrides its depth)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if name not in ARCHITECTURES:
         raise LazyRagError(f"Unknown random architecture {name!r}; choose one of {', '.join(ARCHITECTURES)}.")
     kwargs = dict(ARCHITECTURES[name])
     if layers is not None:
         kwargs["num_hidden_layers"] = layers
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = kwargs["layer_types"][:layers]
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                    "qwen3_moe": Qwen3MoeConfig}[kwargs.pop("model_type", "llama")]
+                    "qwen3_moe": Qwen3MoeConfig, "gemma3_text": Gemma3TextConfig}[kwargs.pop("model_type", "llama")]
     return config_class(**kwargs)
 
 
