@@ -35,9 +35,10 @@ class PrefillPlan:
 
 
 def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
-                    total: int | None = None, dtype: torch.dtype | None = None) -> int:
+                    total: int | None = None, dtype: torch.dtype | None = None, head_dim: int = 128) -> int:
     """Query tokens per tile for a batch whose longest sequence has ``longest`` new tokens and
-    all sequences ``total`` (default: longest), in compute `dtype` (None: a 16-bit one)."""
+    all sequences ``total`` (default: longest), in compute `dtype` (None: a 16-bit one), heads of
+    ``head_dim``."""
     gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     device = torch.device(device)
     if device.type != "cuda":
@@ -45,20 +46,20 @@ def default_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
     else:
         rows = runs_rows(longest * gp, (total or longest) * gp, num_kv_heads,
                          paged_attention._num_sms(device))
-    return max(1, max_rows(rows, dtype) // gp)
+    return max(1, max_rows(rows, dtype, head_dim) // gp)
 
 
-def max_rows(rows: int, dtype: torch.dtype | None) -> int:
-    """rows, capped at 128 for a 32-bit compute dtype, whose larger tiles need more shared
-    memory than an SM has and fail to launch (sm_90 compiles at head_dim 128, against Hopper's
-    227 KB: 256 rows take 263 KB, 128 rows 164 KB)."""
-    if dtype is not None and dtype.itemsize > 2:
-        return min(rows, 128)
-    return rows
+def max_rows(rows: int, dtype: torch.dtype | None, head_dim: int = 128) -> int:
+    """rows, capped so that a tile's rows x head_dim stay what sm_90 compiles at head_dim 128:
+    256 rows in a 16-bit dtype (wider tiles run out of registers: 256 rows at head_dim 256 fail
+    in ptxas), 128 in a 32-bit one (its larger tiles need more shared memory than an SM has and
+    fail to launch: 256 rows take 263 KB against Hopper's 227 KB, 128 rows 164 KB)."""
+    elements = (128 if dtype is not None and dtype.itemsize > 2 else 256) * 128
+    return min(rows, max(16, elements // head_dim))
 
 
 def encode_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
-                   dtype: torch.dtype | None = None) -> int:
+                   dtype: torch.dtype | None = None, head_dim: int = 128) -> int:
     """Query tokens per tile for an index build's encode batch, whatever its size: the tiles a
     full build batch takes (runs_rows at its many programs: 256 (token, head) rows once a chunk
     fills more than one 128-row tile), launched with one split (what a full batch's count is).
@@ -67,9 +68,9 @@ def encode_block_m(longest: int, num_qo_heads: int, num_kv_heads: int, device,
     of compile on a machine's first run, for a forward of milliseconds."""
     device = torch.device(device)
     if device.type != "cuda":
-        return default_block_m(longest, num_qo_heads, num_kv_heads, device)
+        return default_block_m(longest, num_qo_heads, num_kv_heads, device, head_dim=head_dim)
     gp = triton.next_power_of_2(num_qo_heads // num_kv_heads)
-    return max(1, max_rows(runs_rows(longest * gp, 1 << 40, num_kv_heads, 1), dtype) // gp)
+    return max(1, max_rows(runs_rows(longest * gp, 1 << 40, num_kv_heads, 1), dtype, head_dim) // gp)
 
 
 def plan_split_target(longest: int, num_qo_heads: int, num_kv_heads: int) -> float:
@@ -96,7 +97,7 @@ def runs_rows(longest_rows: int, total_rows: int, num_kv_heads: int, num_sms: in
 
 def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
                  block_m: int | None = None, dtype: torch.dtype | None = None,
-                 encode: bool = False) -> PrefillPlan:
+                 encode: bool = False, head_dim: int = 128) -> PrefillPlan:
     """qo_indptr: [B+1] host list/tensor. Tiles of block_m tokens (default_block_m: on the GPU
     64-256 (token, head) rows (runs_rows); 32 rows under the interpreter). ``encode``: an index build's encode batch, planned as a full
     one whatever its size (encode_block_m's tiles; one split and a full batch's launch tuning,
@@ -104,10 +105,10 @@ def plan_prefill(qo_indptr, num_qo_heads: int, num_kv_heads: int, device,
     ptr = [int(x) for x in (qo_indptr.tolist() if torch.is_tensor(qo_indptr) else qo_indptr)]
     longest = max([ptr[b + 1] - ptr[b] for b in range(len(ptr) - 1)] + [0])
     if block_m is None and encode:
-        block_m = encode_block_m(longest, num_qo_heads, num_kv_heads, device, dtype)
+        block_m = encode_block_m(longest, num_qo_heads, num_kv_heads, device, dtype, head_dim)
     elif block_m is None:
         block_m = default_block_m(longest, num_qo_heads, num_kv_heads, device,
-                                  total=ptr[-1] - ptr[0] if ptr else 0, dtype=dtype)
+                                  total=ptr[-1] - ptr[0] if ptr else 0, dtype=dtype, head_dim=head_dim)
     seq, q0 = query_tiles(ptr, block_m)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return PrefillPlan(mk(seq), mk(q0), block_m,
@@ -154,7 +155,7 @@ def lazy_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, q_pos: torch.Tensor,
         return copy_into(out, res)
     if plan is None:
         plan = plan_prefill(qo_indptr.cpu(), q.shape[1], k_pages.shape[1], q.device,
-                            dtype=q.dtype)
+                            dtype=q.dtype, head_dim=q.shape[2])
     if plan.full_batch:      # an encode batch runs the kernel a full build batch compiled
         num_splits = 1 if num_splits is None else num_splits
         tuning.setdefault("full_batch", True)

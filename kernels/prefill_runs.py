@@ -389,7 +389,7 @@ def _prefill_runs_kernel(
     _write_tile(acc, l_i, m_i, qi, head, row_ok, split, O, stride_ot, stride_oh, PO, stride_pot,
                 stride_poh, stride_pos, LSE, stride_lt, stride_lh, D, DIRECT, WRITE_LSE)
 
-def default_tuning(rows: int, interp: bool, n_programs: int | None, num_sms: int) -> dict:
+def default_tuning(rows: int, interp: bool, n_programs: int | None, num_sms: int, head_dim: int = 128) -> dict:
     """block_n, num_warps, num_stages when the caller gives none, from the H100 sweep
     (benchmarks/results/kernels_h100_sweep.json, rotate_q, 10k cached tokens; the sm_90
     compiles pointed the same way on block_n): 64 keys per KV tile (one page at the engine's
@@ -398,9 +398,15 @@ def default_tuning(rows: int, interp: bool, n_programs: int | None, num_sms: int
     half the SMs, split over the KV, 8 warps and 2 stages (B1 +32, 8 programs: 40.6 us vs 50.2 us
     with 4 warps); otherwise 4 warps and 3 stages (B16 +32, 128 programs: 306 us vs 372 us with 8). (Split-KV's
     split_target comes with the plan: prefill.plan_split_target.) n_programs None: as many as
-    a full batch has (an index build's encode of any size compiles the full batch's kernel)."""
+    a full batch has (an index build's encode of any size compiles the full batch's kernel).
+    Wider heads (Gemma's 256) take the tuning of the head_dim-128 tile with as many elements
+    (rows x head_dim: as many registers per thread) and at most 2 stages (a 64-key K/V stage is
+    64 KB at head_dim 256: three and the query tile overflow an SM's shared memory)."""
     if interp:
         return dict(block_n=32, num_warps=None, num_stages=None)
+    if head_dim > 128:
+        tuned = default_tuning(rows * head_dim // 128, interp, n_programs, num_sms)
+        return {**tuned, "num_stages": min(tuned["num_stages"], 2)}
     if rows >= 256:
         return dict(block_n=64, num_warps=16, num_stages=2)
     if n_programs is not None and 2 * n_programs < num_sms:
@@ -441,7 +447,7 @@ def launch_runs(q, qo_indptr, q_pos, k_pages, v_pages, table: PageTable, inv_fre
     rows = max(16, block_m * GP)
     interp = interpreting() and not q.is_cuda
     tun = default_tuning(rows, interp, None if full_batch else tile_seq.numel() * Hkv,
-                         paged_attention._num_sms(q.device))
+                         paged_attention._num_sms(q.device), D)
     block_n = block_n or tun["block_n"]
     ppt = max(1, block_n // page)
     bn = triton.next_power_of_2(ppt * page)

@@ -397,7 +397,7 @@ class AppendGraphs:
         P = max(1, -(-max(len(t[0]) for t in tables) // self.page_step)) * self.page_step
         H, Hkv = shp.num_heads, shp.num_kv_heads
         key = AppendKey(T, batch_bucket(len(seqs)), P, default_block_m(longest, H, Hkv, r.pool.device, total=n,
-                                                                   dtype=r.parts.dtype),
+                                                                   dtype=r.parts.dtype, head_dim=shp.head_dim),
                         r.parts.virtual_rows is not None, plan_split_target(longest, H, Hkv), encodes)
         return self._pack(key, seqs, tables), key
 

@@ -400,7 +400,7 @@ class StepAttention:
             self.paged = (rows, torch.tensor(qo, dtype=torch.int32, device=dev), q_pos,
                           build_table([seqs[j] for j in paged], ps, dev),
                           plan_prefill(qo, self.shape.num_heads, self.shape.num_kv_heads, dev,
-                                       dtype=p.dtype, encode=encode_batch))
+                                       dtype=p.dtype, encode=encode_batch, head_dim=self.shape.head_dim))
         self.ape = [ApeKernelGroups(runner, seqs[j], batch.spans[j], batch.pos) for j in ape]
 
     def _shared_decode(self, seqs, batch: PackedBatch) -> DecodeAttention | None:
@@ -471,7 +471,8 @@ class ApeKernelGroups:
         self.qo = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
         self.q_pos = pos[a:b].to(torch.int32)
         shp = runner.parts.shape
-        self.plan = plan_prefill([0, b - a], shp.num_heads, shp.num_kv_heads, dev, dtype=runner.parts.dtype)
+        self.plan = plan_prefill([0, b - a], shp.num_heads, shp.num_kv_heads, dev, dtype=runner.parts.dtype,
+                                 head_dim=shp.head_dim)
         self.temperature, self.log_scale = seq.recovery.ape_temperature, math.log(seq.recovery.ape_scale)
 
     def attend(self, i: int, q):

@@ -238,6 +238,24 @@ def test_an_encode_batch_of_any_size_takes_a_full_build_batchs_tiles(monkeypatch
     assert encode_block_m(256, 32, 8, "cuda", torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.float32) * 4 == 128
     assert default_block_m(256, 32, 8, "cuda", total=16384, dtype=torch.bfloat16) == full
+    # 256-wide heads (Gemma): half the rows (256 x 256 ran out of registers in ptxas), tuned as
+    # the 128-wide tile of as many elements, never more than 2 stages
+    assert encode_block_m(256, 16, 8, "cuda", torch.bfloat16, head_dim=256) * 2 == 128
+    assert default_block_m(256, 16, 8, "cuda", total=16384, head_dim=256) * 2 == 128
+    assert default_tuning(128, False, None, 132, head_dim=256) == dict(block_n=64, num_warps=16, num_stages=2)
+    assert default_tuning(64, False, None, 132, head_dim=256)["num_stages"] == 2
     # the tiles prefill's own tiles: 64 rows at most in fp32, 256 in 16 bits
     assert tiles_block_m(512, 32, 8, "cuda", dtype=torch.float32) * 4 == 64
     assert tiles_block_m(512, 32, 8, "cuda", dtype=torch.float16) * 4 == 256
+
+
+@pytest.mark.parametrize("G", [2, 4])
+def test_head_dim_256_with_a_full_batchs_tiles_and_tuning(G):
+    """Gemma's 256-wide heads with the tiles and launch tuning a full batch picks
+    (``encode=True``; on the GPU 128 rows, 16 warps, 2 stages, which compile: 256 rows ran out of
+    registers), against the reference."""
+    dtype = DTYPES[0]
+    c = _case(G, 256, 16, "plain", dtype, 0, seed=G)
+    plan = plan_prefill(c.qo_indptr.cpu(), c.H, c.Hkv, c.q.device, dtype=c.q.dtype, encode=True, head_dim=256)
+    out, lse = _prefill(c, "rotate_q", plan)
+    _check(out, lse, *_ref(c, "rotate_q"), dtype)
