@@ -180,6 +180,33 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
+def check_gguf_tokenizer(gguf: Path, tok) -> None:
+    """Refuse a tokenizer that transformers converted from ``gguf`` differently from what the file
+    holds: another vocabulary size, or a BOS token added where the file says none is (or none
+    where it says one is). Conversions have differed between transformers versions: 5.17 reads
+    Gemma 3's tokenizer with one token fewer, no BOS and other splits, and Gemma answers noise
+    without its BOS; such a model would run, silently wrong."""
+    import transformers
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    tokens, add_bos, bos = (fields.get(f"tokenizer.ggml.{k}") for k in ("tokens", "add_bos_token", "bos_token_id"))
+    problems = []
+    if tokens is not None and len(tokens.data) != len(tok.get_vocab()):
+        problems.append(f"{len(tok.get_vocab())} tokens where the file has {len(tokens.data)}")
+    if add_bos is not None and bos is not None:
+        wants = bool(add_bos.parts[add_bos.data[0]][0])
+        bos_id = int(bos.parts[bos.data[0]][0])
+        ids = tok("a").input_ids
+        if wants != bool(ids and ids[0] == bos_id):
+            problems.append("BOS " + ("missing" if wants else "added") + f" at the start of a prompt (the file says "
+                            f"add_bos_token={wants})")
+    if problems:
+        raise LazyRagError(f"transformers {transformers.__version__} read the tokenizer of {gguf.name} wrongly: "
+                           f"{'; '.join(problems)}. Upgrade transformers (tested: 5.23 and later): "
+                           "pip install -U 'transformers>=5.23'")
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF once and save it as an HF folder (fp32 safetensors + tokenizer)."""
     if (out_dir / "config.json").exists():
@@ -189,6 +216,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
     require("gguf"), require("accelerate")  # transformers' GGUF loader needs both
     log.warning("Converting %s to a cached HF folder (one time, ~10-50 s)...", gguf.name)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_gguf_tokenizer(gguf, tok)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     check_supported(model.config)
     # transformers refuses to save a GGUF-loaded model while it carries the quantizer

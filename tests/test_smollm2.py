@@ -95,3 +95,24 @@ def test_bad_prompts_get_clear_errors(smollm2):
         smollm2.generate([], max_new_tokens=4)
     with pytest.raises(ValueError, match="top_p"):
         smollm2.generate(["hi"], top_p=0.0)
+
+
+def test_a_gguf_tokenizer_read_unlike_the_file_is_refused():
+    """transformers' GGUF tokenizer conversion has differed between versions (5.17 read Gemma 3's
+    with a token fewer and no BOS): a tokenizer whose vocabulary size or BOS differs from what the
+    GGUF holds is refused, naming the file and the fix; the one converted here is accepted."""
+    from types import SimpleNamespace
+
+    from lazy_rag.models import bundled_gguf, check_gguf_tokenizer, load_tokenizer
+
+    gguf, tok = bundled_gguf("smollm2"), load_tokenizer("smollm2")
+    check_gguf_tokenizer(gguf, tok)
+    vocab = tok.get_vocab()
+    fewer_tok = lambda text: tok(text)  # noqa: E731
+    fewer_tok.get_vocab = lambda: dict(list(vocab.items())[:-1])
+    with pytest.raises(LazyRagError, match=rf"SmolLM2.*{len(vocab) - 1} tokens where the file has {len(vocab)}.*pip install -U"):
+        check_gguf_tokenizer(gguf, fewer_tok)
+    with_bos = lambda text: SimpleNamespace(input_ids=[tok.bos_token_id, *tok(text).input_ids])  # noqa: E731
+    with_bos.get_vocab = tok.get_vocab
+    with pytest.raises(LazyRagError, match="BOS added"):
+        check_gguf_tokenizer(gguf, with_bos)
