@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The oracle parity tests on a CUDA device, through the engine (the one runtime): tiny models of
 # every family (test_families.py: granite, phi3, olmo2, gemma2 and gemma3_text, whose windows,
-# soft-caps and per-layer RoPE tables the kernels take; the mixture-of-experts families run on the
-# CPU there, CUDA refusing them; head_dim 16 ones take the engine's torch attention, head_dim 32 ones the Triton kernels and
-# CUDA-graph decode), boundary recompute, the
+# soft-caps and per-layer RoPE tables the kernels take; the mixture-of-experts families with
+# transformers' grouped-GEMM experts in the step graphs; head_dim 16 ones take the engine's torch
+# attention, head_dim 32 ones the Triton kernels and CUDA-graph decode), boundary recompute, the
 # recovery methods (selective recompute, APE through the kernels' log-sum-exp), a Llama-3.1-8B-shaped model with 64 concurrent
 # requests, and the engine's faults (one failing request among others; a 180-request soak). The
 # index test of recovery needs the bundled model: CPU only. The GPU machine has no bundled model
