@@ -61,6 +61,8 @@ def test_cli_without_a_bundled_model_wheel_says_what_to_install(tmp_path):
 def test_cli_without_faiss_says_what_to_install(tmp_path):
     rc, out = run_hidden(["faiss"], CLI, "index", str(CORPUS), "--out", str(tmp_path / "idx"), "--device", "cpu")
     assert rc == 2 and "pip install faiss-cpu" in out and "Traceback" not in out, out
+    # said before the model loads and the KV is encoded (the work would be lost), and no folder left
+    assert "encoding chunk KV" not in out and not (tmp_path / "idx").exists(), out
 
 
 @pytest.mark.parametrize("example, package, extra", [

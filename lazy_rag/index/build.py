@@ -23,6 +23,7 @@ from .. import build_estimate
 from ..build_pipeline import EncodeWarmup, encode_and_write
 from ..chat import DEFAULT_INSTRUCTION, rag_prefix
 from ..chunking import CHUNK_OVERLAP, CHUNK_SIZE, TokenChunker, discover_files
+from ..deps import require
 from ..documents import Skip, check_encoding, read_text
 from ..embedder import DEFAULT_EMBEDDER, Embedder, build_device
 from ..errors import FingerprintMismatchError, LazyIndexError, LazyRagError
@@ -446,6 +447,8 @@ def build_docs(docs, out, llm, embedder, options: BuildOptions, *, report: Build
     were read from (None: in-memory texts); ``unreadable``: files that can no longer be read."""
     out = Path(out).expanduser()
     check_kv_dtype(options.kv_dtype)
+    if options.vectors:   # before the model loads and the KV is encoded, not after
+        require("faiss")
     if out.exists() and not out.is_dir():
         raise LazyIndexError(f"--out {out} is a file, not a folder; name a folder for the index.")
     created_folder = not out.exists()
