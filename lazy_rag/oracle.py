@@ -68,9 +68,10 @@ def block_diagonal_logits(model, layout: PromptLayout, virtual_rows: torch.Tenso
 
 
 def additive_mask(model, allow: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] in the model's dtype: 0 where ``allow``, the dtype's minimum elsewhere."""
+    """[1, 1, T, T] ([B, 1, T, T] for a batch ``allow`` [B, T, T]) in the model's dtype: 0 where
+    ``allow``, the dtype's minimum elsewhere."""
     additive = torch.zeros(allow.shape, dtype=model.dtype, device=allow.device)
-    return additive.masked_fill_(~allow, torch.finfo(model.dtype).min)[None, None]
+    return additive.masked_fill_(~allow, torch.finfo(model.dtype).min).reshape(-1, 1, *allow.shape[-2:])
 
 
 def sliding_window_of(model) -> int | None:
@@ -81,13 +82,13 @@ def sliding_window_of(model) -> int | None:
 
 
 def layer_masks(model, allow: torch.Tensor, pos: torch.Tensor):
-    """The 4-D additive mask of ``allow`` [T, T] (bool) for the model's forward; for a model with
-    sliding layers a dict of one per layer type, the sliding type's also limited to its window
-    over the positions ``pos`` [T]."""
+    """The 4-D additive mask of ``allow`` [T, T] (bool; or a batch [B, T, T]) for the model's
+    forward; for a model with sliding layers a dict of one per layer type, the sliding type's also
+    limited to its window over the positions ``pos`` [T] (or [B, T])."""
     window = sliding_window_of(model)
     if window is None:
         return additive_mask(model, allow)
-    behind = pos[:, None] - pos[None, :]
+    behind = pos[..., :, None] - pos[..., None, :]
     masks = {t: additive_mask(model, allow) for t in set(model.config.layer_types)}
     masks["sliding_attention"] = additive_mask(model, allow & (behind < window))
     return masks

@@ -102,6 +102,13 @@ def tokenize_text(tokenizer, text: str, *, first: bool) -> list[int]:
     return ids
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id ``tokenize_text`` puts before a prompt's first string, or None (Qwen and
+    SmolLM2 put none; Gemma does)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos if bos is not None and tokenize_text(tokenizer, "a", first=True)[:1] == [bos] else None
+
+
 def chunk_token_ids(tokenizer, chunk: Chunk) -> tuple[int, ...]:
     if isinstance(chunk.content, str):
         return tuple(tokenizer(chunk.content, add_special_tokens=False).input_ids)

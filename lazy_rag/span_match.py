@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from .errors import LazyRagError
-from .segments import Chunk, Segment, tokenize_text
+from .segments import Chunk, Segment, leading_bos, tokenize_text
 
 HEAD = 32  # characters of a chunk's text used as its bucket key
 
@@ -85,12 +85,7 @@ class ChunkMatcher:
         self._variants: dict[str, list[str]] = {}  # chunk_id -> texts that count as the chunk
         self._heads: dict[str, list[tuple[str, str]]] = {}  # text[:HEAD] -> [(variant, chunk_id)]
         self._short: list[tuple[str, str]] = []
-        self._bos_added = self._adds_bos(tokenizer)
-
-    @staticmethod
-    def _adds_bos(tokenizer) -> bool:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        return bos is not None and tokenize_text(tokenizer, "a", first=True)[:1] == [bos]
+        self._bos_added = leading_bos(tokenizer) is not None
 
     @classmethod
     def from_index(cls, index, min_tokens: int = 4) -> "ChunkMatcher":

@@ -20,7 +20,7 @@ import torch
 
 from ..architecture import lm_logits
 from ..chunk_adapter import ChunkAdapters
-from ..oracle import sliding_window_of, visibility_mask
+from ..oracle import layer_masks, visibility_mask
 from ..segments import PromptLayout, assemble
 
 
@@ -83,11 +83,6 @@ def _positions(item: StudentInput) -> torch.Tensor:
     return pos
 
 
-def _additive(allow: torch.Tensor, dt) -> torch.Tensor:
-    """[B, 1, L, L] in ``dt``: 0 where ``allow`` [B, L, L], the dtype's minimum elsewhere."""
-    return torch.zeros(allow.shape, dtype=dt, device=allow.device)[:, None].masked_fill(~allow[:, None], torch.finfo(dt).min)
-
-
 def student_logp(llm, vectors: torch.Tensor, batch: list[StudentInput],
                  adapter_column: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Log-probs (fp32) of the rows each input reads: kind -> [rows, vocab], per input.
@@ -107,12 +102,7 @@ def student_logp(llm, vectors: torch.Tensor, batch: list[StudentInput],
         pos[b, :n] = _positions(item).to(dev)
         allow[b, n:, n:] = torch.eye(L - n, dtype=torch.bool, device=dev)  # padding sees itself: no NaN
     x = parts.embed_ids(ids, virtual=True, rows=vectors)
-    mask = _additive(allow, dt)
-    window = sliding_window_of(model)
-    if window is not None:  # sliding layers (Gemma 2/3) take their window as the oracle draws it
-        behind = pos[:, :, None] - pos[:, None, :]
-        mask = {t: mask for t in set(model.config.layer_types)}
-        mask["sliding_attention"] = _additive(allow & (behind < window), dt)
+    mask = layer_masks(model, allow, pos)   # the oracle's: sliding layers (Gemma 2/3) take their window
     adapters, gate = ChunkAdapters.of(model), None
     if adapter_column is not None:
         gate = torch.zeros(B, L, adapters.width, dtype=dt, device=dev)

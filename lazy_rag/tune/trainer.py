@@ -23,6 +23,7 @@ import torch
 from ..chunk_adapter import DEFAULT_TARGETS, ChunkAdapter, ChunkAdapters, new_adapter
 from ..errors import LazyRagError
 from ..progress import Progress
+from ..segments import leading_bos
 from ..wrapper import ChunkWrapper
 from .student import distill_kl, student_input, student_logp
 from .teacher import _save, teacher_outputs
@@ -87,13 +88,6 @@ class TuneOptions:
                                f"{self.steps}, {self.batch}, {self.micro_batch}, {self.top_k}, {self.lr}).")
 
 
-def _leading_bos(tokenizer) -> int | None:
-    """The BOS id the tokenizer puts before every prompt, or None (Qwen puts none)."""
-    ids = tokenizer("a").input_ids
-    bos = tokenizer.bos_token_id
-    return bos if bos is not None and ids and ids[0] == bos else None
-
-
 def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
     # the embedding module's output, not its weight rows: wrapper rows enter where it returns, and
     # Gemma's module scales token rows by sqrt(hidden) (raw rows would start 25-60x too small)
@@ -102,7 +96,7 @@ def _init_vectors(llm, header: int, trailer: int) -> torch.Tensor:
     for text, n in zip(INIT_TEXT, (header, trailer)):
         ids = llm.tokenizer(text, add_special_tokens=False).input_ids or [0]
         rows += [ids[i % len(ids)] for i in range(n)]
-    bos = _leading_bos(llm.tokenizer)
+    bos = leading_bos(llm.tokenizer)
     if bos is not None and header:
         # a model whose prompts start with BOS (Gemma) attends to it as to nothing else; a chunk
         # encoded alone has none, so the header's first vector starts as that token
