@@ -43,8 +43,12 @@ class LazyLLM:
                         wrapper="auto", **kwargs) -> "LazyLLM":
         from .models import load_model_and_tokenizer
 
-        model, tokenizer = load_model_and_tokenizer(name_or_path, device=device, dtype=dtype)
-        llm = cls(model, tokenizer, **kwargs)
+        # over N ranks, this process loads rank 0's share of the model alone (the others theirs)
+        config = (kwargs.pop("engine_config", None) or EngineConfig()).with_options(
+            **{k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__})
+        model, tokenizer = load_model_and_tokenizer(name_or_path, device=device, dtype=dtype,
+                                                    tensor_parallel=config.tensor_parallel)
+        llm = cls(model, tokenizer, engine_config=config, **kwargs)
         llm.model_name = name_or_path
         if wrapper is not None:  # after the name: "auto" finds the bundled wrapper by it
             llm.host.use_default_wrapper(wrapper)

@@ -260,9 +260,15 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     return AutoTokenizer.from_pretrained(str(resolve_model_path(name_or_path)))
 
 
-def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto"):
+def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto",
+                             tensor_parallel: int = 1):
+    """The model and its tokenizer. ``tensor_parallel=N``: the model as rank 0 of N holds it,
+    its share of every decoder layer alone (``engine/shard_loading``), where the checkpoint is a
+    local folder of safetensors (a bundled model's or a GGUF's cache included); any other (a hub
+    id, .bin weights) loads whole, and each rank slices its share of it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .engine.shard_loading import CheckpointSource
     from .kernels import compiler_setup
 
     dev = resolve_device(device)
@@ -271,5 +277,8 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", d
     path = resolve_model_path(name_or_path)
     check_supported(AutoConfig.from_pretrained(str(path)))
     tok = load_tokenizer(str(path))
+    source = CheckpointSource.of(path, dt) if tensor_parallel > 1 else None
+    if source is not None:
+        return source.load_share(0, tensor_parallel, dev), tok
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
     return model, tok

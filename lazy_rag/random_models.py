@@ -1,4 +1,5 @@
-"""Named architectures with random weights, built in place on the device.
+"""Named architectures with random weights, built in place on the device (one module at a time,
+each from its own seed: ``engine/shard_loading.RandomSource``).
 
 The benchmark machine has no model hub, so a serving benchmark there runs a real architecture's
 shape (what decides speed and KV size) with random weights; the kernel compile (``kernel_compile``)
@@ -86,34 +87,38 @@ def random_config(name: str, layers: int | None = None):
     return config_class(**kwargs)
 
 
-def random_model(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
-    """A causal LM of the named architecture with random weights, created directly on ``device``
-    in ``dtype`` (default: bf16 on CUDA, fp32 on CPU): an 8B model is never built on the host."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .kernels import compiler_setup
+def random_source(name: str, dtype=None, layers: int | None = None, seed: int = 0, device="cpu"):
+    """The ``shard_loading.RandomSource`` of a named architecture: what every process that builds
+    it (a tensor-parallel rank, an engine process) needs to draw the same weights."""
+    from .engine.shard_loading import RandomSource
     from .models import resolve_device, resolve_dtype
 
-    cfg = random_config(name, layers)
+    return RandomSource(random_config(name, layers), seed, resolve_dtype(dtype or "auto", resolve_device(device)))
+
+
+def random_model(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0,
+                 tensor_parallel: int = 1):
+    """A causal LM of the named architecture with random weights, created directly on ``device``
+    in ``dtype`` (default: bf16 on CUDA, fp32 on CPU): an 8B model is never built on the host.
+    Each module is drawn from its own seed (``shard_loading.RandomSource``), so that
+    ``tensor_parallel=N`` builds rank 0's share alone, with the values the whole model holds."""
+    from .kernels import compiler_setup
+    from .models import resolve_device
+
     dev = resolve_device(device)
     compiler_setup.start(dev)   # Triton's once-per-process set-up beside the weights' creation
-    dt = resolve_dtype(dtype or "auto", dev)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dt)
-    try:
-        with torch.device(dev):
-            return AutoModelForCausalLM.from_config(cfg).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    return random_source(name, dtype, layers, seed, dev).load_share(0, tensor_parallel, dev)
 
 
-def random_llm(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0):
-    """``LazyLLM`` over a random model of the named architecture, prompts as token ids."""
+def random_llm(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0, **engine_options):
+    """``LazyLLM`` over a random model of the named architecture, prompts as token ids
+    (``engine_options``: ``EngineConfig``'s; with ``tensor_parallel`` each rank builds its share)."""
+    from .engine import EngineConfig
     from .llm import LazyLLM
 
-    llm = LazyLLM(random_model(name, device, dtype, layers, seed), IdTokenizer())
+    config = (engine_options.pop("engine_config", None) or EngineConfig()).with_options(**engine_options)
+    model = random_model(name, device, dtype, layers, seed, config.tensor_parallel)
+    llm = LazyLLM(model, IdTokenizer(), engine_config=config)
     llm.model_name = f"random:{name}"
     return llm
 

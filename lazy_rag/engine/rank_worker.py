@@ -12,6 +12,7 @@ from ..errors import LazyRagError
 from .engine import Engine
 from .read_or_encode import ReadAlways
 from .store_ref import StoreRef, open_ref
+from .shard_loading import RankShare
 from .tensor_parallel import HeadShard, RankGroup, ShardedParts
 
 
@@ -30,16 +31,31 @@ def encode_whole(engine: Engine, chunks, prefix, wrapper, cache, quantize) -> li
 
 
 def open_rank_engine(group: RankGroup, model, tokenizer, model_name, default_source, config) -> Engine:
-    """A worker's engine: the same host as rank 0's (model, tokenizer, default chunk source) and
-    the same configuration, over this rank's share of the model."""
+    """A worker's engine: the same host as rank 0's (tokenizer, default chunk source) and the same
+    configuration, over this rank's share of the model. ``model``: rank 0's ``RankShare`` (this
+    rank loads its own share from the same source) or the whole model (shared memory)."""
     from ..model_host import ModelHost
 
+    if isinstance(model, RankShare):
+        model = dataclasses.replace(model, rank=group.rank).load()
     host = ModelHost(model, tokenizer, model_name=model_name)
     host.default_source = default_source
     engine = Engine(host, config, parts=ShardedParts(host.parts, group))
     engine.remote_handles = {}
     engine.remote_stores = {}   # StoreRef -> this worker's read-only store
-    return attach(engine, group)
+    attach(engine, group)
+    gather_weight_bytes(engine, group)
+    return engine
+
+
+def gather_weight_bytes(engine: Engine, group: RankGroup) -> list[int]:
+    """The bytes of model weights each rank's process holds (a collective, as each rank opens its
+    engine): the host's model and the engine's layers, every tensor counted once, shared memory
+    included (a model given in memory is whole in every rank)."""
+    model, layers = engine.host.model, torch.nn.ModuleList(engine.runner.parts.layers)
+    tensors = [*model.parameters(), *model.buffers(), *layers.parameters(), *layers.buffers()]
+    mine = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return [int(b) for b in group.all_gather(torch.tensor([mine], dtype=torch.int64))]
 
 
 def run_rank_command(engine: Engine, op: str, *args) -> None:

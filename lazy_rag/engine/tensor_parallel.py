@@ -11,7 +11,11 @@ after the sum). Embeddings, norms and the LM head stay whole on every rank, so e
 the same residual stream and the same logits and makes the same choices (``tp_engine``).
 OLMo 2 normalises q and k over all heads at once: its ``ShardedRMSNorm`` all-reduces the sum of
 squares (one more all-reduce each). Mixture-of-experts MLPs (mixtral, qwen2_moe, qwen3_moe,
-olmoe) are not split: such a model is refused (``check_shardable``).
+olmoe) are not split: such a model is refused (``check_split``).
+
+``layer_shares`` names each rank's share of a layer's tensors; a rank gets it either by loading
+only that (``shard_loading``, the way for a model larger than one device) or by slicing it from
+a whole model given in memory (``shard_layer``); ``with_collectives`` then adds the all-reduces.
 
 The pool of a rank holds its KV heads of every chunk; the chunk store on disk is unchanged and
 holds all of them. ``HeadShard`` slices a record's heads as a rank reads it and gathers the ranks'
@@ -25,13 +29,13 @@ from __future__ import annotations
 
 import copy
 import datetime
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..architecture import ModelParts, num_experts
+from ..architecture import FAMILIES, ModelParts, num_experts
 from ..chunk_kv import ChunkKV
 from ..errors import LazyRagError
 
@@ -96,28 +100,49 @@ class RankGroup:
 
     def share(self, n: int) -> slice:
         """This rank's slice of ``n`` things split evenly (checked by ``check_shardable``)."""
-        k = n // self.size
-        return slice(self.rank * k, (self.rank + 1) * k)
+        return part(n, self.rank, self.size)
 
 
-def check_shardable(parts: ModelParts, size: int) -> None:
+def part(n: int, rank: int, size: int) -> slice:
+    """Rank ``rank``'s slice of ``n`` things split evenly over ``size`` ranks."""
+    k = n // size
+    return slice(rank * k, (rank + 1) * k)
+
+
+def split_counts(config, layer: nn.Module) -> dict[str, int]:
+    """What tensor parallelism splits evenly over the ranks, read from the config and one whole
+    decoder layer (real or on the meta device)."""
+    return {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads,
+            "MLP width": _mlp_width(layer.mlp)}
+
+
+def check_split(config, layer: nn.Module, size: int) -> None:
     """Refuse a model whose heads or MLP width do not split evenly over ``size`` ranks, naming
-    the sizes that do; and a mixture-of-experts model, whose expert blocks are not split."""
-    if parts.family.moe:
+    the sizes that do; and a mixture-of-experts model, whose expert blocks are not split.
+    ``layer``: one of its decoder layers, whole."""
+    if FAMILIES[config.model_type].moe:
         raise LazyRagError(
-            f"tensor_parallel={size} does not split mixture-of-experts MLPs yet: this {parts.config.model_type} "
-            f"model's expert blocks ({num_experts(parts.config)} experts) would need their experts spread over the "
+            f"tensor_parallel={size} does not split mixture-of-experts MLPs yet: this {config.model_type} "
+            f"model's expert blocks ({num_experts(config)} experts) would need their experts spread over the "
             "ranks, which lazy-rag's sharding does not do. Use tensor_parallel=1.")
-    shp = parts.shape
-    inter = parts.layers[0].mlp
-    width = _mlp_width(inter)
-    counts = {"attention heads": shp.num_heads, "KV heads": shp.num_kv_heads, "MLP width": width}
+    counts = split_counts(config, layer)
     bad = {k: v for k, v in counts.items() if v % size}
     if bad:
-        fits = [n for n in range(1, shp.num_kv_heads + 1) if all(v % n == 0 for v in counts.values())]
+        fits = [n for n in range(1, config.num_key_value_heads + 1) if all(v % n == 0 for v in counts.values())]
         raise LazyRagError(
             f"tensor_parallel={size} must divide the model's {', '.join(f'{k} ({v})' for k, v in counts.items())}; "
             f"{', '.join(bad)} do not split evenly. Use tensor_parallel in {fits}.")
+
+
+def check_shardable(parts: ModelParts, size: int) -> None:
+    """``check_split`` of a loaded model; a model loaded as one rank's share
+    (``shard_loading``) was checked as it was loaded, and must have been loaded for ``size`` ranks."""
+    share = getattr(parts.model, "rank_share", None)
+    if share is None:
+        check_split(parts.config, parts.layers[0], size)
+    elif share.size != size:
+        raise LazyRagError(f"This model was loaded as one rank's share for tensor_parallel={share.size}; it cannot "
+                           f"serve tensor_parallel={size}. Load it again with tensor_parallel={size}.")
 
 
 def _mlp_width(mlp) -> int:
@@ -126,15 +151,56 @@ def _mlp_width(mlp) -> int:
     return mlp.gate_proj.weight.shape[0]
 
 
+@dataclass(frozen=True)
+class Share:
+    """A rank's part of one tensor: the ``slices`` of axis ``dim`` it keeps, in this order
+    (several for a fused projection: phi3's q, k and v rows)."""
+    dim: int
+    slices: tuple[slice, ...]
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This share of the whole tensor ``t``, a new contiguous tensor."""
+        return torch.cat([t.narrow(self.dim, s.start, s.stop - s.start) for s in self.slices], self.dim).contiguous()
+
+
+def layer_shares(config, layer: nn.Module, rank: int, size: int) -> dict[str, Share]:
+    """Megatron's split of one decoder layer: rank ``rank``'s share of every tensor it splits,
+    by name inside the layer (a bias listed here that the layer lacks is skipped); the layer's
+    other tensors are whole on every rank. ``layer``: whole (real or on the meta device); the
+    loader (``shard_loading``) reads these shares from a checkpoint, ``shard_layer`` slices them
+    from a loaded model."""
+    fam = FAMILIES[config.model_type]
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, layer.self_attn.head_dim
+    qh, kvh = part(H, rank, size), part(KV, rank, size)
+    q, kv = slice(qh.start * D, qh.stop * D), slice(kvh.start * D, kvh.stop * D)
+    width = _mlp_width(layer.mlp)
+    inter = part(width, rank, size)
+    rows = lambda *s: Share(0, s)   # noqa: E731  (column-parallel: output rows, and their bias)
+    out: dict[str, Share] = {}
+    if fam.qkv == "fused":   # phi3: q, k, v stacked in that order
+        qkv = rows(q, _offset(kv, H * D), _offset(kv, (H + KV) * D))
+        out.update({"self_attn.qkv_proj.weight": qkv, "self_attn.qkv_proj.bias": qkv})
+    else:
+        for name, s in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.update({f"self_attn.{name}.weight": rows(s), f"self_attn.{name}.bias": rows(s)})
+    if fam.qk_norm == "whole":   # olmo2: normed over every head's columns at once, each rank its heads'
+        out.update({"self_attn.q_norm.weight": rows(q), "self_attn.k_norm.weight": rows(kv)})
+    out["self_attn.o_proj.weight"] = Share(1, (q,))   # row-parallel: input columns (its bias stays whole)
+    if hasattr(layer.mlp, "gate_up_proj"):   # phi3: gate and up stacked
+        out["mlp.gate_up_proj.weight"] = rows(inter, _offset(inter, width))
+    else:
+        out.update({"mlp.gate_proj.weight": rows(inter), "mlp.up_proj.weight": rows(inter)})
+    out["mlp.down_proj.weight"] = Share(1, (inter,))
+    return out
+
+
 class RowParallelLinear(nn.Module):
     """A linear layer split by input columns: each rank's partial product, summed over the
-    ranks, then the bias once."""
+    ranks, then the bias once. ``linear`` holds the rank's columns already."""
 
-    def __init__(self, linear: nn.Linear, columns: slice, group: RankGroup):
+    def __init__(self, linear: nn.Linear, group: RankGroup):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach()[:, columns].contiguous(), requires_grad=False)
-        self.bias = linear.bias
-        self.group = group
+        self.weight, self.bias, self.group = linear.weight, linear.bias, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
@@ -144,11 +210,11 @@ class RowParallelLinear(nn.Module):
 class ShardedRMSNorm(nn.Module):
     """OLMo 2's RMSNorm over all heads at once (``Olmo2RMSNorm``: fp32 mean of squares, weight
     multiplied before rounding) on a rank's slice of the heads: the sum of squares is all-reduced,
-    so the mean is over the whole width."""
+    so the mean is over the whole ``width``. ``norm`` holds the rank's slice of the weight already."""
 
-    def __init__(self, norm: nn.Module, columns: slice, width: int, group: RankGroup):
+    def __init__(self, norm: nn.Module, width: int, group: RankGroup):
         super().__init__()
-        self.weight = nn.Parameter(norm.weight.detach()[columns].contiguous(), requires_grad=False)
+        self.weight = norm.weight
         self.eps, self.width, self.group = norm.variance_epsilon, width, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,61 +223,69 @@ class ShardedRMSNorm(nn.Module):
         return (self.weight * (xf * torch.rsqrt(variance + self.eps))).to(dtype)
 
 
-def _keep_rows(linear: nn.Linear, rows: list[slice]) -> None:
-    """Keep only ``rows`` of the layer's output (and bias): a column-parallel share."""
-    w = linear.weight.detach()
-    linear.weight = nn.Parameter(torch.cat([w[r] for r in rows]).contiguous(), requires_grad=False)
-    if linear.bias is not None:
-        b = linear.bias.detach()
-        linear.bias = nn.Parameter(torch.cat([b[r] for r in rows]).contiguous(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
 def _offset(s: slice, by: int) -> slice:
     return slice(s.start + by, s.stop + by)
 
 
-def shard_layer(layer: nn.Module, parts: ModelParts, group: RankGroup) -> nn.Module:
-    """A copy of one decoder layer holding this rank's share (its parameters that stay whole are
-    the checkpoint's own tensors, not copies)."""
+def _copy_layer(layer: nn.Module) -> nn.Module:
+    """A copy of a decoder layer's modules that shares its tensors (none is copied)."""
     shared = {id(t): t for t in [*layer.parameters(), *layer.buffers()]}
-    mine = copy.deepcopy(layer, memo=shared)
-    shp, attn, mlp = parts.shape, mine.self_attn, mine.mlp
-    D = shp.head_dim
-    q = slice(group.share(shp.num_heads).start * D, group.share(shp.num_heads).stop * D)
-    kv = slice(group.share(shp.num_kv_heads).start * D, group.share(shp.num_kv_heads).stop * D)
-    if parts.family.qkv == "fused":   # phi3: q, k, v stacked in that order
-        qw, kw = shp.num_heads * D, shp.num_kv_heads * D
-        _keep_rows(attn.qkv_proj, [q, _offset(kv, qw), _offset(kv, qw + kw)])
-    else:
-        _keep_rows(attn.q_proj, [q])
-        _keep_rows(attn.k_proj, [kv])
-        _keep_rows(attn.v_proj, [kv])
-    if parts.family.qk_norm == "whole":   # olmo2: normed over every head's columns at once
-        attn.q_norm = ShardedRMSNorm(attn.q_norm, q, shp.num_heads * D, group)
-        attn.k_norm = ShardedRMSNorm(attn.k_norm, kv, shp.num_kv_heads * D, group)
-    attn.o_proj = RowParallelLinear(attn.o_proj, q, group)
-    inter = group.share(_mlp_width(mlp))
-    if hasattr(mlp, "gate_up_proj"):   # phi3: gate and up stacked
-        _keep_rows(mlp.gate_up_proj, [inter, _offset(inter, _mlp_width(mlp))])
-    else:
-        _keep_rows(mlp.gate_proj, [inter])
-        _keep_rows(mlp.up_proj, [inter])
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, inter, group)
-    return mine
+    return copy.deepcopy(layer, memo=shared)
+
+
+def fit_linear_sizes(module: nn.Module) -> None:
+    """Make every ``nn.Linear``'s recorded sizes those of the weight it holds (a share's)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.out_features, m.in_features = m.weight.shape
+
+
+def shard_layer(layer: nn.Module, config, group: RankGroup) -> nn.Module:
+    """A copy of one whole decoder layer holding this rank's share, with its collectives (the
+    tensors that stay whole are the checkpoint's own, not copies)."""
+    mine = _copy_layer(layer)
+    for name, share in layer_shares(config, layer, group.rank, group.size).items():
+        owner, _, attr = name.rpartition(".")
+        module = mine.get_submodule(owner)
+        whole = getattr(module, attr, None)
+        if whole is not None:
+            setattr(module, attr, nn.Parameter(share.of(whole.detach()), requires_grad=False))
+    fit_linear_sizes(mine)
+    return with_collectives(mine, config, group)
+
+
+def with_collectives(layer: nn.Module, config, group: RankGroup) -> nn.Module:
+    """Make a layer that holds a rank's share (``layer_shares``) compute its part of the whole
+    layer: o_proj and down_proj sum their partial products over the ranks, OLMo 2's q/k norms
+    their sums of squares. In place."""
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.o_proj = RowParallelLinear(attn.o_proj, group)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    if FAMILIES[config.model_type].qk_norm == "whole":
+        D = attn.head_dim
+        attn.q_norm = ShardedRMSNorm(attn.q_norm, config.num_attention_heads * D, group)
+        attn.k_norm = ShardedRMSNorm(attn.k_norm, config.num_key_value_heads * D, group)
+    return layer
 
 
 class ShardedParts(ModelParts):
-    """``ModelParts`` of one rank: the same embeddings, norms, LM head and RoPE (the whole
-    model's, shared, not copied), its share of every layer, and a shape whose head counts are
-    the rank's. Chunk wrapper rows are read from the whole model's parts, where the host's
-    ``WrapperTable`` registers them."""
+    """``ModelParts`` of one rank: the same embeddings, norms, LM head and RoPE (the host's,
+    shared, not copied), its share of every layer, and a shape whose head counts are the rank's.
+    The host's model is either whole (each layer's share is sliced from it here) or already this
+    rank's share (loaded so, ``shard_loading``: its layers are only given their collectives).
+    Chunk wrapper rows are read from the host's parts, where its ``WrapperTable`` registers them."""
 
     def __init__(self, full: ModelParts, group: RankGroup):   # (ModelParts.__init__ reads the whole model)
         check_shardable(full, group.size)
         self.__dict__.update({k: v for k, v in full.__dict__.items() if k != "virtual_rows"})
         self.full, self.group = full, group
-        self.layers = [shard_layer(layer, full, group) for layer in full.layers]
+        share = getattr(full.model, "rank_share", None)
+        if share is None:
+            self.layers = [shard_layer(layer, full.config, group) for layer in full.layers]
+        elif share.rank != group.rank:
+            raise LazyRagError(f"Rank {group.rank} was given rank {share.rank}'s share of the model.")
+        else:   # (a copy: the host's model keeps its layers as loaded, without collectives)
+            self.layers = [with_collectives(_copy_layer(layer), full.config, group) for layer in full.layers]
         self.shape = replace(full.shape, num_heads=full.shape.num_heads // group.size,
                              num_kv_heads=full.shape.num_kv_heads // group.size)
 

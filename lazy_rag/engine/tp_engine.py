@@ -2,9 +2,13 @@
 
 Rank 0 (this process) is an ``Engine`` whose model is its share of every layer
 (``tensor_parallel.ShardedParts``) and whose pool holds its KV heads of every chunk; each worker
-rank (``rank_pool``) runs the same engine on its share. Lockstep: rank 0's scheduler decides
-every step, and the workers reach the same decisions because every input to them is replicated
-in order: rank 0 forwards each request as it accepts it (a sampling seed filled in, so that
+rank (``rank_pool``) runs the same engine on its share. A model loaded as rank 0's share
+(``shard_loading``: a safetensors folder, random weights) has each worker load its own from the
+same source, so no process holds the whole model; one given in memory is shared with the workers
+whole, each slicing its share (``stats()["rank_weight_bytes"]``: what each rank holds).
+
+Lockstep: rank 0's scheduler decides every step, and the workers reach the same decisions because
+every input to them is replicated in order: rank 0 forwards each request as it accepts it (a sampling seed filled in, so that
 sampled tokens agree), each step, abort, chunk encode and cache clear, before running it
 itself. Everything a decision reads is then equal on every rank: the requests, the pages, and
 the logits (the residual stream is whole on every rank after each all-reduce, and the LM head
@@ -31,7 +35,7 @@ from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
 from .store_ref import ref_of
-from .rank_worker import attach, encode_whole
+from .rank_worker import attach, encode_whole, gather_weight_bytes
 from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
 
 # Engine.submit's keywords that are shorthand for SamplingParams fields (the same names)
@@ -40,6 +44,8 @@ _SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 def engine_for(host, config) -> Engine:
     """The engine ``config`` asks for: over ``config.tensor_parallel`` ranks, or this process alone."""
+    if getattr(host.model, "rank_share", None) is not None:   # loaded as one rank's share: for that many ranks only
+        check_shardable(host.parts, config.tensor_parallel)
     return TPEngine(host, config) if config.tensor_parallel > 1 else Engine(host, config)
 
 
@@ -60,12 +66,16 @@ class TPEngine(Engine):
         group = self.ranks.group
         parts = ShardedParts(host.parts, group)
         self.eid = self.ranks.new_engine_id()
+        # a model loaded as rank 0's share (shard_loading) travels as where it was loaded from,
+        # each worker loading its own share; a model given in memory travels whole, as shared
+        # memory, each worker keeping its own share of it
+        share = getattr(host.model, "rank_share", None)
         with self.ranks.lock:
-            # the whole model travels as shared memory; each worker keeps its own share of it
-            self.ranks.send("open", self.eid, host.model, host.tokenizer, host.model_name, host.default_source,
-                            config)
-        super().__init__(host, config, tiers, parts=parts)
-        attach(self, group)
+            self.ranks.send("open", self.eid, host.model if share is None else share, host.tokenizer,
+                            host.model_name, host.default_source, config)
+            super().__init__(host, config, tiers, parts=parts)
+            attach(self, group)
+            self.rank_weight_bytes = gather_weight_bytes(self, group)
         # write-backs rank 0 committed during a step, sent to the workers before the next one: a
         # worker's snapshot of the index cannot see them, and a rank that encoded a chunk rank 0
         # read would leave lockstep
@@ -150,7 +160,7 @@ class TPEngine(Engine):
         return group.broken
 
     def stats(self) -> dict:
-        return {**super().stats(), "tensor_parallel": self.ranks.size}
+        return {**super().stats(), "tensor_parallel": self.ranks.size, "rank_weight_bytes": self.rank_weight_bytes}
 
 
 def _portable(options: dict) -> dict:

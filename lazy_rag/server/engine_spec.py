@@ -108,7 +108,7 @@ class EngineSpec:
             from ..random_models import random_model
 
             model = random_model(self.random, device=self.device, dtype=None if self.dtype == "auto" else self.dtype,
-                                 seed=self.seed)
+                                 seed=self.seed, tensor_parallel=self.engine_config.tensor_parallel)
             llm = LazyLLM(model, self.load_tokenizer(), shared_prefix=self.shared_prefix,
                           engine_config=self.engine_config)
             llm.model_name = self.model_name
