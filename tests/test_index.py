@@ -31,22 +31,51 @@ def embedder():
     return Embedder()
 
 
-@pytest.fixture()
-def corpus(tmp_path):
-    src = tmp_path / "docs"
+def _restore(pristine: Path, base: Path) -> None:
+    """``base`` made exactly ``pristine`` again (whatever a test left there removed), files with
+    their modification times (a build tells an unchanged source and KV segment by them)."""
+    if base.exists():
+        shutil.rmtree(base)
+    shutil.copytree(pristine, base, symlinks=True)
+
+
+@pytest.fixture(scope="module")
+def _built_once(tmp_path_factory, smollm2, embedder):
+    """The corpus and its index, built once for the module (a build per test cost ~1.6 s each, the
+    suite's time budget): kept pristine beside ``base``, and restored byte for byte at the same
+    paths before each test (an index names its sources by path), so every test starts from what a
+    build of its own would have left, and may change it freely."""
+    base = tmp_path_factory.mktemp("built")
+    src = base / "docs"
     shutil.copytree(CORPUS, src)
     (src / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (src / "binary.txt").write_bytes(b"abc\x00\x01\x02def")
     (src / "latin1.md").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    return src
+    index, report = LazyIndex.build([src], base / "idx", llm=smollm2, embedder=embedder, chunk_size=96,
+                                    chunk_overlap=16, progress=False)
+    assert index.wrapper is not None and index.store.kv_dir.name == f"kv-w{index.wrapper.digest}"
+    index.close()  # everything in the files before they are copied
+    pristine = tmp_path_factory.mktemp("built-pristine") / "base"
+    shutil.copytree(base, pristine, symlinks=True)
+    return base, pristine, report
 
 
 @pytest.fixture()
-def built(corpus, tmp_path, smollm2, embedder):
-    """An index as a user builds it: with the model's bundled chunk wrapper (its KV folder is kv-w<digest>)."""
-    out = tmp_path / "idx"
-    index, report = LazyIndex.build([corpus], out, llm=smollm2, embedder=embedder, chunk_size=96,
-                                    chunk_overlap=16, progress=False)
+def corpus(_built_once):
+    """The example corpus plus three files a build skips (an image, a binary, Latin-1 too short
+    to tell), fresh for the test."""
+    base, pristine, _ = _built_once
+    _restore(pristine, base)
+    return base / "docs"
+
+
+@pytest.fixture()
+def built(corpus, _built_once, smollm2, embedder):
+    """An index as a user builds it: with the model's bundled chunk wrapper (its KV folder is
+    kv-w<digest>), built from ``corpus`` (the module's one build, restored for the test: above)."""
+    base, _, report = _built_once
+    out = base / "idx"
+    index = LazyIndex.load(out, llm=smollm2, embedder=embedder)
     assert index.wrapper is not None and index.store.kv_dir.name == f"kv-w{index.wrapper.digest}"
     return index, report, out
 

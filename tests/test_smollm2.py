@@ -97,13 +97,26 @@ def test_bad_prompts_get_clear_errors(smollm2):
         smollm2.generate(["hi"], top_p=0.0)
 
 
-def test_a_gguf_tokenizer_read_unlike_the_file_is_refused():
+def test_a_gguf_tokenizer_read_unlike_the_file_is_refused(monkeypatch):
     """transformers' GGUF tokenizer conversion has differed between versions (5.17 read Gemma 3's
     with a token fewer and no BOS): a tokenizer whose vocabulary size or BOS differs from what the
     GGUF holds is refused, naming the file and the fix; the one converted here is accepted."""
     from types import SimpleNamespace
 
+    import gguf as gguf_package
+
     from lazy_rag.models import bundled_gguf, check_gguf_tokenizer, load_tokenizer
+
+    # the three checks below read the same file: its fields parsed once (GGUFReader takes ~2.6 s a
+    # parse on CI's CPU, most of this test), each check still reading them through GGUFReader
+    parsed, reader = {}, gguf_package.GGUFReader
+
+    def read_once(path, *args, **kwargs):
+        if path not in parsed:
+            parsed[path] = reader(path, *args, **kwargs)
+        return parsed[path]
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", read_once)
 
     gguf, tok = bundled_gguf("smollm2"), load_tokenizer("smollm2")
     check_gguf_tokenizer(gguf, tok)
@@ -116,3 +129,4 @@ def test_a_gguf_tokenizer_read_unlike_the_file_is_refused():
     with_bos.get_vocab = tok.get_vocab
     with pytest.raises(LazyRagError, match="BOS added"):
         check_gguf_tokenizer(gguf, with_bos)
+    assert list(parsed) == [str(gguf)]  # (the checks read the bundled file, and only it)
