@@ -17,6 +17,20 @@ def torch_kernels():
         yield
 
 
+@contextmanager
+def reference_page_copies():
+    """Block mode's page copies (``copy_rotate_run``) by their torch reference on the CPU, the
+    attention kernels still in Triton's interpreter. The interpreter runs the copy kernel one
+    program per page, layer and head, ~19 ms each: most of a block-mode parity test on a real
+    model. The copy kernel itself is checked against that reference in tests/kernels/
+    (test_page_copy.py, test_fp8.py) and on the GPU; CUDA tensors still take it here."""
+    from lazy_rag.kernels import page_copy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(page_copy, "use_triton", lambda t: t.is_cuda)
+        yield
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "NaN in output"
     out = out.to(ref.device)  # engine logits come back on the host; oracle ones stay on the device

@@ -12,13 +12,20 @@ import random
 import pytest
 import torch
 
-from helpers import rel_err, small_llm
+from helpers import reference_page_copies, rel_err, small_llm
 from lazy_rag import Chunk, LazyLLM
 from lazy_rag.architecture import ModelParts, check_supported, moe_block
 from lazy_rag.errors import UnsupportedModelError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from lazy_rag.requests import ChunkSource
 from tiny_models import MOE_FAMILIES, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _reference_page_copies():
+    with reference_page_copies():
+        yield
+
 
 FAMILIES = ("granite", "phi3", "olmo2", "gemma3_text", "gemma2") + tuple(MOE_FAMILIES)
 

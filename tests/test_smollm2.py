@@ -2,11 +2,18 @@
 with its bundled chunk wrapper (the default for text chunks) and with plain chunks."""
 import pytest
 
-from helpers import rel_err
+from helpers import reference_page_copies, rel_err
 from lazy_rag import Chunk, build_rag_segments
 from lazy_rag.errors import LazyRagError, PromptTooLongError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal
 from lazy_rag.requests import ChunkSource
+
+
+@pytest.fixture(autouse=True)
+def _reference_page_copies():
+    with reference_page_copies():
+        yield
+
 
 DOCS = [
     "The Marrow Point Lighthouse was completed in 1871 by the engineer Agnes Thorold.",
