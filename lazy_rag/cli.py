@@ -38,7 +38,8 @@ RECOVERY_HELP = ("Default quality recovery of queries: auto (each answer's reuse
 
 THREADS_HELP = (f"CPU threads for torch (default: ${THREADS_ENV}, else the physical cores this process may use; "
                 "lower it on a machine shared with other work).")
-TENSOR_PARALLEL_HELP = ("Split the model over N processes (Megatron-style tensor parallelism, gloo on the CPU; "
+TENSOR_PARALLEL_HELP = ("Split the model over N processes (Megatron-style tensor parallelism, gloo on the CPU; on "
+                        "GPUs one GPU a rank over NCCL, new and unmeasured: set LAZY_RAG_CUDA_TENSOR_PARALLEL=1; "
                         "N must divide its attention and KV heads; default 1: this process alone).")
 
 
@@ -847,6 +848,7 @@ def bench(
     page_size: int = typer.Option(64, help=_bench_help("page_size")),
     max_num_seqs: Optional[int] = typer.Option(None, help=_bench_help("max_num_seqs")),
     max_batched_tokens: int = typer.Option(16384, help=_bench_help("max_batched_tokens")),
+    tensor_parallel: int = typer.Option(1, min=1, help=_bench_help("tensor_parallel")),
     host_gb: Optional[float] = typer.Option(None, help=_bench_help("host_gb")),
     seed: int = typer.Option(0, help=_bench_help("seed")),
     out_name: Optional[str] = typer.Option(None, "--out", help=_bench_help("out")),
@@ -868,7 +870,7 @@ def bench(
                     output_tokens=output_tokens, requests=requests, hf_requests=hf_requests, popularity=popularity,
                     zipf_a=zipf_a, rates=rates, budgets=budgets, systems=systems, shared_chunks=shared_chunks,
                     page_size=page_size, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                    host_gb=host_gb, seed=seed, out=out_name, results_dir=results_dir, plots=plots,
+                    tensor_parallel=tensor_parallel, host_gb=host_gb, seed=seed, out=out_name, results_dir=results_dir, plots=plots,
                     as_json=as_json, progress=progress)
     except LazyRagError as e:
         _fail(e)

@@ -19,6 +19,11 @@ ARCHITECTURES: dict[str, dict] = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                          rope_parameters=LLAMA3_ROPE),
+    # Llama-3.1-70B's shape (its config.json): 80 layers, 64 query / 8 KV heads of 128; 141 GB of
+    # bf16 weights, more than one H200 holds: served split over GPUs (tensor_parallel, issue 63)
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                          rope_parameters=LLAMA3_ROPE),
     # Qwen2.5-0.5B(-Instruct)'s shape: 24 layers, 14 query / 2 KV heads of 64, q/k/v biases, tied
     # embeddings (the bundled qwen2.5-0.5b's architecture, for speed runs on machines without its weights)
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -49,6 +49,9 @@ HELP = {
     "page_size": "Engine KV page size in tokens.",
     "max_num_seqs": f"Engine: most requests running at once ({both('max_num_seqs')}).",
     "max_batched_tokens": "Engine: most tokens per step.",
+    "tensor_parallel": "Engine: split the model over N ranks, one process (and on CUDA one GPU) each, each "
+                       "loading its own share (default 1; GPUs need LAZY_RAG_CUDA_TENSOR_PARALLEL=1; not with "
+                       "the transformers system).",
     "host_gb": "Host tier size in GiB (default: every document's KV + 10%).",
     "seed": "Seed of the documents, requests and arrivals.",
     "out": f"Results name: <results-dir>/<out>.json and <out>_*.png ({both('out')}).",
@@ -74,7 +77,8 @@ def resolve_options(device: str, preset: str | None = None, **opts) -> dict:
 def run_command(*, preset=None, model=None, random_weights=None, device="auto", dtype="auto", docs=None,
                 doc_tokens=None, k=None, question_tokens=None, output_tokens=None, requests=None, hf_requests=None,
                 popularity=None, zipf_a=None, rates=None, budgets=None, systems=None, shared_chunks=None,
-                page_size=64, max_num_seqs=None, max_batched_tokens=16384, host_gb=None, seed=0, out=None,
+                page_size=64, max_num_seqs=None, max_batched_tokens=16384, tensor_parallel=1, host_gb=None, seed=0,
+                out=None,
                 results_dir=RESULTS_DIR, plots=True, as_json=False, progress="auto") -> list[dict]:
     from .runner import (BenchConfig, load_llm, parse_budgets, parse_rates, parse_shared_chunks, parse_systems,
                          run_bench, summary_table)
@@ -93,12 +97,13 @@ def run_command(*, preset=None, model=None, random_weights=None, device="auto", 
                       systems=parse_systems(o["systems"]), shared_chunks=parse_shared_chunks(o["shared_chunks"]),
                       hf_requests=o["hf_requests"], page_size=page_size,
                       max_num_seqs=o["max_num_seqs"], max_batched_tokens=max_batched_tokens,
+                      tensor_parallel=tensor_parallel,
                       host_bytes=None if host_gb is None else int(host_gb * (1 << 30))).validate()
     if not o["out"] or "/" in o["out"]:
         raise LazyRagError(f"--out {o['out']!r} must be a plain name (no folder): use --results-dir for the folder.")
     out_path = Path(results_dir) / f"{o['out']}.json"
     t0 = time.perf_counter()
-    llm, label = load_llm(o["model"], o["random_weights"], o["device"], dtype)
+    llm, label = load_llm(o["model"], o["random_weights"], o["device"], dtype, tensor_parallel)
     records = run_bench(llm, cfg, label, out_path, progress)
     took = time.perf_counter() - t0
     if as_json:
@@ -135,10 +140,12 @@ def argparse_main(argv=None) -> int:
     ap.add_argument("--plot-only", type=Path, nargs="+", metavar="RESULTS_JSON",
                     help="Only make the PNGs of results file(s) (several: records concatenated; name: --out).")
     typed = {"docs": int, "doc_tokens": int, "k": int, "question_tokens": int, "output_tokens": int, "requests": int,
-             "hf_requests": int, "page_size": int, "max_num_seqs": int, "max_batched_tokens": int, "seed": int,
+             "hf_requests": int, "page_size": int, "max_num_seqs": int, "max_batched_tokens": int,
+             "tensor_parallel": int, "seed": int,
              "zipf_a": float, "host_gb": float, "results_dir": Path}
     # options missing here default to None: the preset's value or the device's default
-    defaults = {"device": "auto", "dtype": "auto", "page_size": 64, "max_batched_tokens": 16384, "seed": 0,
+    defaults = {"device": "auto", "dtype": "auto", "page_size": 64, "max_batched_tokens": 16384, "tensor_parallel": 1,
+                "seed": 0,
                 "results_dir": RESULTS_DIR, "progress": "auto"}
     for name, text in HELP.items():
         if name in ("plots", "as_json"):

@@ -25,6 +25,7 @@ from ..engine import Engine
 from ..engine import EngineConfig
 from ..engine.config import SHARED_CHUNKS
 from ..engine.chunk_tiers import ChunkTiers
+from ..engine.tp_engine import engine_for
 from ..errors import LazyRagError
 from .defaults import SYSTEMS
 from .driver import run_engine, run_transformers, summarize_timings
@@ -55,6 +56,7 @@ class BenchConfig:
     max_num_seqs: int = 32
     max_batched_tokens: int = 16384
     host_bytes: int | None = None               # host tier; None: every document's KV + 10%
+    tensor_parallel: int = 1                    # ranks the engine's model is split over (EngineConfig's)
     warmup: bool = True
 
     def validate(self) -> "BenchConfig":
@@ -89,7 +91,10 @@ class BenchConfig:
                 f"{self.spec.k / self.spec.docs:g} (k/docs) or drop block from --systems.")
         if self.hf_requests < 1 and "transformers" in self.systems:
             raise LazyRagError("--hf-requests must be at least 1 (or drop transformers from --systems).")
-        for name in ("page_size", "max_num_seqs", "max_batched_tokens"):
+        if self.tensor_parallel > 1 and "transformers" in self.systems:
+            raise LazyRagError(f"--tensor-parallel {self.tensor_parallel} splits the engine's model over processes; "
+                               "plain transformers cannot run a rank's share of it: drop transformers from --systems.")
+        for name in ("page_size", "max_num_seqs", "max_batched_tokens", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise LazyRagError(f"--{name.replace('_', '-')} must be at least 1.")
         return self
@@ -138,22 +143,25 @@ def parse_shared_chunks(text: str) -> tuple:
 
 
 # -- the model -------------------------------------------------------------------------------------
-def load_llm(model: str | None, random_weights: str | None, device: str = "auto", dtype: str = "auto"):
+def load_llm(model: str | None, random_weights: str | None, device: str = "auto", dtype: str = "auto",
+             tensor_parallel: int = 1):
     """A checkpoint by name/path (``LazyLLM.from_pretrained``) or a named architecture with random
-    weights; returns (llm, label for the records)."""
+    weights, split over ``tensor_parallel`` ranks (each loading its own share); returns (llm, label
+    for the records)."""
     from ..llm import LazyLLM
     from ..random_models import random_llm
 
     if model and random_weights:
         raise LazyRagError("Give either --model or --random-weights, not both.")
     if random_weights:
-        llm = random_llm(random_weights, device, None if dtype == "auto" else dtype)
+        llm = random_llm(random_weights, device, None if dtype == "auto" else dtype, tensor_parallel=tensor_parallel)
         return llm, f"random:{random_weights}"
     if not model:
         raise LazyRagError("No model: give --model NAME_OR_PATH or --random-weights ARCH.")
     # plain chunks, as in the paper's workload and the recorded figures (a bundled chunk wrapper
     # would add its slots to every chunk of the chunk-reuse modes only, and the warm-up encodes plain)
-    return LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none"), model
+    return LazyLLM.from_pretrained(model, device=device, dtype=dtype, wrapper="none",
+                                   tensor_parallel=tensor_parallel), model
 
 
 # -- KV budget ------------------------------------------------------------------------------------
@@ -247,8 +255,8 @@ class Bench:
             torch.cuda.empty_cache()
         config = EngineConfig(num_pages=pool_pages(self.llm, self.workload, c.page_size, fit), page_size=c.page_size,
                               max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens,
-                              shared_chunks=shared_chunks)
-        return Engine(self.llm.host, config, tiers=self.tiers)
+                              shared_chunks=shared_chunks, tensor_parallel=c.tensor_parallel)
+        return engine_for(self.llm.host, config, self.tiers)
 
     def run(self) -> list[dict]:
         pts = self.points()
@@ -308,6 +316,7 @@ class Bench:
                "question_tokens": spec.question_tokens, "output_tokens": spec.output_tokens, "seed": spec.seed,
                "page_size": c.page_size if system != "transformers" else None,
                "max_num_seqs": c.max_num_seqs if system != "transformers" else None,
+               "tensor_parallel": c.tensor_parallel if system != "transformers" else None,
                "shared_chunks": shared_chunks,
                "prompt_tokens_mean": round(prompt_tokens / n, 1), "output_tokens_total": out_tokens,
                **latency_summary("ttft_ms", ttft), **latency_summary("e2e_ms", e2e),

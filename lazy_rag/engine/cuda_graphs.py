@@ -129,6 +129,7 @@ class DecodeGraphs:
             if cap is None:
                 return None
         self.graphs.move_to_end(key)
+        self.runner.check_replay(host)
         cap.buf.copy_(host)
         cap.graph.replay()
         self.replays += 1
@@ -231,7 +232,21 @@ def capture(runner, padding: torch.Tensor, forward) -> _Captured | None:
     that touch only the scratch page). Every graph of the runner shares one memory pool (they
     never run at once). None when the capture fails: the step then runs eagerly (logged), and
     the next capture takes a fresh pool, since a failed capture leaves its pool marked as
-    recording (every later capture into it would fail: "already recording to mempool_id")."""
+    recording (every later capture into it would fail: "already recording to mempool_id").
+
+    A tensor-parallel rank (``runner.group``) captures the same graphs as the other ranks, in the
+    same order (every rank runs the same steps), its NCCL all-reduces inside them (warmed up
+    eagerly first, so that no communicator is set up during the capture). Whether a capture
+    worked is agreed over the ranks: a graph one rank could not capture is dropped by all of them
+    and the step runs eagerly everywhere, since a rank that replays a graph runs no host code and
+    a rank that runs the step eagerly does."""
+    cap = _capture(runner, padding, forward)
+    if runner.group is not None and not runner.group.agree(cap is not None):
+        return None
+    return cap
+
+
+def _capture(runner, padding: torch.Tensor, forward) -> _Captured | None:
     dev = runner.pool.device
     buf = padding.to(dev)
     # warm up outside the capture: Triton compiles and caches its launchers, cuBLAS picks its
@@ -365,6 +380,7 @@ class AppendGraphs:
             if cap is None:
                 return None
         self.graphs.move_to_end(key)
+        self.runner.check_replay(host)
         cap.buf.copy_(host)
         cap.graph.replay()
         self.replays += 1

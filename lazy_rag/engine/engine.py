@@ -73,9 +73,8 @@ class Engine:
         shp, dev = parts.shape, host.device
         dt = config.resolved_kv_dtype(host.dtype)   # storage: the model's dtype, or fp8
         page_size = config.resolved_page_size(dev)
-        num_pages = config.num_pages or PagePool.pages_for_budget(
-            config.pool_bytes(dev), shp.num_layers, shp.num_kv_heads, page_size, shp.head_dim, dt)
-        self.pool = PagePool(shp.num_layers, num_pages, shp.num_kv_heads, page_size, shp.head_dim, dt, dev)
+        self.pool = PagePool(shp.num_layers, pool_pages(config, shp, host.dtype, dev), shp.num_kv_heads, page_size,
+                             shp.head_dim, dt, dev)
         self.pm = PageManager(self.pool, config.policy)
         self.tiers = tiers or ChunkTiers(config.host_bytes)
         self.runner = ModelRunner(parts, self.pool, config.cuda_graphs, config.max_num_seqs,
@@ -509,6 +508,14 @@ class Engine:
             stats.decode_tokens_per_s = (len(seq.output) - 1) / max(now - h.first_token_time, 1e-9)
         h.result = GenerationResult(text=h.text.text, token_ids=list(seq.output), stats=stats,
                                     finish_reason=reason, first_logits=h.first_logits, score=h.score)
+
+
+def pool_pages(config: EngineConfig, shape, model_dtype: torch.dtype, device: torch.device) -> int:
+    """The pool's page count for KV of ``shape``: ``config.num_pages``, else what its byte budget
+    holds (``EngineConfig.pool_bytes``: on a GPU, possibly a fraction of the memory free now)."""
+    return config.num_pages or PagePool.pages_for_budget(
+        config.pool_bytes(device), shape.num_layers, shape.num_kv_heads, config.resolved_page_size(device),
+        shape.head_dim, config.resolved_kv_dtype(model_dtype))
 
 
 def token_logprobs(logits: torch.Tensor, tok: int, k: int) -> tuple[int, float, list[tuple[int, float]]]:

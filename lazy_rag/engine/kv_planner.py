@@ -79,6 +79,11 @@ class KVPlanner:
         self.inv_freq = pool_rope.inv_freq.to(self.pool.device, torch.float32)
         self.chooser = ReadOrEncode()  # read a cold chunk's KV from the disk, or encode it again
         self.encoding: dict = {}       # chunk key -> the admitted request whose prefill encodes it
+        # a tensor-parallel rank (rank_worker.attach): a chunk's copy into the pool counts as done
+        # once queued, since whether a CUDA copy has finished yet differs per process and ranks
+        # that admitted different requests would leave lockstep; the step's kernels wait for it
+        # on the GPU (Transfer.wait) instead of the host for it
+        self.lockstep = False
 
     # -- scheduler protocol ---------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
@@ -115,7 +120,7 @@ class KVPlanner:
         for e in seq.held:
             t = e.meta.get("transfer")
             if t is not None:
-                if not t.ready():
+                if not (self.lockstep or t.ready()):
                     return False
                 t.wait()
                 e.meta.pop("transfer", None)

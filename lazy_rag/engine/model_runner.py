@@ -95,7 +95,8 @@ class ModelRunner:
 
     # -- the one layer loop -----------------------------------------------------------------------
     def forward(self, ids, pos, write_page, write_slot, attention, *, key_pos=None, logits_rows=None,
-                capture: bool | int | tuple = False, num_layers: int | None = None, virtual: bool = True):
+                capture: bool | int | tuple = False, num_layers: int | None = None, virtual: bool = True,
+                sums: tuple[int, int] | None = None):
         """Run the new tokens ``ids`` at logical positions ``pos`` ([n] on the device) through the
         layers. Their KV goes to (``write_page``, ``write_slot``) (None: nowhere, a pass that
         leaves the pool alone), keys rotated at ``key_pos`` (default ``pos``).
@@ -107,12 +108,16 @@ class ModelRunner:
         write them into given (K, V) buffers [layers, m, Hkv, D] (the first m tokens).
         Returns (fp32 logits of ``logits_rows`` or None, captured unrotated K and V
         [layers, captured, Hkv, D] or None). No host syncs and no
-        allocation that depends on values: a decode step through it can be captured in a graph."""
+        allocation that depends on values: a decode step through it can be captured in a graph.
+        ``sums``: the sums of ``ids`` and ``pos``, where the caller has them on the host (a
+        tensor-parallel rank's lockstep check then reads nothing back from the GPU)."""
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
         depth = len(p.layers) if num_layers is None else num_layers
-        if self.group is not None:
-            self.group.check_lockstep([n, depth, int(ids.sum()), int(pos.sum())], "a forward")
+        # (not inside a CUDA graph's capture: a replay runs no host code; ``check_replay`` checks it)
+        if self.group is not None and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            ids_sum, pos_sum = sums if sums is not None else (int(ids.sum()), int(pos.sum()))
+            self.group.check_lockstep([n, depth, ids_sum, pos_sum], "a forward")
         kp = pos if key_pos is None else key_pos
         # each layer kind's key rotation, by its own table (architecture.LayerKind)
         kcs = [kind.rope.cos_sin(kp, p.dtype) for kind in p.kinds]
@@ -146,6 +151,14 @@ class ModelRunner:
         return lazy_prefill(q, qo, q_pos, self.pool.k[i], self.pool.v[i], table, rope_mode="rotate_q", plan=plan,
                             **self.pool.scales(i), **options)
 
+    def check_replay(self, packed: torch.Tensor) -> None:
+        """Before a CUDA graph's replay (which runs no ``forward`` on the host, so no lockstep
+        check): a tensor-parallel rank compares the graph's packed inputs (on the host) with the
+        other ranks'. The same four values as ``forward``'s, so that a rank replaying a graph and
+        one running the step eagerly fail the check instead of hanging in different collectives."""
+        if self.group is not None:
+            self.group.check_lockstep([packed.numel(), -1, int(packed.sum()), 0], "a CUDA graph's replay")
+
     # -- steps and encodes ------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
@@ -154,7 +167,14 @@ class ModelRunner:
         buffer: valid until the next ``run``). A sequence's ``encode_jobs`` (chunks it encodes in
         its prefill, ``kv_planner``) run in the same forward ahead of every sequence's tokens, so
         each layer writes their KV before anyone attends to it; their captured KV is left in the
-        sequence's ``encoded_kv``."""
+        sequence's ``encoded_kv``. A tensor-parallel rank on CUDA returns once the step has
+        finished on every rank (``RankGroup.settle``)."""
+        logits = self._step(seqs)
+        if self.group is not None:
+            self.group.settle()
+        return logits
+
+    def _step(self, seqs) -> torch.Tensor:
         jobs = [j for s in seqs for j in getattr(s, "encode_jobs", ())]
         scoring = any(s.score_rows for s in seqs)  # rows beyond the last: eager, outside any graph
         if not jobs and not scoring:
@@ -185,7 +205,7 @@ class ModelRunner:
             logits, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                           StepAttention(self, jobs + seqs, batch, pack_fresh=bool(jobs)),
                                           key_pos=batch.key_pos, logits_rows=torch.tensor(rows, device=self.pool.device),
-                                          capture=encoded)
+                                          capture=encoded, sums=batch.sums)
         if jobs:
             self._keep_encoded(seqs, caught, batch.spans[:len(jobs)])
         if scoring:
@@ -230,7 +250,7 @@ class ModelRunner:
             _, caught = self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                                      StepAttention(self, jobs, batch, pack_fresh=True, encode_batch=True),
                                      key_pos=batch.key_pos,
-                                     capture=True)
+                                     capture=True, sums=batch.sums)
         return self._chunk_kvs(*caught, batch.spans, to_host, quantize, host_alloc)
 
     def _adapters_on(self, jobs, batch: "PackedBatch"):
@@ -264,7 +284,7 @@ class ModelRunner:
         rows = [r for r, p in enumerate(seq.compute_pos) if p >= last_chunk_end]
         probe = QuestionProbe(self, seq, rows, batch, candidates)
         self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
-                     StepAttention(self, [seq], batch, probe=probe), key_pos=batch.key_pos)
+                     StepAttention(self, [seq], batch, probe=probe), key_pos=batch.key_pos, sums=batch.sums)
         scores = probe.scores()
         if self.group is not None:   # the mean over this rank's heads -> over every head
             scores = self.group.all_reduce(scores) / self.group.size
@@ -281,7 +301,7 @@ class ModelRunner:
         pos = torch.arange(len(prompt), device=dev)
         full = FreshCausal(self, pos)
         _, (k, v) = self.forward(torch.tensor(prompt, device=dev), pos, None, None, full, capture=True,
-                                 num_layers=layer + 1)
+                                 num_layers=layer + 1, sums=(sum(prompt), len(prompt) * (len(prompt) - 1) // 2))
         where = slot_map(seq, self.pool.page_size, candidates)
         page = torch.tensor([where[p][0] for p in candidates], device=dev)
         slot = torch.tensor([where[p][1] for p in candidates], device=dev)
@@ -301,7 +321,7 @@ class ModelRunner:
         t = lambda x: torch.tensor(x, device=self.pool.device)  # noqa: E731
         shifted = tok.key_pos != tok.pos
         return PackedBatch(t(tok.ids), t(tok.pos), t(tok.pages), t(tok.slots), t(tok.key_pos) if shifted else None,
-                           tok.spans)
+                           tok.spans, (sum(tok.ids), sum(tok.pos)))
 
 
 def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
@@ -336,11 +356,12 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
 
 
 class PackedBatch:
-    """The new tokens of a step, packed: ids, positions, KV write targets, rows per sequence."""
+    """The new tokens of a step, packed: ids, positions, KV write targets, rows per sequence, and
+    the sums of the ids and positions (computed on the host: ``ModelRunner.forward``'s ``sums``)."""
 
-    def __init__(self, ids, pos, write_page, write_slot, key_pos, spans):
+    def __init__(self, ids, pos, write_page, write_slot, key_pos, spans, sums):
         self.ids, self.pos, self.write_page, self.write_slot, self.key_pos = ids, pos, write_page, write_slot, key_pos
-        self.spans = spans
+        self.spans, self.sums = spans, sums
 
 
 class StepAttention:

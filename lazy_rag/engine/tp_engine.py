@@ -17,6 +17,11 @@ kept out of decisions (``read_or_encode.ReadAlways``); ``RankGroup.check_lockste
 ranks' tokens before every forward, so a rank that left lockstep fails the step with an error
 instead of hanging.
 
+On GPUs (``rank_devices``: off unless ``LAZY_RAG_CUDA_TENSOR_PARALLEL=1``, new and unmeasured)
+rank r runs on the r-th GPU after rank 0's, its activations' all-reduces over NCCL inside its
+CUDA graphs, and the decisions that read the process rather than the requests are made the same
+on every rank (``rank_worker``'s docstring lists them).
+
 What a request may hold is what can cross a process: a callable ``score_fn`` stays on rank 0
 (the workers compute the same rows and drop them); chunk adapters (LoRA deltas hooked on the
 whole model's modules) are refused under TP for now. An index's store travels as a ``StoreRef``
@@ -35,26 +40,26 @@ from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
 from .store_ref import ref_of
-from .rank_worker import attach, encode_whole, gather_weight_bytes
+from .rank_devices import check_rank_devices
+from .rank_worker import agreed_config, attach, encode_whole, gather_weight_bytes
 from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
 
 # Engine.submit's keywords that are shorthand for SamplingParams fields (the same names)
 _SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def engine_for(host, config) -> Engine:
-    """The engine ``config`` asks for: over ``config.tensor_parallel`` ranks, or this process alone."""
+def engine_for(host, config, tiers=None) -> Engine:
+    """The engine ``config`` asks for: over ``config.tensor_parallel`` ranks, or this process alone.
+    ``tiers``: a host tier it shares with other engines (``Engine``'s)."""
     if getattr(host.model, "rank_share", None) is not None:   # loaded as one rank's share: for that many ranks only
         check_shardable(host.parts, config.tensor_parallel)
-    return TPEngine(host, config) if config.tensor_parallel > 1 else Engine(host, config)
+    return TPEngine(host, config, tiers) if config.tensor_parallel > 1 else Engine(host, config, tiers)
 
 
 def check_tensor_parallel(host, size: int) -> None:
-    if host.device.type != "cpu":
-        raise LazyRagError(
-            f"tensor_parallel={size} runs on the CPU (gloo) in this version; the GPU path (NCCL, a CUDA graph per "
-            "rank, transfers made deterministic across ranks) is not built yet. Load the model with device='cpu', "
-            "or serve it on one GPU with tensor_parallel=1.")
+    """Refuse ``size`` ranks where they cannot run (``rank_devices.check_rank_devices``: GPUs
+    only when enabled, and enough of them), before any process starts."""
+    check_rank_devices(host.device, size)
 
 
 class TPEngine(Engine):
@@ -62,7 +67,7 @@ class TPEngine(Engine):
         size = config.tensor_parallel
         check_tensor_parallel(host, size)
         check_shardable(host.parts, size)   # before any process starts
-        self.ranks = RankPool.get(size)
+        self.ranks = RankPool.get(size, host.device)
         group = self.ranks.group
         parts = ShardedParts(host.parts, group)
         self.eid = self.ranks.new_engine_id()
@@ -72,8 +77,8 @@ class TPEngine(Engine):
         share = getattr(host.model, "rank_share", None)
         with self.ranks.lock:
             self.ranks.send("open", self.eid, host.model if share is None else share, host.tokenizer,
-                            host.model_name, host.default_source, config)
-            super().__init__(host, config, tiers, parts=parts)
+                            host.model_name, host.default_source, config, self.ranks.tiers_spec(tiers))
+            super().__init__(host, agreed_config(config, parts, host.dtype, group), tiers, parts=parts)
             attach(self, group)
             self.rank_weight_bytes = gather_weight_bytes(self, group)
         # write-backs rank 0 committed during a step, sent to the workers before the next one: a
