@@ -17,7 +17,7 @@ from lazy_rag.bench.defaults import SYSTEMS
 from lazy_rag.bench.metrics import cache_metrics, latency_summary, throughput
 from lazy_rag.random_models import random_llm
 from lazy_rag.bench.plots import with_series
-from lazy_rag.bench.runner import BenchConfig, run_bench, summary_table
+from lazy_rag.bench.runner import Bench, BenchConfig, run_bench, summary_table
 from lazy_rag.bench.workload import WorkloadSpec, arrival_times, make_workload
 from lazy_rag.cli import app
 from lazy_rag.errors import LazyRagError
@@ -161,6 +161,20 @@ def test_shared_chunks_sweep_runs_lazy_per_value_and_other_modes_once(llm):
                                                                               "full auto"]
     # the plots draw lazy with and without grouping as two lines, the others under their mode
     assert [r["series"] for r in with_series(recs)] == ["lazy[auto]", "lazy[off]", "block", "full"]
+
+
+def test_the_warm_up_encodes_documents_only_for_a_chunk_reuse_system(llm):
+    """full and prefix never read the host tier: encoding every document ahead for them is time
+    (minutes for a 12B model) the sweep spends for nothing."""
+    said = []
+    for systems, encoded in [(("full", "prefix"), False), (("full", "lazy"), True)]:
+        cfg = BenchConfig(spec=WorkloadSpec(**TINY), rates=(None,), budgets=(1.0,), systems=systems, page_size=8,
+                          max_num_seqs=4)
+        bench = Bench(llm, cfg, "random:tiny-llama", progress="off")
+        with torch_kernels():
+            bench.warm_up(said.append)
+        assert (bench.tiers.host.bytes > 0) == encoded, systems
+    assert "no document encoded" in said[0] and f"{TINY['docs']} documents encoded" in said[1]
 
 
 def test_plots_are_written(records, tmp_path):

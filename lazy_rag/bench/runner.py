@@ -27,6 +27,7 @@ from ..engine.config import SHARED_CHUNKS
 from ..engine.chunk_tiers import ChunkTiers
 from ..engine.tp_engine import engine_for
 from ..errors import LazyRagError
+from ..requests import CHUNK_MODES
 from .defaults import SYSTEMS
 from .driver import run_engine, run_transformers, summarize_timings
 from .metrics import cache_metrics, gib, latency_summary, throughput
@@ -224,12 +225,15 @@ class Bench:
         return system
 
     def warm_up(self, log) -> None:
-        """Encode every document into the host tier; run one short request per system (kernel
-        compilation, allocator growth) on a throwaway engine."""
+        """Encode every document into the host tier when a chunk-reuse system is measured (full
+        and prefix never read it); run one short request per system (kernel compilation,
+        allocator growth) on a throwaway engine."""
         w, llm = self.workload, self.llm
-        eng = self._engine(self.cfg.spec.docs, self.cfg.shared_chunks[0])
-        eng.encode_chunks([list(doc.content) for doc in w.docs], llm.default_source.shared_prefix_ids)
-        del eng
+        encode = any(s in CHUNK_MODES for s in self.cfg.systems)
+        if encode:
+            eng = self._engine(self.cfg.spec.docs, self.cfg.shared_chunks[0])
+            eng.encode_chunks([list(doc.content) for doc in w.docs], llm.default_source.shared_prefix_ids)
+            del eng
         first = w.requests[:1]
         # every (system, shared_chunks) pair measured: grouped decode attention has kernels of its own
         for s, sc in dict.fromkeys((s, sc) for _b, _r, s, sc in self.points()):
@@ -243,8 +247,8 @@ class Bench:
                 eng = self._engine(self.cfg.spec.docs, sc)
                 run_engine(eng, s, w.requests[:n], [0.0] * n, 2)
                 del eng
-        log(f"warm-up: {len(w.docs)} documents encoded into the host tier "
-            f"({self.tiers.host.bytes / (1 << 20):.0f} MiB)")
+        log(f"warm-up: {len(w.docs)} documents encoded into the host tier ({self.tiers.host.bytes / (1 << 20):.0f} MiB)"
+            if encode else "warm-up: no chunk-reuse system measured, no document encoded ahead")
 
     def _engine(self, fit: int, shared_chunks: str) -> Engine:
         c = self.cfg
