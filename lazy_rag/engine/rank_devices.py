@@ -29,11 +29,6 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def collective_backend(device: torch.device) -> str:
-    """The backend of the collectives over tensors on ``device``: NCCL between GPUs, gloo on the CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
 def check_rank_devices(base: torch.device, size: int) -> None:
     """Refuse ``size`` ranks for a model on ``base`` where they cannot run: any device but the CPU
     or CUDA, CUDA unless ``LAZY_RAG_CUDA_TENSOR_PARALLEL=1``, or fewer GPUs from ``base`` on than

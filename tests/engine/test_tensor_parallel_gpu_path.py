@@ -23,7 +23,7 @@ from lazy_rag.engine import EngineConfig
 from lazy_rag.engine.chunk_tiers import ChunkTiers
 from lazy_rag.engine.cuda_graphs import capture
 from lazy_rag.engine.kv_planner import KVPlanner
-from lazy_rag.engine.rank_devices import CUDA_TENSOR_PARALLEL_ENV, check_rank_devices, collective_backend, rank_device
+from lazy_rag.engine.rank_devices import CUDA_TENSOR_PARALLEL_ENV, check_rank_devices, rank_device
 from lazy_rag.engine.rank_worker import agreed_config, worker_tiers
 from lazy_rag.engine.tensor_parallel import RankFailedError, RankGroup
 from lazy_rag.engine.tp_engine import check_tensor_parallel, engine_for
@@ -67,11 +67,6 @@ def test_the_gpu_path_is_off_unless_asked_for_saying_how(monkeypatch):
     monkeypatch.setenv(CUDA_TENSOR_PARALLEL_ENV, "1")
     check_tensor_parallel(SimpleNamespace(device=torch.device("cuda", 0)), 2)
     check_tensor_parallel(SimpleNamespace(device=torch.device("cpu")), 2)   # the CPU needs no switch
-
-
-def test_collectives_go_over_nccl_on_gpus_and_gloo_on_the_cpu():
-    assert collective_backend(torch.device("cuda", 1)) == "nccl"
-    assert collective_backend(torch.device("cpu")) == "gloo"
 
 
 class _FakeWork:
