@@ -8,6 +8,14 @@ steps so the batch's CUDA graph is captured), the engine's graph replays, and th
 architecture's step to the first one's.
 
     python benchmarks/decode_step.py --random-weights qwen3-a3b-dense,qwen3-30b-a3b --batch 1,32
+
+``--experts`` picks what runs the mixture-of-experts shapes' routed experts (lazy_rag.experts):
+transformers' ``grouped_mm`` (the default) and/or lazy-rag's Triton kernel (kernels/moe.py). With
+both, each MoE shape runs once per choice, side by side; each record carries its choice
+(``experts``, None for a dense shape):
+
+    python benchmarks/decode_step.py --random-weights qwen3-a3b-dense,qwen3-30b-a3b --batch 1,32 \
+        --experts grouped_mm,triton
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import numpy as np
 import torch
 
 from lazy_rag.bench.records import environment, format_table, write_records
-from lazy_rag.random_models import IdTokenizer, random_model
+from lazy_rag.random_models import ARCHITECTURES, IdTokenizer, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,6 +45,9 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--experts", default="grouped_mm",
+                    help="comma-separated: what runs a mixture-of-experts shape's routed experts, each in turn "
+                         "(grouped_mm, triton: lazy_rag.experts.EXPERTS)")
     ap.add_argument("--out", default="decode_step")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -48,9 +59,14 @@ def main():
     env = environment()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     batches = [int(b) for b in args.batch.split(",")]
+    experts_choices = args.experts.split(",")
+    # (architecture, experts choice): a MoE shape once per choice, a dense one once (None)
+    runs = [(name, experts) for name in args.random_weights.split(",")
+            for experts in (experts_choices if ARCHITECTURES.get(name, {}).get("num_experts") else [None])]
     records, first = [], {}
-    for name in args.random_weights.split(","):
-        model = random_model(name, args.device, layers=args.layers)
+    for name, experts in runs:
+        model = random_model(name, args.device, layers=args.layers, experts=experts or "grouped_mm")
+        moe = experts is not None
         host = ModelHost(model, IdTokenizer())
         rng = np.random.default_rng(0)
         vocab = model.config.vocab_size
@@ -80,7 +96,7 @@ def main():
             wall = statistics.median(walls)
             first.setdefault(batch, wall)
             rec = {"benchmark": "decode_step", "mode": "lazy", "device": env["device"], "architecture": name,
-                   "moe": bool(getattr(model.config, "num_experts", 0)),
+                   "moe": moe, "experts": experts,
                    "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
                    "layers": model.config.num_hidden_layers, "batch": batch, "k": args.k,
                    "chunk_tokens": args.chunk_tokens, "step_wall_ms": round(wall, 3),
@@ -98,7 +114,7 @@ def main():
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    print(format_table(records, ["architecture", "batch", "step_wall_ms", "step_ms_vs_first", "output_tokens_per_s",
+    print(format_table(records, ["architecture", "experts", "batch", "step_wall_ms", "step_ms_vs_first", "output_tokens_per_s",
                                  "graph_replays_in_timed_steps"]))
 
 

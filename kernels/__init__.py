@@ -43,7 +43,12 @@ Public API (tensor contracts in each module's docstrings; pool and page table in
     new_v_pages, to_keys_major, keys_major   V pages keys-major (v_layout.py): the fp8 pool's
                                     layout, which every kernel reads and writes (a transposed
                                     view: indexing and shapes as usual)
-    paged_attention_ref / copy_rotate_run_ref   torch references (also the CPU path);
+    moe_experts(hidden, gate_up, down, top_k_index, top_k_weights) -> [T, H]
+                                    a mixture-of-experts layer's routed SiLU-gated experts for
+                                    decode-sized batches (moe.py; transformers' concatenated
+                                    gate_up [E, 2I, H] and down [E, H, I]); sort_pairs_by_expert
+                                    its device-side grouping of the token-expert pairs
+    paged_attention_ref / copy_rotate_run_ref / moe_experts_ref   torch references (also the CPU path);
                                     paged_attention_ref(..., return_lse=True) -> (out, lse)
     apply_rope, rope_cos_sin, rotate                RoPE helpers (transformers' rotate_half)
 
@@ -56,7 +61,8 @@ from .page_copy import copy_rotate_run
 from .page_table import (DEFAULT_ROPE_MODE, HIDDEN_POS, ROPE_MODES, PageTable, interpreting,
                          use_triton)
 from .prefill import PrefillPlan, lazy_prefill, plan_prefill
-from .reference import copy_rotate_run_ref, paged_attention_ref
+from .moe import moe_experts, sort_pairs_by_expert
+from .reference import copy_rotate_run_ref, moe_experts_ref, paged_attention_ref
 from .rope import apply_rope, rope_cos_sin, rotate
 from .v_layout import keys_major, new_v_pages, to_keys_major
 
@@ -64,5 +70,6 @@ __all__ = [
     "PageTable", "ROPE_MODES", "DEFAULT_ROPE_MODE", "HIDDEN_POS", "lazy_decode", "lazy_prefill",
     "plan_prefill", "PrefillPlan", "paged_attention_ref", "copy_rotate_run", "copy_rotate_run_ref",
     "apply_rope", "rope_cos_sin", "rotate", "interpreting", "use_triton", "FP8", "quantize_rows",
-    "dequantize_rows", "write_kv", "keys_major", "new_v_pages", "to_keys_major",
+    "dequantize_rows", "write_kv", "keys_major", "new_v_pages", "to_keys_major", "moe_experts", "moe_experts_ref",
+    "sort_pairs_by_expert",
 ]

@@ -152,3 +152,29 @@ def copy_rotate_run_ref(k: torch.Tensor, v: torch.Tensor, src_pages: torch.Tenso
     put(k_scale, ks.to(k_scale.dtype))
     put(v.view(torch.uint8), tokens(v.view(torch.uint8)))
     put(v_scale, tokens(v_scale))
+
+
+def moe_experts_ref(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, compute_dtype=torch.float32) -> torch.Tensor:
+    """Torch reference of kernels.moe.moe_experts (also its CPU path): a mixture-of-experts
+    layer's routed SiLU-gated experts. hidden [T, H], gate_up [E, 2I, H] (gate rows first),
+    down [E, H, I], top_k_index / top_k_weights [T, K]; returns [T, H] in hidden's dtype.
+
+    The kernel's roundings: products accumulated in compute_dtype, silu(gate) * up rounded to
+    hidden's dtype (the kernel stores it there), each pair's weighted output kept in
+    compute_dtype and summed over k in k order. One loop step per expert that some pair picked
+    (the weights are never gathered per pair: a real layer's would take gigabytes)."""
+    T, H = hidden.shape
+    K = top_k_index.shape[-1]
+    inter = gate_up.shape[1] // 2
+    expert_ids = top_k_index.reshape(-1)
+    route = top_k_weights.reshape(-1).to(compute_dtype)
+    x = hidden.to(compute_dtype)
+    per_pair = torch.zeros(T * K, H, dtype=compute_dtype, device=hidden.device)
+    for e in torch.unique(expert_ids).tolist():
+        pairs = torch.nonzero(expert_ids == e).flatten()
+        proj = x[pairs // K] @ gate_up[e].to(compute_dtype).T
+        gate, up = proj[:, :inter], proj[:, inter:]
+        act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).to(compute_dtype)
+        per_pair[pairs] = (act @ down[e].to(compute_dtype).T) * route[pairs, None]
+    return per_pair.view(T, K, H).sum(dim=1).to(hidden.dtype)

@@ -261,14 +261,17 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
 
 def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto",
-                             tensor_parallel: int = 1):
+                             tensor_parallel: int = 1, experts: str = "grouped_mm"):
     """The model and its tokenizer. ``tensor_parallel=N``: the model as rank 0 of N holds it,
     its share of every decoder layer alone (``engine/shard_loading``), where the checkpoint is a
     local folder of safetensors (a bundled model's or a GGUF's cache included); any other (a hub
-    id, .bin weights) loads whole, and each rank slices its share of it."""
+    id, .bin weights) loads whole, and each rank slices its share of it. ``experts``: what runs a
+    mixture-of-experts model's routed experts (``lazy_rag.experts.EXPERTS``; a dense model
+    ignores it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .engine.shard_loading import CheckpointSource
+    from .experts import use_experts
     from .kernels import compiler_setup
 
     dev = resolve_device(device)
@@ -279,6 +282,6 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", d
     tok = load_tokenizer(str(path))
     source = CheckpointSource.of(path, dt) if tensor_parallel > 1 else None
     if source is not None:
-        return source.load_share(0, tensor_parallel, dev), tok
+        return use_experts(source.load_share(0, tensor_parallel, dev), experts), tok
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
-    return model, tok
+    return use_experts(model, experts), tok

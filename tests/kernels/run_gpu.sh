@@ -9,7 +9,8 @@
 # prefill, lazy_rag.bench.tiles_prefill), test_page_copy.py and test_fp8.py (fp8 pages with
 # per-token scales: decode, both prefills and the block copy against the reference over the
 # dequantised pages), test_softcap_window.py (Gemma 2's score soft-cap and sliding windows in
-# decode, prefill, fp8 decode and the shared-chunk decode).
+# decode, prefill, fp8 decode and the shared-chunk decode), test_moe.py (the mixture-of-experts
+# experts kernel against its reference and transformers' eager experts).
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
 # The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
 set -euo pipefail
