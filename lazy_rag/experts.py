@@ -79,9 +79,11 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")]
 
 
-def use_experts(model, experts: str = DEFAULT_EXPERTS):
-    """Run ``model``'s routed experts with ``experts`` (a key of ``EXPERTS``); returns the model.
-    The default leaves the model as transformers built it; a dense model has nothing to switch."""
+def use_experts(model, experts: str | None = None):
+    """Run ``model``'s routed experts with ``experts`` (a key of ``EXPERTS``; None: ``DEFAULT_EXPERTS``);
+    returns the model. The default leaves the model as transformers built it; a dense model has
+    nothing to switch."""
+    experts = experts or DEFAULT_EXPERTS
     if experts not in EXPERTS:
         raise LazyRagError(f"Unknown experts implementation {experts!r}; choose one of {', '.join(EXPERTS)}.")
     modules = experts_modules(model)

@@ -40,14 +40,16 @@ class LazyLLM:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", device: str = "auto", dtype: str = "auto",
-                        wrapper="auto", **kwargs) -> "LazyLLM":
+                        wrapper="auto", experts: str | None = None, **kwargs) -> "LazyLLM":
+        """``experts``: what runs a mixture-of-experts model's routed experts (``lazy_rag.experts``:
+        transformers' grouped_mm by default, or "triton", unmeasured)."""
         from .models import load_model_and_tokenizer
 
         # over N ranks, this process loads rank 0's share of the model alone (the others theirs)
         config = (kwargs.pop("engine_config", None) or EngineConfig()).with_options(
             **{k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__})
         model, tokenizer = load_model_and_tokenizer(name_or_path, device=device, dtype=dtype,
-                                                    tensor_parallel=config.tensor_parallel)
+                                                    tensor_parallel=config.tensor_parallel, experts=experts)
         llm = cls(model, tokenizer, engine_config=config, **kwargs)
         llm.model_name = name_or_path
         if wrapper is not None:  # after the name: "auto" finds the bundled wrapper by it

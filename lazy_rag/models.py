@@ -261,13 +261,13 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
 
 def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, device="auto", dtype="auto",
-                             tensor_parallel: int = 1, experts: str = "grouped_mm"):
+                             tensor_parallel: int = 1, experts: str | None = None):
     """The model and its tokenizer. ``tensor_parallel=N``: the model as rank 0 of N holds it,
     its share of every decoder layer alone (``engine/shard_loading``), where the checkpoint is a
     local folder of safetensors (a bundled model's or a GGUF's cache included); any other (a hub
     id, .bin weights) loads whole, and each rank slices its share of it. ``experts``: what runs a
-    mixture-of-experts model's routed experts (``lazy_rag.experts.EXPERTS``; a dense model
-    ignores it)."""
+    mixture-of-experts model's routed experts (``lazy_rag.experts.EXPERTS``; None: its default; a
+    dense model ignores it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .engine.shard_loading import CheckpointSource

@@ -102,13 +102,13 @@ def random_source(name: str, dtype=None, layers: int | None = None, seed: int = 
 
 
 def random_model(name: str, device="cpu", dtype=None, layers: int | None = None, seed: int = 0,
-                 tensor_parallel: int = 1, experts: str = "grouped_mm"):
+                 tensor_parallel: int = 1, experts: str | None = None):
     """A causal LM of the named architecture with random weights, created directly on ``device``
     in ``dtype`` (default: bf16 on CUDA, fp32 on CPU): an 8B model is never built on the host.
     Each module is drawn from its own seed (``shard_loading.RandomSource``), so that
     ``tensor_parallel=N`` builds rank 0's share alone, with the values the whole model holds.
     ``experts``: what runs a mixture-of-experts shape's routed experts (``lazy_rag.experts.EXPERTS``;
-    a dense shape ignores it)."""
+    None: its default; a dense shape ignores it)."""
     from .experts import use_experts
     from .kernels import compiler_setup
     from .models import resolve_device

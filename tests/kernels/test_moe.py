@@ -134,3 +134,18 @@ def test_use_experts_choices():
     mixtral = tiny_model("mixtral", vocab_size=512)
     use_experts(mixtral, "grouped_mm")                                  # the default: left as built
     assert mixtral.config._experts_implementation != TRITON_EXPERTS
+
+
+def test_from_pretrained_takes_the_experts_choice(tmp_path, tokenizer):
+    """The switch from the Python API a user loads models with (a saved MoE checkpoint)."""
+    from lazy_rag import LazyLLM
+    from tests.tiny_models import tiny_model
+
+    tiny_model("qwen3_moe", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    chosen = LazyLLM.from_pretrained(str(tmp_path), device="cpu", wrapper=None, experts="triton")
+    assert chosen.host.model.config._experts_implementation == TRITON_EXPERTS
+    default = LazyLLM.from_pretrained(str(tmp_path), device="cpu", wrapper=None)
+    assert default.host.model.config._experts_implementation != TRITON_EXPERTS
+    with pytest.raises(LazyRagError, match="Unknown experts"):
+        LazyLLM.from_pretrained(str(tmp_path), device="cpu", wrapper=None, experts="fast")
