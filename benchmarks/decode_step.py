@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from lazy_rag.bench.records import environment, format_table, write_records
+from lazy_rag.experts import DEFAULT_EXPERTS
 from lazy_rag.random_models import ARCHITECTURES, IdTokenizer, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,7 +46,7 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--experts", default="grouped_mm",
+    ap.add_argument("--experts", default=DEFAULT_EXPERTS,
                     help="comma-separated: what runs a mixture-of-experts shape's routed experts, each in turn "
                          "(grouped_mm, triton: lazy_rag.experts.EXPERTS)")
     ap.add_argument("--out", default="decode_step")
@@ -65,7 +66,7 @@ def main():
             for experts in (experts_choices if ARCHITECTURES.get(name, {}).get("num_experts") else [None])]
     records, first = [], {}
     for name, experts in runs:
-        model = random_model(name, args.device, layers=args.layers, experts=experts or "grouped_mm")
+        model = random_model(name, args.device, layers=args.layers, experts=experts)   # (None: the default)
         moe = experts is not None
         host = ModelHost(model, IdTokenizer())
         rng = np.random.default_rng(0)

@@ -36,7 +36,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast stays off on
 import torch  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-MODES = ("lazy", "block", "full", "prefix")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,6 +80,7 @@ def compare(tp, one, segs, mode: str, dtype, new: int) -> dict:
 def run_dtype(args, dtype) -> list[dict]:
     from lazy_rag import LazyLLM
     from lazy_rag.random_models import IdTokenizer, random_model
+    from lazy_rag.requests import MODES
 
     engine = dict(kv_bytes=4 << 30, cuda_graphs=not args.eager)
     one = LazyLLM(random_model(args.arch, args.device, dtype, args.layers, args.seed), IdTokenizer(), **engine)

@@ -320,8 +320,10 @@ class ModelRunner:
         tok = step_tokens(seqs, self.pool.page_size)
         t = lambda x: torch.tensor(x, device=self.pool.device)  # noqa: E731
         shifted = tok.key_pos != tok.pos
+        # the sums only a tensor-parallel rank's lockstep check reads
+        sums = (sum(tok.ids), sum(tok.pos)) if self.group is not None else None
         return PackedBatch(t(tok.ids), t(tok.pos), t(tok.pages), t(tok.slots), t(tok.key_pos) if shifted else None,
-                           tok.spans, (sum(tok.ids), sum(tok.pos)))
+                           tok.spans, sums)
 
 
 def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
@@ -357,7 +359,8 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
 
 class PackedBatch:
     """The new tokens of a step, packed: ids, positions, KV write targets, rows per sequence, and
-    the sums of the ids and positions (computed on the host: ``ModelRunner.forward``'s ``sums``)."""
+    under tensor parallelism the sums of the ids and positions (computed on the host:
+    ``ModelRunner.forward``'s ``sums``; None otherwise)."""
 
     def __init__(self, ids, pos, write_page, write_slot, key_pos, spans, sums):
         self.ids, self.pos, self.write_page, self.write_slot, self.key_pos = ids, pos, write_page, write_slot, key_pos

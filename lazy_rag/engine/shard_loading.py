@@ -191,9 +191,11 @@ class CheckpointSource(ModelSource):
         weights, a checkpoint whose names transformers renames on load): that one is loaded
         whole."""
         path = Path(path)
-        if not (path / "config.json").is_file() or not _weight_files(path):
+        if not (path / "config.json").is_file():
             return None
         source = cls(path, dtype)
+        if not source.files:
+            return None
         model = source.skeleton()
         seen = set()
         for name, p in model.named_parameters():   # (a tied parameter once, under its first name)
