@@ -7,10 +7,10 @@ earlier request that retrieved the same chunks in another order). ``prefix``: a 
 which only that earlier request is cached. ``--eager`` adds block and lazy with their prefill
 step run eagerly (the engine's append CUDA graphs off, as ``append_graph_tokens=0`` does), in the
 same run. ``--tensor-parallel N``: the model split over N GPUs (cuda:0..N-1), each rank building
-its own share (needs ``LAZY_RAG_CUDA_TENSOR_PARALLEL=1``); the KV pool's 16 GiB are per rank.
+its own share; the KV pool's 16 GiB are per rank.
 
     python benchmarks/gpu_single_request.py [--arch llama-3.1-8b] [--layers N] [--reps 5] [--eager]
-    LAZY_RAG_CUDA_TENSOR_PARALLEL=1 python benchmarks/gpu_single_request.py --arch llama-3.1-70b --tensor-parallel 2
+    python benchmarks/gpu_single_request.py --arch llama-3.1-70b --tensor-parallel 2
 """
 from __future__ import annotations
 

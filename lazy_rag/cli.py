@@ -39,8 +39,7 @@ RECOVERY_HELP = ("Default quality recovery of queries: auto (each answer's reuse
 THREADS_HELP = (f"CPU threads for torch (default: ${THREADS_ENV}, else the physical cores this process may use; "
                 "lower it on a machine shared with other work).")
 TENSOR_PARALLEL_HELP = ("Split the model over N processes (Megatron-style tensor parallelism, gloo on the CPU; on "
-                        "GPUs one GPU a rank over NCCL, new and unmeasured: set LAZY_RAG_CUDA_TENSOR_PARALLEL=1; "
-                        "N must divide its attention and KV heads; default 1: this process alone).")
+                        "GPUs one GPU a rank over NCCL; N must divide its attention and KV heads; default 1: this process alone).")
 
 
 def _version(value: bool) -> None:

@@ -91,11 +91,15 @@ class ModelHost:
         return self._fingerprint
 
     # -- prompts ----------------------------------------------------------------------------------
-    def prepare(self, segments: Sequence[Segment] | Segment, source: ChunkSource | None = None,
+    def prepare(self, segments: Sequence[Segment] | Segment | PromptLayout, source: ChunkSource | None = None,
                boundary_recompute: int = 0, mode: str | None = None) -> PromptLayout:
         """The token layout of a prompt: every token, its logical position, and which spans are
         cached chunks (encoded after ``source``'s shared prefix, inside its wrapper). ``full`` and
-        ``prefix`` prompts never carry wrapper slots: they are the plain prompt."""
+        ``prefix`` prompts never carry wrapper slots: they are the plain prompt. A layout already
+        prepared for the same source, recovery and mode is used as it is (a tensor-parallel
+        worker gets rank 0's: tokenizing and checking the prompt again would delay its step)."""
+        if isinstance(segments, PromptLayout):
+            return segments
         source = source or self.default_source
         wrap = ((), ())
         if source.wrapper is not None and (mode is None or mode in CHUNK_MODES):

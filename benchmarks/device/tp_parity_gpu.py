@@ -15,7 +15,7 @@ Per dtype:
 It also reports the CUDA-graph replays on rank 0 (``--eager``: every step eager, ``cuda_graphs``
 off on both engines, which isolates the graphs when a run fails).
 
-    LAZY_RAG_CUDA_TENSOR_PARALLEL=1 python3 benchmarks/device/tp_parity_gpu.py --out $OUT [--eager]
+    python3 benchmarks/device/tp_parity_gpu.py --out $OUT [--eager]
 
 Writes ``<out>/tp_parity_gpu.json`` (one record per dtype and mode, and a summary) and exits 1
 when a required check fails.
@@ -30,7 +30,6 @@ import random
 import sys
 from pathlib import Path
 
-os.environ.setdefault("LAZY_RAG_CUDA_TENSOR_PARALLEL", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast stays off on the shared GPU machines
 
 import torch  # noqa: E402

@@ -50,8 +50,7 @@ HELP = {
     "max_num_seqs": f"Engine: most requests running at once ({both('max_num_seqs')}).",
     "max_batched_tokens": "Engine: most tokens per step.",
     "tensor_parallel": "Engine: split the model over N ranks, one process (and on CUDA one GPU) each, each "
-                       "loading its own share (default 1; GPUs need LAZY_RAG_CUDA_TENSOR_PARALLEL=1; not with "
-                       "the transformers system).",
+                       "loading its own share (default 1; not with the transformers system).",
     "host_gb": "Host tier size in GiB (default: every document's KV + 10%).",
     "seed": "Seed of the documents, requests and arrivals.",
     "out": f"Results name: <results-dir>/<out>.json and <out>_*.png ({both('out')}).",

@@ -5,21 +5,12 @@ on the CPU every rank shares the CPU. The activations' all-reduces and the gathe
 tensors go over NCCL on CUDA (GPU to GPU, no host copy), over gloo on the CPU; the small
 control-plane collectives (lockstep checks, agreements on sizes) are CPU tensors over gloo
 everywhere (``tensor_parallel.RankGroup``).
-
-The GPU path is new and has not been measured yet: it runs only where
-``LAZY_RAG_CUDA_TENSOR_PARALLEL=1`` asks for it (``check_rank_devices``).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from ..errors import LazyRagError
-
-# the switch that lets tensor parallelism run on GPUs (unmeasured; the GPU scripts set it)
-CUDA_TENSOR_PARALLEL_ENV = "LAZY_RAG_CUDA_TENSOR_PARALLEL"
-
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
     """The device of rank ``rank`` when rank 0's model is on ``base``."""
@@ -31,19 +22,13 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 def check_rank_devices(base: torch.device, size: int) -> None:
     """Refuse ``size`` ranks for a model on ``base`` where they cannot run: any device but the CPU
-    or CUDA, CUDA unless ``LAZY_RAG_CUDA_TENSOR_PARALLEL=1``, or fewer GPUs from ``base`` on than
-    ranks."""
+    or CUDA, or fewer GPUs from ``base`` on than ranks."""
     base = torch.device(base)
     if base.type == "cpu":
         return
     if base.type != "cuda":
         raise LazyRagError(f"tensor_parallel={size} runs on the CPU (gloo) or on CUDA GPUs (NCCL), not on "
                            f"{base.type}. Load the model with device='cpu', or use tensor_parallel=1.")
-    if os.environ.get(CUDA_TENSOR_PARALLEL_ENV) != "1":
-        raise LazyRagError(
-            f"tensor_parallel={size} on GPUs (NCCL, one GPU per rank) is new and has not been measured yet, so it "
-            f"is off by default: set {CUDA_TENSOR_PARALLEL_ENV}=1 to run it. Otherwise load the model with "
-            "device='cpu' (gloo), or serve it on one GPU with tensor_parallel=1.")
     first = base.index or 0
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if first + size > have:

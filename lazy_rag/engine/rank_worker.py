@@ -101,12 +101,12 @@ def run_rank_command(engine: Engine, op: str, *args) -> None:
     too (the same checks on the same input); its results are rank 0's to report."""
     handles = engine.remote_handles
     if op == "submit":
-        rid, segments, options, eos = args
+        rid, layout, options, eos = args   # rank 0's prepared layout
         engine.host.eos_ids = set(eos)
         source = options.get("source")
         if source is not None and isinstance(source.store, StoreRef):   # rank 0's index store, by path
             options = {**options, "source": dataclasses.replace(source, store=open_ref(source.store, engine.remote_stores))}
-        handles[rid] = engine.submit(segments, **options)
+        handles[rid] = engine.submit(layout, **options)
     elif op == "step":
         engine.step()
         for rid in [rid for rid, h in handles.items() if h.done]:

@@ -17,8 +17,7 @@ kept out of decisions (``read_or_encode.ReadAlways``); ``RankGroup.check_lockste
 ranks' tokens before every forward, so a rank that left lockstep fails the step with an error
 instead of hanging.
 
-On GPUs (``rank_devices``: off unless ``LAZY_RAG_CUDA_TENSOR_PARALLEL=1``, new and unmeasured)
-rank r runs on the r-th GPU after rank 0's, its activations' all-reduces over NCCL inside its
+On GPUs (``rank_devices``) rank r runs on the r-th GPU after rank 0's, its activations' all-reduces over NCCL inside its
 CUDA graphs, and the decisions that read the process rather than the requests are made the same
 on every rank (``rank_worker``'s docstring lists them).
 
@@ -57,8 +56,8 @@ def engine_for(host, config, tiers=None) -> Engine:
 
 
 def check_tensor_parallel(host, size: int) -> None:
-    """Refuse ``size`` ranks where they cannot run (``rank_devices.check_rank_devices``: GPUs
-    only when enabled, and enough of them), before any process starts."""
+    """Refuse ``size`` ranks where they cannot run (``rank_devices.check_rank_devices``: the CPU,
+    or enough GPUs), before any process starts."""
     check_rank_devices(host.device, size)
 
 
@@ -104,7 +103,8 @@ class TPEngine(Engine):
             if store_ref is not None:
                 options["source"] = dataclasses.replace(source, store=store_ref)
             try:
-                self.ranks.send("submit", self.eid, handle.seq.id, segments, options, sorted(self.host.eos_ids))
+                # the prepared layout, not the segments: the workers' steps wait for nothing rank 0 did already
+                self.ranks.send("submit", self.eid, handle.seq.id, handle.seq.layout, options, sorted(self.host.eos_ids))
             except LazyRagError:   # a rank is gone: no rank may hold the request
                 super().abort(handle)
                 raise

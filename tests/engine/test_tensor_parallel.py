@@ -102,15 +102,6 @@ def test_sizes_that_do_not_split_the_heads_are_refused():
         LazyLLM(tiny_model("llama"), IdTokenizer(), tensor_parallel=0)
 
 
-def test_gpu_models_are_refused_naming_the_fix():
-    from types import SimpleNamespace
-
-    from lazy_rag.engine.tp_engine import check_tensor_parallel
-
-    with pytest.raises(LazyRagError, match="device='cpu'.*tensor_parallel=1"):
-        check_tensor_parallel(SimpleNamespace(device=torch.device("cuda")), 2)
-
-
 def test_encoded_chunk_kv_holds_every_head_as_one_process_writes_it(pair):
     """What an index build under TP stores: each rank encodes its KV heads, rank 0 returns all of
     them (fp32 and fp8), as the single-process engine encodes them."""

@@ -2,7 +2,7 @@
 two GPUs: benchmarks/device/tp_parity_gpu.py and the runbook in benchmarks/device/README.md).
 
 Unit level, without starting NCCL: which GPU each rank takes and the error when there are too
-few, the switch that keeps the unmeasured GPU path off, which group a collective goes over (NCCL
+few, which group a collective goes over (NCCL
 for device tensors, waited for on the stream only; gloo for CPU tensors) and what a failed NCCL
 collective does (the group breaks and its communicator is aborted), and the decisions made the
 same on every rank: a CUDA graph kept only when every rank captured it, a chunk's copy into the
@@ -23,7 +23,7 @@ from lazy_rag.engine import EngineConfig
 from lazy_rag.engine.chunk_tiers import ChunkTiers
 from lazy_rag.engine.cuda_graphs import capture
 from lazy_rag.engine.kv_planner import KVPlanner
-from lazy_rag.engine.rank_devices import CUDA_TENSOR_PARALLEL_ENV, check_rank_devices, rank_device
+from lazy_rag.engine.rank_devices import check_rank_devices, rank_device
 from lazy_rag.engine.rank_worker import agreed_config, worker_tiers
 from lazy_rag.engine.tensor_parallel import RankFailedError, RankGroup
 from lazy_rag.engine.tp_engine import check_tensor_parallel, engine_for
@@ -32,13 +32,9 @@ from lazy_rag.random_models import IdTokenizer
 from tiny_models import tiny_model
 
 
-def _gpus(monkeypatch, count: int, enabled: bool = True):
+def _gpus(monkeypatch, count: int):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    if enabled:
-        monkeypatch.setenv(CUDA_TENSOR_PARALLEL_ENV, "1")
-    else:
-        monkeypatch.delenv(CUDA_TENSOR_PARALLEL_ENV, raising=False)
 
 
 def test_each_rank_takes_the_next_gpu_from_rank_0s():
@@ -59,14 +55,12 @@ def test_too_few_gpus_are_refused_naming_the_count_and_the_ways_out(monkeypatch)
         check_tensor_parallel(SimpleNamespace(device=torch.device("cuda")), 2)
 
 
-def test_the_gpu_path_is_off_unless_asked_for_saying_how(monkeypatch):
-    _gpus(monkeypatch, 8, enabled=False)
-    with pytest.raises(LazyRagError, match=f"new and has not been measured.*{CUDA_TENSOR_PARALLEL_ENV}=1.*"
-                                           "device='cpu'.*tensor_parallel=1"):
-        check_tensor_parallel(SimpleNamespace(device=torch.device("cuda", 0)), 2)
-    monkeypatch.setenv(CUDA_TENSOR_PARALLEL_ENV, "1")
+def test_only_the_cpu_and_cuda_take_ranks(monkeypatch):
+    _gpus(monkeypatch, 8)
     check_tensor_parallel(SimpleNamespace(device=torch.device("cuda", 0)), 2)
-    check_tensor_parallel(SimpleNamespace(device=torch.device("cpu")), 2)   # the CPU needs no switch
+    check_tensor_parallel(SimpleNamespace(device=torch.device("cpu")), 2)
+    with pytest.raises(LazyRagError, match="CPU \\(gloo\\) or on CUDA GPUs \\(NCCL\\), not on mps.*tensor_parallel=1"):
+        check_tensor_parallel(SimpleNamespace(device=torch.device("mps")), 2)
 
 
 class _FakeWork:

@@ -1,0 +1,102 @@
+"""Where one paper-sized lazy request's time goes on rank 0, at a tensor-parallel size: the
+request's wall time (``llm.generate``, 12 requests after 3 of warm-up) and rank 0's GPU time by
+kind of kernel from the torch profiler (one request beside the one that placed its chunks: the
+profile covers both, halved). The request is gpu_single_request.py's (random Llama-3.1-8B
+shape, 5 x 2,048 cached tokens resident in the pool + 82 computed).
+
+    python3 benchmarks/device/tp_request_profile.py --tensor-parallel 1 --out $OUT/tp1.json
+    python3 benchmarks/device/tp_request_profile.py --tensor-parallel 2 --out $OUT/tp2.json
+
+The wall time less the GPU time is what the host adds (planning, launches, and under TP the
+commands to the other ranks and their lockstep checks).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lazy_rag.bench.records import environment, format_table, write_records  # noqa: E402
+
+# kernel name prefixes of each kind (the rest: norms, RoPE, residual adds, sampling)
+KINDS = {"attention": ("_prefill_runs_kernel", "_merge_kernel", "_paged_attn_kernel"),
+         "matmul": ("nvjet", "cublasLt", "sm90_xmma", "cutlass"),
+         "all_reduce": ("ncclDevKernel",)}
+
+
+def gpu_ms_by_kind(events, requests: int) -> dict:
+    out = {f"gpu_{k}_ms": 0.0 for k in KINDS}
+    total = 0.0
+    for e in events:
+        us = getattr(e, "self_device_time_total", 0.0)
+        if not us or e.key.startswith("aten::"):   # a kernel's time, not the op that launched it
+            continue
+        total += us
+        kind = next((k for k, prefixes in KINDS.items() if e.key.startswith(prefixes)), None)
+        if kind is not None:
+            out[f"gpu_{kind}_ms"] += us
+    out = {k: v / 1e3 / requests for k, v in out.items()}
+    out["gpu_ms"] = total / 1e3 / requests
+    out["gpu_other_ms"] = out["gpu_ms"] - sum(out[f"gpu_{k}_ms"] for k in KINDS)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--arch", default="llama-3.1-8b")
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from lazy_rag import Chunk, LazyLLM
+    from lazy_rag.random_models import IdTokenizer, random_model
+
+    tp = args.tensor_parallel
+    model = random_model(args.arch, "cuda", torch.bfloat16, None, tensor_parallel=tp)
+    llm = LazyLLM(model, IdTokenizer(), kv_bytes=16 << 30, tensor_parallel=tp)
+    rng = random.Random(0)
+    pool = [[rng.randrange(1000, 120000) for _ in range(2048)] for _ in range(10)]
+    head = [rng.randrange(1000, 120000) for _ in range(40)]
+
+    def prompt(chosen, q):
+        segs = [head]
+        for c in chosen:
+            segs += [Chunk(pool[c]), [13, 13]]
+        return segs + [q]
+
+    def request() -> float:
+        chosen = rng.sample(range(10), 5)
+        q = [rng.randrange(1000, 120000) for _ in range(32)]
+        llm.generate(prompt(chosen[::-1], q[::-1]), max_new_tokens=1, mode="lazy")   # places the chunks
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompt(chosen, q), max_new_tokens=1, mode="lazy")
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    for _ in range(3):
+        request()
+    walls = [request() for _ in range(args.reps)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        request()
+    env = environment()
+    record = {"benchmark": "tp_request_profile", "mode": "lazy", "device": env["device"], "tensor_parallel": tp,
+              "model": f"{args.arch}-shape (random bf16)", "prompt_tokens": 10322, "computed_tokens": 82,
+              "wall_ms_p50": statistics.median(walls), "wall_ms_min": min(walls), "reps": args.reps,
+              **gpu_ms_by_kind(prof.key_averages(), 2), "torch": env["torch"], "date": env["date"]}
+    record["host_not_overlapped_ms"] = record["wall_ms_p50"] - record["gpu_ms"]
+    print(format_table([record], ["tensor_parallel", "wall_ms_p50", "gpu_ms", "gpu_matmul_ms", "gpu_attention_ms",
+                                  "gpu_all_reduce_ms", "gpu_other_ms", "host_not_overlapped_ms"]))
+    print("->", write_records(Path(args.out), [record]))
+
+
+if __name__ == "__main__":
+    main()
