@@ -135,6 +135,9 @@ def test_runner_records_every_system_flat_with_required_keys(records):
         else:
             assert r["shared_chunks"] == "auto"  # the engine's default: one run per point, as before
             assert r["budget_chunks"] in (6, 3) and r["budget_fraction"] == r["budget_chunks"] / 6
+            # the engine's step timers: every request was prefilled and decoded inside the wall time
+            assert 0 < r["engine_schedule_s"] and 0 < r["engine_prefill_steps_s"] and 0 < r["engine_decode_steps_s"]
+            assert r["engine_schedule_s"] + r["engine_prefill_steps_s"] + r["engine_decode_steps_s"] <= r["wall_s"]
     for r in recs:
         if r["mode"] in ("lazy", "block"):
             assert not CACHE_KEYS - set(r)

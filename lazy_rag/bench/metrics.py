@@ -41,6 +41,9 @@ def cache_metrics(engine_stats: dict, prompt_tokens: int) -> dict:
             "prefix_hit_tokens": prefix, "prefix_hit_ratio": _ratio(prefix, prompt_tokens) if prefix else None,
             "evictions": int(s.get("evictions", 0)), "preemptions": int(s.get("preemptions", 0)),
             "pool_pages": s.get("pages_total"), "engine_steps": s.get("steps"),
+            # where the steps' wall time went on rank 0: admission, then prefill and decode steps
+            # (each up to its sampled tokens on the host)
+            **{f"engine_{t}": s.get(t) for t in ("schedule_s", "prefill_steps_s", "decode_steps_s")},
             # decode graphs are captured per engine (one per point) on first use of a batch shape
             "cuda_graphs_captured": s.get("graphs")}
 
