@@ -120,6 +120,36 @@ def test_a_gpu_rank_sends_device_tensors_to_nccl_unwaited_and_cpu_tensors_to_glo
     cpu.settle()   # nothing queued on the CPU
 
 
+def test_a_gpu_rank_gathers_host_kv_over_its_gpu_and_returns_it_on_the_host():
+    """A chunk's KV encoded to the host (an index build, a warm-up) is gathered over NCCL on a GPU
+    rank, not over gloo; every dtype (fp8 codes and scales too) comes back whole, on the host."""
+    from lazy_rag.chunk_kv import ChunkKV
+    from lazy_rag.engine.tensor_parallel import HeadShard
+
+    sent = []
+
+    def all_gather(b):   # rank 1's heads: this rank's bytes + 1
+        sent.append((b.device, b.dtype))
+        return [b, b + 1]
+
+    group = SimpleNamespace(rank=0, size=2, nccl=_FakeNccl(), device=torch.device("cpu"),
+                            all_gather=all_gather, share=lambda n: slice(0, n // 2))
+    shard = HeadShard(group, 4)
+    k = torch.randn(3, 5, 2, 8).to(torch.float8_e4m3fn)
+    kv = ChunkKV(k, torch.randn(3, 5, 2, 8, dtype=torch.bfloat16), k_scale=torch.rand(3, 5, 2),
+                 v_scale=torch.rand(3, 5, 2))
+    whole = shard.whole(kv)
+    for name, t in kv.tensors().items():
+        got = whole.tensors()[name]
+        assert got.dtype == t.dtype and got.device.type == "cpu" and got.shape[2] == 4
+        assert torch.equal(got[:, :, :2].view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(got[:, :, 2:].view(torch.uint8), t.view(torch.uint8) + 1)
+    assert sent and all(d == (group.device, torch.uint8) for d in sent)
+    group.nccl = None   # the CPU: gloo, the same result
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(shard.whole(kv).tensors().values(), whole.tensors().values()))
+
+
 def test_a_failed_nccl_collective_breaks_the_group_and_aborts_its_communicator(monkeypatch):
     nccl = _FakeNccl(fail=True)
     group, _ = _group(monkeypatch, torch.device("cuda", 0), nccl)
