@@ -8,6 +8,7 @@ refused names its feature and the nearest supported family."""
 import copy
 import importlib.util
 import random
+import re
 
 import pytest
 import torch
@@ -330,14 +331,17 @@ def test_moe_router_top_k_is_in_the_fingerprint(tokenizer):
     assert '"num_experts_per_tok": 2' in g and '"residual_multiplier": 0.4' in g
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_is_refused_under_tensor_parallel(family):
+@pytest.mark.parametrize("family,over,named", [("mixtral", {"intermediate_size": 99}, "expert MLP width (99)"),
+                                                ("qwen2_moe", {"shared_expert_intermediate_size": 97},
+                                                 "shared expert width (97)")])
+def test_moe_widths_that_do_not_split_are_refused_under_tensor_parallel(family, over, named):
+    """(Expert blocks that split: tests/engine/test_tensor_parallel.py, every MoE family.)"""
     from lazy_rag.errors import LazyRagError
     from lazy_rag.random_models import IdTokenizer
 
-    llm = LazyLLM(_model(family), IdTokenizer(), tensor_parallel=2, num_pages=8)
-    with pytest.raises(LazyRagError, match=r"tensor_parallel=2 does not split mixture-of-experts MLPs.*"
-                                           r"\(4 experts\).*Use tensor_parallel=1"):
+    llm = LazyLLM(tiny_model(family, hidden_size=128, **over), IdTokenizer(), tensor_parallel=2, num_pages=8)
+    with pytest.raises(LazyRagError, match=rf"tensor_parallel=2 must divide.*{re.escape(named)}.*do not split evenly"
+                                           r".*tensor_parallel in \[1\]"):
         llm.engine
 
 

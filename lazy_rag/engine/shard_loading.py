@@ -87,7 +87,7 @@ class ModelSource:
         shares = {}
         if size > 1:
             layers = model.model.layers
-            check_split(model.config, layers[0], size)
+            check_split(model.config, layers, size)
             names = {id(m): n for n, m in model.named_modules()}
             shares = {f"{names[id(layer)]}.{k}": s for layer in layers
                       for k, s in layer_shares(model.config, layer, rank, size).items()}

@@ -10,8 +10,12 @@ ranks' partial o_proj and down_proj outputs (``RowParallelLinear``, which adds t
 after the sum). Embeddings, norms and the LM head stay whole on every rank, so every rank holds
 the same residual stream and the same logits and makes the same choices (``tp_engine``).
 OLMo 2 normalises q and k over all heads at once: its ``ShardedRMSNorm`` all-reduces the sum of
-squares (one more all-reduce each). Mixture-of-experts MLPs (mixtral, qwen2_moe, qwen3_moe,
-olmoe) are not split: such a model is refused (``check_split``).
+squares (one more all-reduce each). A mixture-of-experts block (mixtral, qwen2_moe, qwen3_moe,
+olmoe, the granite MoE families) splits every expert's intermediate width the same way (each rank
+holds a slice of every expert, so the router, whole on every rank, picks the same experts
+everywhere and no token moves between ranks), and a shared expert's too: the block's output is a
+partial sum on each rank, all-reduced once after the block (``ReducedOutput``); granitemoeshared's
+shared MLP beside the block is row-parallel like a dense MLP.
 
 ``layer_shares`` names each rank's share of a layer's tensors; a rank gets it either by loading
 only that (``shard_loading``, the way for a model larger than one device) or by slicing it from
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..architecture import FAMILIES, ModelParts, num_experts
+from ..architecture import FAMILIES, ModelParts, moe_block
 from ..chunk_kv import ChunkKV
 from ..errors import LazyRagError
 
@@ -214,23 +218,22 @@ def part(n: int, rank: int, size: int) -> slice:
     return slice(rank * k, (rank + 1) * k)
 
 
-def split_counts(config, layer: nn.Module) -> dict[str, int]:
-    """What tensor parallelism splits evenly over the ranks, read from the config and one whole
-    decoder layer (real or on the meta device)."""
-    return {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads,
-            "MLP width": _mlp_width(layer.mlp)}
+def split_counts(config, layers) -> dict[str, int]:
+    """What tensor parallelism splits evenly over the ranks, read from the config and the whole
+    decoder ``layers`` (real or on the meta device; a MoE model may mix dense and expert layers)."""
+    counts = {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads}
+    for i, layer in enumerate(layers):
+        for what, width in _mlp_widths(config, layer).items():
+            counts.setdefault(what, width)
+            if counts[what] != width:   # (the first layer's width is named; any other must divide too)
+                counts[f"{what} (layer {i})"] = width
+    return counts
 
 
-def check_split(config, layer: nn.Module, size: int) -> None:
-    """Refuse a model whose heads or MLP width do not split evenly over ``size`` ranks, naming
-    the sizes that do; and a mixture-of-experts model, whose expert blocks are not split.
-    ``layer``: one of its decoder layers, whole."""
-    if FAMILIES[config.model_type].moe:
-        raise LazyRagError(
-            f"tensor_parallel={size} does not split mixture-of-experts MLPs yet: this {config.model_type} "
-            f"model's expert blocks ({num_experts(config)} experts) would need their experts spread over the "
-            "ranks, which lazy-rag's sharding does not do. Use tensor_parallel=1.")
-    counts = split_counts(config, layer)
+def check_split(config, layers, size: int) -> None:
+    """Refuse a model whose heads or MLP widths do not split evenly over ``size`` ranks, naming
+    the sizes that do. ``layers``: its decoder layers, whole."""
+    counts = split_counts(config, layers)
     bad = {k: v for k, v in counts.items() if v % size}
     if bad:
         fits = [n for n in range(1, config.num_key_value_heads + 1) if all(v % n == 0 for v in counts.values())]
@@ -244,7 +247,7 @@ def check_shardable(parts: ModelParts, size: int) -> None:
     (``shard_loading``) was checked as it was loaded, and must have been loaded for ``size`` ranks."""
     share = getattr(parts.model, "rank_share", None)
     if share is None:
-        check_split(parts.config, parts.layers[0], size)
+        check_split(parts.config, parts.layers, size)
     elif share.size != size:
         raise LazyRagError(f"This model was loaded as one rank's share for tensor_parallel={share.size}; it cannot "
                            f"serve tensor_parallel={size}. Load it again with tensor_parallel={size}.")
@@ -254,6 +257,32 @@ def _mlp_width(mlp) -> int:
     if hasattr(mlp, "gate_up_proj"):
         return mlp.gate_up_proj.weight.shape[0] // 2
     return mlp.gate_proj.weight.shape[0]
+
+
+def _expert_block(config, layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name in the layer, module) of a layer's mixture-of-experts block; None for a dense MLP
+    (every layer of a dense family, a MoE model's dense layers)."""
+    if not FAMILIES[config.model_type].moe:
+        return None
+    block = moe_block(layer)
+    if not hasattr(block, "experts"):
+        return None
+    return ("block_sparse_moe" if block is not getattr(layer, "mlp", None) else "mlp"), block
+
+
+def _mlp_widths(config, layer: nn.Module) -> dict[str, int]:
+    """The intermediate widths a layer's share splits: a dense MLP's, or every expert's (the
+    experts' fused gate/up rows are [experts, 2 x width, hidden]) and a shared expert's."""
+    found = _expert_block(config, layer)
+    if found is None:
+        return {"MLP width": _mlp_width(layer.mlp)}
+    _, block = found
+    widths = {"expert MLP width": block.experts.gate_up_proj.shape[1] // 2}
+    if getattr(block, "shared_expert", None) is not None:   # qwen2_moe
+        widths["shared expert width"] = _mlp_width(block.shared_expert)
+    if getattr(layer, "shared_mlp", None) is not None:   # granitemoeshared: input_linear is gate and up stacked
+        widths["shared MLP width"] = layer.shared_mlp.input_linear.weight.shape[0] // 2
+    return widths
 
 
 @dataclass(frozen=True)
@@ -278,8 +307,6 @@ def layer_shares(config, layer: nn.Module, rank: int, size: int) -> dict[str, Sh
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, layer.self_attn.head_dim
     qh, kvh = part(H, rank, size), part(KV, rank, size)
     q, kv = slice(qh.start * D, qh.stop * D), slice(kvh.start * D, kvh.stop * D)
-    width = _mlp_width(layer.mlp)
-    inter = part(width, rank, size)
     rows = lambda *s: Share(0, s)   # noqa: E731  (column-parallel: output rows, and their bias)
     out: dict[str, Share] = {}
     if fam.qkv == "fused":   # phi3: q, k, v stacked in that order
@@ -291,11 +318,33 @@ def layer_shares(config, layer: nn.Module, rank: int, size: int) -> dict[str, Sh
     if fam.qk_norm == "whole":   # olmo2: normed over every head's columns at once, each rank its heads'
         out.update({"self_attn.q_norm.weight": rows(q), "self_attn.k_norm.weight": rows(kv)})
     out["self_attn.o_proj.weight"] = Share(1, (q,))   # row-parallel: input columns (its bias stays whole)
-    if hasattr(layer.mlp, "gate_up_proj"):   # phi3: gate and up stacked
-        out["mlp.gate_up_proj.weight"] = rows(inter, _offset(inter, width))
+    widths = _mlp_widths(config, layer)
+    found = _expert_block(config, layer)
+    if found is None:
+        out.update(_dense_mlp_shares("mlp", layer.mlp, widths["MLP width"], rank, size))
+        return out
+    name, block = found
+    width = widths["expert MLP width"]
+    inter = part(width, rank, size)   # of every expert: gate rows, then up rows; down's input columns
+    out[f"{name}.experts.gate_up_proj"] = Share(1, (inter, _offset(inter, width)))
+    out[f"{name}.experts.down_proj"] = Share(2, (inter,))
+    if "shared expert width" in widths:   # its gate (shared_expert_gate) stays whole
+        out.update(_dense_mlp_shares(f"{name}.shared_expert", block.shared_expert, widths["shared expert width"],
+                                     rank, size))
+    if "shared MLP width" in widths:
+        shared, s = widths["shared MLP width"], part(widths["shared MLP width"], rank, size)
+        out["shared_mlp.input_linear.weight"] = rows(s, _offset(s, shared))
+        out["shared_mlp.output_linear.weight"] = Share(1, (s,))
+    return out
+
+
+def _dense_mlp_shares(prefix: str, mlp: nn.Module, width: int, rank: int, size: int) -> dict[str, Share]:
+    inter = part(width, rank, size)
+    if hasattr(mlp, "gate_up_proj"):   # phi3: gate and up stacked
+        out = {f"{prefix}.gate_up_proj.weight": Share(0, (inter, _offset(inter, width)))}
     else:
-        out.update({"mlp.gate_proj.weight": rows(inter), "mlp.up_proj.weight": rows(inter)})
-    out["mlp.down_proj.weight"] = Share(1, (inter,))
+        out = {f"{prefix}.gate_proj.weight": Share(0, (inter,)), f"{prefix}.up_proj.weight": Share(0, (inter,))}
+    out[f"{prefix}.down_proj.weight"] = Share(1, (inter,))
     return out
 
 
@@ -310,6 +359,28 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class ReducedOutput(nn.Module):
+    """A mixture-of-experts block holding a rank's slice of every expert: its output (first of a
+    tuple, as transformers 4's blocks return) summed over the ranks. Attribute reads fall through
+    to the block (its ``experts``, ``gate``), so code that inspects the block finds it."""
+
+    def __init__(self, block: nn.Module, group: RankGroup):
+        super().__init__()
+        self.block, self.group = block, group
+
+    def forward(self, *args, **kwargs):
+        out = self.block(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (self.group.all_reduce(out[0]), *out[1:])
+        return self.group.all_reduce(out)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
 
 
 class ShardedRMSNorm(nn.Module):
@@ -363,9 +434,16 @@ def with_collectives(layer: nn.Module, config, group: RankGroup) -> nn.Module:
     """Make a layer that holds a rank's share (``layer_shares``) compute its part of the whole
     layer: o_proj and down_proj sum their partial products over the ranks, OLMo 2's q/k norms
     their sums of squares. In place."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     attn.o_proj = RowParallelLinear(attn.o_proj, group)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    found = _expert_block(config, layer)
+    if found is None:
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+    else:   # routed and shared experts' partial outputs, summed once
+        name, block = found
+        setattr(layer, name, ReducedOutput(block, group))
+        if getattr(layer, "shared_mlp", None) is not None:
+            layer.shared_mlp.output_linear = RowParallelLinear(layer.shared_mlp.output_linear, group)
     if FAMILIES[config.model_type].qk_norm == "whole":
         D = attn.head_dim
         attn.q_norm = ShardedRMSNorm(attn.q_norm, config.num_attention_heads * D, group)

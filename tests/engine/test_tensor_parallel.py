@@ -19,7 +19,7 @@ from lazy_rag import Chunk, LazyLLM
 from lazy_rag.errors import LazyRagError
 from lazy_rag.oracle import block_diagonal_logits, causal_logits, greedy_block_diagonal, greedy_causal
 from lazy_rag.random_models import IdTokenizer
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model
 
 TP_TOL, ORACLE_TOL = 1e-5, 1e-4
 NEW = 4
@@ -29,7 +29,7 @@ def _ids(rng, n):
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted({**FAMILIES, **MOE_FAMILIES}))
 def pair(request):
     """(the engine over 2 ranks, the single-process engine) of one family's tiny model."""
     model = tiny_model(request.param, "default", hidden_size=128)   # head_dim 32, 4 heads / 2 KV heads

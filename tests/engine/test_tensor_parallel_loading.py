@@ -20,7 +20,7 @@ from lazy_rag.engine.shard_loading import CheckpointSource, RankShare
 from lazy_rag.engine.tensor_parallel import layer_shares
 from lazy_rag.errors import LazyRagError
 from lazy_rag.random_models import IdTokenizer, random_llm, random_model
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model
 
 TOL, NEW = 1e-5, 4
 
@@ -65,6 +65,33 @@ def test_a_rank_reads_its_share_of_every_layer_and_the_rest_whole(family, tmp_pa
     state = dict(RankShare(source, 0, 2, torch.device("cpu")).whole_state())
     assert state.keys() == whole.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in whole.state_dict().items())
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_a_moe_checkpoint_is_read_whole_and_random_moe_weights_by_share(family, tmp_path):
+    """transformers saves a MoE model's experts one by one, under the checkpoint's own names, and
+    merges them into [experts, ...] tensors as it loads: such a folder has no source to read shares
+    from (it is loaded whole, each rank keeping its share). Random weights are drawn by share: each
+    rank's expert slices are the whole model's."""
+    from lazy_rag.architecture import moe_block
+    from lazy_rag.engine.shard_loading import RandomSource
+
+    whole = tiny_model(family, "default", hidden_size=128)
+    whole.save_pretrained(tmp_path)
+    assert CheckpointSource.of(tmp_path, torch.float32) is None
+    source = RandomSource(whole.config, 3, torch.float32)
+    one = source.load_share(0, 1, "cpu")
+    expert_shares = 0
+    for rank in (0, 1):
+        mine = source.load_share(rank, 2, "cpu")
+        for ours, theirs in zip(mine.model.layers, one.model.layers):
+            shares = layer_shares(one.config, theirs, rank, 2)
+            expert_shares += sum(".experts." in k for k in shares)
+            for name, p in theirs.named_parameters():
+                want = shares[name].of(p) if name in shares else p
+                assert torch.equal(ours.get_parameter(name), want), (family, rank, name)
+    expert_layers = sum(hasattr(moe_block(layer), "experts") for layer in one.model.layers)   # (qwen2_moe's
+    assert expert_layers and expert_shares == 2 * 2 * expert_layers   # tiny model has a dense layer too)
 
 
 def test_random_weights_shares_hold_the_single_process_models_values():
