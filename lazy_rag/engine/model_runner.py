@@ -69,7 +69,7 @@ class ModelRunner:
     def __init__(self, parts: ModelParts, pool: PagePool, cuda_graphs: bool = True, max_graph_batch: int = 256,
                  max_graph_tokens: int = 4096, shared_chunks: str = "auto"):
         self.parts, self.pool = parts, pool
-        # a tensor-parallel rank's group (``tensor_parallel.RankGroup``): forwards check lockstep
+        # a tensor-parallel rank's group (``rank_group.RankGroup``): forwards check lockstep
         # and the recovery selectors' scores, sums over this rank's heads, are summed over all ranks
         self.group = getattr(parts, "group", None)
         self.shared_chunks = shared_chunks   # EngineConfig.shared_chunks (decode steps on the kernels)

@@ -4,7 +4,7 @@ Rank ``r`` of an engine whose model is on ``cuda:i`` runs on ``cuda:(i + r)``, o
 on the CPU every rank shares the CPU. The activations' all-reduces and the gathers of device
 tensors go over NCCL on CUDA (GPU to GPU, no host copy), over gloo on the CPU; the small
 control-plane collectives (lockstep checks, agreements on sizes) are CPU tensors over gloo
-everywhere (``tensor_parallel.RankGroup``).
+everywhere (``rank_group.RankGroup``).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from .rank_devices import rank_device
-from .tensor_parallel import COLLECTIVE_TIMEOUT_S, RankFailedError, RankGroup
+from .rank_group import COLLECTIVE_TIMEOUT_S, RankFailedError, RankGroup
 
 _STORE_TIMEOUT_S = 120.0   # ranks joining the group at start (a worker imports torch and lazy_rag first)
 

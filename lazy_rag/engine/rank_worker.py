@@ -23,7 +23,8 @@ from .engine import Engine, pool_pages
 from .read_or_encode import ReadAlways
 from .store_ref import StoreRef, open_ref
 from .shard_loading import RankShare
-from .tensor_parallel import HeadShard, RankGroup, ShardedParts
+from .rank_group import RankGroup
+from .tensor_parallel import HeadShard, ShardedParts
 
 
 def attach(engine: Engine, group: RankGroup) -> Engine:

@@ -17,7 +17,7 @@ everywhere and no token moves between ranks), and a shared expert's too: the blo
 partial sum on each rank, all-reduced once after the block (``ReducedOutput``); granitemoeshared's
 shared MLP beside the block is row-parallel like a dense MLP.
 
-``layer_shares`` names each rank's share of a layer's tensors; a rank gets it either by loading
+The ranks' collectives: ``rank_group.RankGroup``. ``layer_shares`` names each rank's share of a layer's tensors; a rank gets it either by loading
 only that (``shard_loading``, the way for a model larger than one device) or by slicing it from
 a whole model given in memory (``shard_layer``); ``with_collectives`` then adds the all-reduces.
 
@@ -32,10 +32,6 @@ o_proj and down_proj sums are added after the ranks' own dot products).
 from __future__ import annotations
 
 import copy
-import datetime
-import logging
-import os
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,177 +41,7 @@ from torch import nn
 from ..architecture import FAMILIES, ModelParts, moe_block
 from ..chunk_kv import ChunkKV
 from ..errors import LazyRagError
-
-log = logging.getLogger(__name__)
-
-# seconds a rank waits in one collective for the others before its requests fail (a rank that
-# died is found at once, by its closed connection; this bounds a rank that hangs)
-COLLECTIVE_TIMEOUT_S = 300.0
-
-
-class RankFailedError(LazyRagError):
-    """A tensor-parallel rank died, hung or left lockstep: the requests it was serving fail."""
-
-
-class RankGroup:
-    """This process's place among ``size`` tensor-parallel ranks and the collectives between them.
-    ``describe_failure()``: what rank 0 knows about its workers when a collective fails (which one
-    exited, with which code).
-
-    On the CPU one gloo group carries everything. On CUDA (``device``: this rank's GPU,
-    ``rank_devices``) the collectives over device tensors (the activations' all-reduces, KV
-    gathers) go over NCCL and are only ordered on the GPU's stream, never waited for by the host
-    (so a step has no host sync per all-reduce and can be captured in a CUDA graph); the
-    collectives over CPU tensors (lockstep checks, agreements) go over gloo, as on the CPU.
-
-    NCCL has no timeout of its own on the GPU: a peer that died leaves this rank's all-reduce
-    kernel waiting. So the host bounds every CUDA step (``settle``: the step's work must finish
-    within the timeout), and whoever finds a rank dead or hung calls ``fail``, which aborts the
-    NCCL communicator: its waiting kernels return, and every later collective raises."""
-
-    def __init__(self, rank: int, size: int, store, timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                 describe_failure=None, device: torch.device = torch.device("cpu")):
-        import torch.distributed as dist
-
-        self.rank, self.size, self.device = rank, size, torch.device(device)
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.describe_failure = describe_failure or (lambda: "")
-        self.broken: RankFailedError | None = None
-        # process groups of their own, outside torch.distributed's default group: the user's
-        # process may run its own torch.distributed, and several groups may coexist
-        self.control = dist.ProcessGroupGloo(store, rank, size, self.timeout)
-        self.nccl = nccl_group(store, rank, size, self.timeout, self.device) if self.device.type == "cuda" else None
-
-    def _wait(self, work, what: str) -> None:
-        if self.broken is not None:
-            raise self.broken
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            why = self.describe_failure() or f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            self.fail(RankFailedError(
-                f"Tensor-parallel rank {self.rank} of {self.size} lost the other ranks during {what}: {why}. "
-                "Requests in flight fail; create the LazyLLM (or restart the server) again."))
-            raise self.broken from e
-
-    def _run(self, t: torch.Tensor, op, what: str) -> None:
-        """Run the collective ``op(group)`` over the group of ``t``'s device. NCCL's work is
-        ordered on the current stream (``wait()`` without a timeout: with one, the host would
-        block until the GPU finished); gloo's is waited for, at most the timeout."""
-        if self.broken is not None:
-            raise self.broken
-        if t.is_cuda:
-            try:
-                op(self.nccl).wait()
-            except RuntimeError as e:   # the communicator was aborted (``fail``), or NCCL failed
-                self.fail(RankFailedError(
-                    f"Tensor-parallel rank {self.rank} of {self.size}: NCCL failed during {what}: "
-                    f"{self.describe_failure() or str(e).splitlines()[0][:200]}. Requests in flight fail; "
-                    "create the LazyLLM (or restart the server) again."))
-                raise self.broken from e
-        else:
-            self._wait(op(self.control), what)
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place."""
-        self._run(t, lambda pg: pg.allreduce([t]), "an all-reduce")
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        t = t.contiguous()
-        self._run(t, lambda pg: pg.allgather([out], [t]), "an all-gather")
-        return out
-
-    def check_lockstep(self, values: list[int], what: str) -> None:
-        """Every rank must be about to run the same forward: compare ``values`` (token counts
-        and id sums) with the other ranks' and fail, naming the ranks, if they differ. A rank
-        out of lockstep would otherwise all-reduce tensors of other shapes, or hang."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        ranks = self.all_gather(mine)
-        if any(not torch.equal(r, ranks[0]) for r in ranks):
-            got = "; ".join(f"rank {i}: {r.tolist()}" for i, r in enumerate(ranks))
-            self.fail(RankFailedError(f"Tensor-parallel ranks left lockstep before {what} ({got})."))
-            raise self.broken
-
-    def agree(self, ok: bool) -> bool:
-        """True when ``ok`` on every rank (a control-plane collective): a choice one rank may
-        fail to make (a CUDA graph's capture) is then made by all of them or by none."""
-        return all(bool(r.item()) for r in self.all_gather(torch.tensor([int(ok)], dtype=torch.int64)))
-
-    def settle(self) -> None:
-        """On CUDA, wait until this rank's queued work (a step's, with its NCCL all-reduces) has
-        finished, at most the timeout; raise if a rank was found dead meanwhile (``fail``, whose
-        abort lets the waiting kernels return) or the step outran the timeout (a hung rank). The
-        step's tokens are then never read from a step the ranks did not all finish. On the CPU
-        every collective was waited for already: nothing to do."""
-        if self.nccl is None:
-            return
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while not done.query():
-            if self.broken is not None:
-                raise self.broken
-            if time.monotonic() > deadline:
-                self.fail(RankFailedError(
-                    f"Tensor-parallel rank {self.rank} of {self.size}: a step did not finish within "
-                    f"{self.timeout.total_seconds():.0f} s (a rank hung: {self.describe_failure() or 'none exited'}). "
-                    "Requests in flight fail; create the LazyLLM (or restart the server) again."))
-                raise self.broken
-            time.sleep(0)   # (releases the GIL: the watcher thread may find a dead rank)
-        if self.broken is not None:
-            raise self.broken
-
-    def fail(self, error: RankFailedError) -> None:
-        """Mark the group broken (the first error is kept) and abort the NCCL communicator, so
-        that no kernel of this rank waits for a peer that will not come."""
-        if self.broken is None:
-            self.broken = error
-        if self.nccl is not None:
-            try:
-                self.nccl.abort()
-            except RuntimeError as e:   # (aborted already, or NCCL failed on its own)
-                log.warning("Aborting the NCCL communicator of tensor-parallel rank %d: %s", self.rank, e)
-
-    def share(self, n: int) -> slice:
-        """This rank's slice of ``n`` things split evenly (checked by ``check_shardable``)."""
-        return part(n, self.rank, self.size)
-
-
-# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only): when NCCL's own watchdog finds a collective
-# past the timeout, it aborts the communicator and the error surfaces in the next collective;
-# torch's default (3) ends the whole process, which for rank 0 is the caller's (a LazyLLM in a
-# script, the server's engine process)
-_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-def nccl_group(store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device):
-    """An NCCL process group over ``store`` (keys apart from the gloo group's), its communicator
-    made now, on ``device`` (every rank calls this at the same point)."""
-    import torch.distributed as dist
-
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    options.is_high_priority_stream = False
-    saved = {k: os.environ.get(k) for k in _NCCL_ENV}
-    os.environ.update({k: os.environ.get(k) or v for k, v in _NCCL_ENV.items()})   # (a user's setting wins)
-    try:   # (read as the group is constructed)
-        pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    pg.eager_connect_single_device(device)
-    return pg
-
-
-def part(n: int, rank: int, size: int) -> slice:
-    """Rank ``rank``'s slice of ``n`` things split evenly over ``size`` ranks."""
-    k = n // size
-    return slice(rank * k, (rank + 1) * k)
+from .rank_group import RankGroup, part
 
 
 def split_counts(config, layers) -> dict[str, int]:

@@ -41,7 +41,8 @@ from .rank_pool import RankPool
 from .store_ref import ref_of
 from .rank_devices import check_rank_devices
 from .rank_worker import agreed_config, attach, encode_whole, gather_weight_bytes
-from .tensor_parallel import RankFailedError, ShardedParts, check_shardable
+from .rank_group import RankFailedError
+from .tensor_parallel import ShardedParts, check_shardable
 
 # Engine.submit's keywords that are shorthand for SamplingParams fields (the same names)
 _SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))

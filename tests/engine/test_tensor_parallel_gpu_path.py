@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import lazy_rag.engine.tensor_parallel as tensor_parallel
+import lazy_rag.engine.rank_group as rank_group
 from lazy_rag import Chunk, LazyLLM
 from lazy_rag.engine import EngineConfig
 from lazy_rag.engine.chunk_tiers import ChunkTiers
@@ -25,7 +25,7 @@ from lazy_rag.engine.cuda_graphs import capture
 from lazy_rag.engine.kv_planner import KVPlanner
 from lazy_rag.engine.rank_devices import check_rank_devices, rank_device
 from lazy_rag.engine.rank_worker import agreed_config, worker_tiers
-from lazy_rag.engine.tensor_parallel import RankFailedError, RankGroup
+from lazy_rag.engine.rank_group import RankFailedError, RankGroup
 from lazy_rag.engine.tp_engine import check_tensor_parallel, engine_for
 from lazy_rag.errors import LazyRagError
 from lazy_rag.random_models import IdTokenizer
@@ -96,7 +96,7 @@ def _group(monkeypatch, device, nccl=None):
     import torch.distributed as dist
 
     made = []
-    monkeypatch.setattr(tensor_parallel, "nccl_group", lambda *a: made.append(a) or nccl)
+    monkeypatch.setattr(rank_group, "nccl_group", lambda *a: made.append(a) or nccl)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30))
     return RankGroup(0, 1, store, 30.0, device=device), made
 
