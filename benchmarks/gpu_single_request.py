@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 from pathlib import Path
 
 import torch
 
 from lazy_rag.random_models import ARCHITECTURES, IdTokenizer, random_model
+from lazy_rag.bench.paper_request import PaperRequests
 from lazy_rag.bench.records import environment, format_table, write_records
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,21 +40,13 @@ def main():
     args = ap.parse_args()
     if args.eager and args.tensor_parallel > 1:
         ap.error("--eager switches rank 0's append graphs only; the ranks would leave lockstep (run it at TP 1)")
-    from lazy_rag import Chunk, LazyLLM
+    from lazy_rag import LazyLLM
 
     # engine pool: 16 GiB (the paper's request is 1.25 GiB of KV; per rank under tensor parallelism)
     model = random_model(args.arch, "cuda", torch.bfloat16, args.layers, tensor_parallel=args.tensor_parallel)
     layers = model.config.num_hidden_layers
     llm = LazyLLM(model, IdTokenizer(), kv_bytes=16 << 30, tensor_parallel=args.tensor_parallel)
-    rng = random.Random(0)
-    pool = [[rng.randrange(1000, 120000) for _ in range(args.chunk_tokens)] for _ in range(10)]
-    head = [rng.randrange(1000, 120000) for _ in range(40)]
-
-    def prompt(chosen, q):
-        segs = [head]
-        for c in chosen:
-            segs += [Chunk(pool[c]), [13, 13]]
-        return segs + [q]
+    requests = PaperRequests(chunk_tokens=args.chunk_tokens)
 
     def ttft(segs, mode):
         torch.cuda.synchronize()
@@ -72,14 +64,13 @@ def main():
         llm.engine.runner.append_graphs = graphs if append_graphs else None
         times, st = [], None
         for rep in range(args.reps + 1):
-            chosen = rng.sample(range(10), 5)
-            q = [rng.randrange(1000, 120000) for _ in range(32)]
+            chosen, q = requests.choose(), requests.question()
             if mode == "prefix":  # an earlier request retrieved the same chunks in another order
                 llm.engine.clear_cache()  # only that earlier request is cached
-                ttft(prompt(chosen[1:] + chosen[:1], q), "prefix")
+                ttft(requests.prompt(chosen[1:] + chosen[:1], q), "prefix")
             else:
-                ttft(prompt(chosen[::-1], q[::-1]), mode)  # chunks resident in the pool
-            st = ttft(prompt(chosen, q), mode)
+                ttft(requests.prompt(chosen[::-1], q[::-1]), mode)  # chunks resident in the pool
+            st = ttft(requests.prompt(chosen, q), mode)
             if rep:  # the first is warm-up
                 times.append(st.ttft_ms)
         records.append({"benchmark": "gpu_single_request", "mode": mode, "device": env["device"],

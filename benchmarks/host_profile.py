@@ -13,11 +13,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import time
 
 import torch
 
+from lazy_rag.bench.paper_request import PaperRequests
 from lazy_rag.random_models import IdTokenizer, random_llama31_8b
 
 
@@ -41,18 +41,10 @@ def main():
     ap.add_argument("--mode", default="lazy")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    from lazy_rag import Chunk, LazyLLM
+    from lazy_rag import LazyLLM
 
     llm = LazyLLM(random_llama31_8b(args.layers), IdTokenizer(), kv_bytes=24 << 30)
-    rng = random.Random(0)
-    pool = [[rng.randrange(1000, 120000) for _ in range(2048)] for _ in range(10)]
-    head = [rng.randrange(1000, 120000) for _ in range(40)]
-
-    def prompt():
-        segs = [head]
-        for c in rng.sample(range(10), 5):
-            segs += [Chunk(pool[c]), [13, 13]]
-        return segs + [[rng.randrange(1000, 120000) for _ in range(32)]]
+    prompt = PaperRequests().prompt
 
     for _ in range(3):  # every chunk placed, kernels compiled, graphs captured
         llm.generate(prompt(), max_new_tokens=1, mode=args.mode)

@@ -337,3 +337,17 @@ def test_a_probe_before_a_build_writes_the_builds_bytes_when_both_fit_else_what_
     assert probe_first_bytes(19 * G, 68 * G, probes=2) == 19 * G
     two = probe_first_bytes(25 * G, 68 * G, probes=2)
     assert 4 << 30 <= two < 25 * G and 2 * two + 25 * G + (3 << 30) <= 68 * G / 1.05
+
+
+def test_the_paper_request_has_the_papers_sizes_and_is_the_same_every_run():
+    from lazy_rag.bench.paper_request import PaperRequests
+    from lazy_rag.segments import Chunk
+
+    a, b = PaperRequests(seed=3), PaperRequests(seed=3)
+    segs = a.prompt()
+    chunks = [s for s in segs if isinstance(s, Chunk)]
+    assert len(chunks) == 5 and all(len(c.content) == 2048 for c in chunks)
+    assert sum(len(s.content) if isinstance(s, Chunk) else len(s) for s in segs) == 10322
+    assert [s.content if isinstance(s, Chunk) else s for s in segs] == \
+           [s.content if isinstance(s, Chunk) else s for s in b.prompt()]
+    assert PaperRequests(seed=4).pool != a.pool

@@ -13,7 +13,6 @@ commands to the other ranks and their lockstep checks).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lazy_rag.bench.paper_request import PaperRequests  # noqa: E402
 from lazy_rag.bench.records import environment, format_table, write_records  # noqa: E402
 
 # kernel name prefixes of each kind (the rest: norms, RoPE, residual adds, sampling)
@@ -56,29 +56,20 @@ def main() -> None:
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from lazy_rag import Chunk, LazyLLM
+    from lazy_rag import LazyLLM
     from lazy_rag.random_models import IdTokenizer, random_model
 
     tp = args.tensor_parallel
     model = random_model(args.arch, "cuda", torch.bfloat16, None, tensor_parallel=tp)
     llm = LazyLLM(model, IdTokenizer(), kv_bytes=16 << 30, tensor_parallel=tp)
-    rng = random.Random(0)
-    pool = [[rng.randrange(1000, 120000) for _ in range(2048)] for _ in range(10)]
-    head = [rng.randrange(1000, 120000) for _ in range(40)]
-
-    def prompt(chosen, q):
-        segs = [head]
-        for c in chosen:
-            segs += [Chunk(pool[c]), [13, 13]]
-        return segs + [q]
+    requests = PaperRequests()
 
     def request() -> float:
-        chosen = rng.sample(range(10), 5)
-        q = [rng.randrange(1000, 120000) for _ in range(32)]
-        llm.generate(prompt(chosen[::-1], q[::-1]), max_new_tokens=1, mode="lazy")   # places the chunks
+        chosen, q = requests.choose(), requests.question()
+        llm.generate(requests.prompt(chosen[::-1], q[::-1]), max_new_tokens=1, mode="lazy")   # places the chunks
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate(prompt(chosen, q), max_new_tokens=1, mode="lazy")
+        llm.generate(requests.prompt(chosen, q), max_new_tokens=1, mode="lazy")
         torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
 
