@@ -42,8 +42,10 @@ def cache_metrics(engine_stats: dict, prompt_tokens: int) -> dict:
             "evictions": int(s.get("evictions", 0)), "preemptions": int(s.get("preemptions", 0)),
             "pool_pages": s.get("pages_total"), "engine_steps": s.get("steps"),
             # where the steps' wall time went on rank 0: admission, then prefill and decode steps
-            # (each up to its sampled tokens on the host)
-            **{f"engine_{t}": s.get(t) for t in ("schedule_s", "prefill_steps_s", "decode_steps_s")},
+            # (each up to its sampled tokens on the host); under tensor parallelism, rank 0's waits
+            # in the control plane for the other ranks, for its steps' GPU work, and its sends
+            **{f"engine_{t}": s.get(t) for t in ("schedule_s", "prefill_steps_s", "decode_steps_s",
+                                                  "tp_control_s", "tp_settle_s", "tp_send_s")},
             # decode graphs are captured per engine (one per point) on first use of a batch shape
             "cuda_graphs_captured": s.get("graphs")}
 

@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import time
+from collections import Counter
 
 import torch
 
@@ -48,6 +49,9 @@ class RankGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.describe_failure = describe_failure or (lambda: "")
         self.broken: RankFailedError | None = None
+        # host seconds this rank spent waiting: in control-plane collectives for the other ranks'
+        # hosts (control_s), for its steps' GPU work (settle_s), and sending commands (send_s, rank 0)
+        self.timers: Counter = Counter()
         # process groups of their own, outside torch.distributed's default group: the user's
         # process may run its own torch.distributed, and several groups may coexist
         self.control = dist.ProcessGroupGloo(store, rank, size, self.timeout)
@@ -56,6 +60,7 @@ class RankGroup:
     def _wait(self, work, what: str) -> None:
         if self.broken is not None:
             raise self.broken
+        t0 = time.perf_counter()
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
@@ -64,6 +69,8 @@ class RankGroup:
                 f"Tensor-parallel rank {self.rank} of {self.size} lost the other ranks during {what}: {why}. "
                 "Requests in flight fail; create the LazyLLM (or restart the server) again."))
             raise self.broken from e
+        finally:
+            self.timers["control_s"] += time.perf_counter() - t0
 
     def _run(self, t: torch.Tensor, op, what: str) -> None:
         """Run the collective ``op(group)`` over the group of ``t``'s device. NCCL's work is
@@ -120,6 +127,7 @@ class RankGroup:
             return
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not done.query():
             if self.broken is not None:
@@ -131,6 +139,7 @@ class RankGroup:
                     "Requests in flight fail; create the LazyLLM (or restart the server) again."))
                 raise self.broken
             time.sleep(0)   # (releases the GIL: the watcher thread may find a dead rank)
+        self.timers["settle_s"] += time.perf_counter() - t0
         if self.broken is not None:
             raise self.broken
 

@@ -26,6 +26,7 @@ import multiprocessing.connection as mp_connection
 import multiprocessing.util as mp_util
 import os
 import threading
+import time
 import traceback
 import weakref
 
@@ -123,6 +124,7 @@ class RankPool:
         """Send one command to every worker (the caller holds ``lock``)."""
         if self.group.broken is not None:
             raise self.group.broken
+        t0 = time.perf_counter()
         for rank, conn in enumerate(self.conns, 1):
             try:
                 conn.send(command)
@@ -131,6 +133,7 @@ class RankPool:
                     f"Tensor-parallel rank {rank} of {self.size} cannot be reached ({self.describe_failure() or e}). "
                     "Requests fail; create the LazyLLM (or restart the server) again.")
                 raise self.group.broken from e
+        self.group.timers["send_s"] += time.perf_counter() - t0
 
     def describe_failure(self) -> str:
         """Which workers exited (rank, exit code, the error each reported), or ''."""

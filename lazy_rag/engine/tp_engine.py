@@ -85,6 +85,7 @@ class TPEngine(Engine):
         # worker's snapshot of the index cannot see them, and a rank that encoded a chunk rank 0
         # read would leave lockstep
         self._written: list = []
+        self._waits_at_open = dict(group.timers)
         self._listened = weakref.WeakSet()
         weakref.finalize(self, _close, self.ranks, self.eid)
 
@@ -166,7 +167,10 @@ class TPEngine(Engine):
         return group.broken
 
     def stats(self) -> dict:
-        return {**super().stats(), "tensor_parallel": self.ranks.size, "rank_weight_bytes": self.rank_weight_bytes}
+        # since this engine opened (the engines of one RankPool share its group and its timers)
+        waits = {f"tp_{k}": round(v - self._waits_at_open.get(k, 0.0), 4) for k, v in self.ranks.group.timers.items()}
+        return {**super().stats(), "tensor_parallel": self.ranks.size, "rank_weight_bytes": self.rank_weight_bytes,
+                **waits}
 
 
 def _portable(options: dict) -> dict:
