@@ -8,7 +8,8 @@ shape, 5 x 2,048 cached tokens resident in the pool + 82 computed).
     python3 benchmarks/device/tp_request_profile.py --tensor-parallel 2 --out $OUT/tp2.json
 
 The wall time less the GPU time is what the host adds (planning, launches, and under TP the
-commands to the other ranks and their lockstep checks).
+commands to the other ranks and their lockstep checks: rank 0's waits per request, from
+``stats()``'s ``tp_*`` timers, are recorded beside it).
 """
 from __future__ import annotations
 
@@ -75,14 +76,19 @@ def main() -> None:
 
     for _ in range(3):
         request()
+    before = llm.engine.stats()
     walls = [request() for _ in range(args.reps)]
+    after = llm.engine.stats()
+    # rank 0's waits per timed request (each is two generates: the placing one and the timed one)
+    waits = {f"{k[:-2]}_ms_per_request": (after[k] - before.get(k, 0.0)) * 1e3 / (2 * args.reps)
+             for k in ("tp_control_s", "tp_settle_s", "tp_send_s") if k in after}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         request()
     env = environment()
     record = {"benchmark": "tp_request_profile", "mode": "lazy", "device": env["device"], "tensor_parallel": tp,
               "model": f"{args.arch}-shape (random bf16)", "prompt_tokens": 10322, "computed_tokens": 82,
               "wall_ms_p50": statistics.median(walls), "wall_ms_min": min(walls), "reps": args.reps,
-              **gpu_ms_by_kind(prof.key_averages(), 2), "torch": env["torch"], "date": env["date"]}
+              **gpu_ms_by_kind(prof.key_averages(), 2), **waits, "torch": env["torch"], "date": env["date"]}
     record["host_not_overlapped_ms"] = record["wall_ms_p50"] - record["gpu_ms"]
     print(format_table([record], ["tensor_parallel", "wall_ms_p50", "gpu_ms", "gpu_matmul_ms", "gpu_attention_ms",
                                   "gpu_all_reduce_ms", "gpu_other_ms", "host_not_overlapped_ms"]))
