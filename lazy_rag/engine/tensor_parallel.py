@@ -17,9 +17,10 @@ everywhere and no token moves between ranks), and a shared expert's too: the blo
 partial sum on each rank, all-reduced once after the block (``ReducedOutput``); granitemoeshared's
 shared MLP beside the block is row-parallel like a dense MLP.
 
-The ranks' collectives: ``rank_group.RankGroup``. ``layer_shares`` names each rank's share of a layer's tensors; a rank gets it either by loading
-only that (``shard_loading``, the way for a model larger than one device) or by slicing it from
-a whole model given in memory (``shard_layer``); ``with_collectives`` then adds the all-reduces.
+The ranks' collectives: ``rank_group.RankGroup``. ``layer_shares`` names each rank's share of a
+layer's tensors; a rank gets it either by loading only that (``shard_loading``, the way for a
+model larger than one device) or by slicing it from a whole model given in memory
+(``shard_layer``); ``with_collectives`` then adds the all-reduces.
 
 The pool of a rank holds its KV heads of every chunk; the chunk store on disk is unchanged and
 holds all of them. ``HeadShard`` slices a record's heads as a rank reads it and gathers the ranks'

@@ -17,9 +17,9 @@ kept out of decisions (``read_or_encode.ReadAlways``); ``RankGroup.check_lockste
 ranks' tokens before every forward, so a rank that left lockstep fails the step with an error
 instead of hanging.
 
-On GPUs (``rank_devices``) rank r runs on the r-th GPU after rank 0's, its activations' all-reduces over NCCL inside its
-CUDA graphs, and the decisions that read the process rather than the requests are made the same
-on every rank (``rank_worker``'s docstring lists them).
+On GPUs (``rank_devices``) rank r runs on the r-th GPU after rank 0's, its activations'
+all-reduces over NCCL inside its CUDA graphs, and the decisions that read the process rather
+than the requests are made the same on every rank (``rank_worker``'s docstring lists them).
 
 What a request may hold is what can cross a process: a callable ``score_fn`` stays on rank 0
 (the workers compute the same rows and drop them); chunk adapters (LoRA deltas hooked on the
