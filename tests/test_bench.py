@@ -351,3 +351,14 @@ def test_the_paper_request_has_the_papers_sizes_and_is_the_same_every_run():
     assert [s.content if isinstance(s, Chunk) else s for s in segs] == \
            [s.content if isinstance(s, Chunk) else s for s in b.prompt()]
     assert PaperRequests(seed=4).pool != a.pool
+
+
+def test_profiled_kernels_split_by_kind_all_reduces_only_where_asked():
+    from lazy_rag.bench.roofline import kernel_class
+
+    assert kernel_class("_prefill_runs_kernel") == kernel_class("_merge_kernel") == "attention_ms"
+    assert kernel_class("nvjet_sm90_tst_128x96_64x7_4x1_v_bz_TNT") == "matmul_ms"
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    assert kernel_class(nccl) == "other_kernels_ms"   # the single-process profiles' four fields
+    assert kernel_class(nccl, all_reduces=True) == "all_reduce_ms"
+    assert kernel_class("ncclDevKernel_AllGather_RING_LL", all_reduces=True) == "other_kernels_ms"

@@ -24,28 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lazy_rag.bench.paper_request import PaperRequests  # noqa: E402
 from lazy_rag.bench.records import environment, format_table, write_records  # noqa: E402
-
-# kernel name prefixes of each kind (the rest: norms, RoPE, residual adds, sampling)
-KINDS = {"attention": ("_prefill_runs_kernel", "_merge_kernel", "_paged_attn_kernel"),
-         "matmul": ("nvjet", "cublasLt", "sm90_xmma", "cutlass"),
-         "all_reduce": ("ncclDevKernel",)}
-
+from lazy_rag.bench.roofline import kernel_class  # noqa: E402
 
 def gpu_ms_by_kind(events, requests: int) -> dict:
-    out = {f"gpu_{k}_ms": 0.0 for k in KINDS}
-    total = 0.0
-    for e in events:
-        us = getattr(e, "self_device_time_total", 0.0)
-        if not us or e.key.startswith("aten::"):   # a kernel's time, not the op that launched it
-            continue
-        total += us
-        kind = next((k for k, prefixes in KINDS.items() if e.key.startswith(prefixes)), None)
-        if kind is not None:
-            out[f"gpu_{kind}_ms"] += us
-    out = {k: v / 1e3 / requests for k, v in out.items()}
-    out["gpu_ms"] = total / 1e3 / requests
-    out["gpu_other_ms"] = out["gpu_ms"] - sum(out[f"gpu_{k}_ms"] for k in KINDS)
-    return out
+    """Rank 0's GPU time per request by kind of kernel (``roofline.kernel_class``), and in all."""
+    split = {f"gpu_{k}": 0.0 for k in ("matmul_ms", "attention_ms", "all_reduce_ms", "other_kernels_ms")}
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
+            split[f"gpu_{kernel_class(ev.key, all_reduces=True)}"] += ev.self_device_time_total / 1e3 / requests
+    return {**split, "gpu_ms": sum(split.values())}
 
 
 def main() -> None:
@@ -65,19 +52,20 @@ def main() -> None:
     llm = LazyLLM(model, IdTokenizer(), kv_bytes=16 << 30, tensor_parallel=tp)
     requests = PaperRequests()
 
-    def request() -> float:
+    def request():
+        """(wall ms, stats) of a request whose chunks an earlier one placed in the pool."""
         chosen, q = requests.choose(), requests.question()
         llm.generate(requests.prompt(chosen[::-1], q[::-1]), max_new_tokens=1, mode="lazy")   # places the chunks
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate(requests.prompt(chosen, q), max_new_tokens=1, mode="lazy")
+        stats = llm.generate(requests.prompt(chosen, q), max_new_tokens=1, mode="lazy").stats
         torch.cuda.synchronize()
-        return (time.perf_counter() - t) * 1e3
+        return (time.perf_counter() - t) * 1e3, stats
 
     for _ in range(3):
         request()
     before = llm.engine.stats()
-    walls = [request() for _ in range(args.reps)]
+    walls, stats = zip(*[request() for _ in range(args.reps)])
     after = llm.engine.stats()
     # rank 0's waits per timed request (each is two generates: the placing one and the timed one)
     waits = {f"{k[:-2]}_ms_per_request": (after[k] - before.get(k, 0.0)) * 1e3 / (2 * args.reps)
@@ -86,12 +74,13 @@ def main() -> None:
         request()
     env = environment()
     record = {"benchmark": "tp_request_profile", "mode": "lazy", "device": env["device"], "tensor_parallel": tp,
-              "model": f"{args.arch}-shape (random bf16)", "prompt_tokens": 10322, "computed_tokens": 82,
+              "model": f"{args.arch}-shape (random bf16)", "prompt_tokens": stats[-1].prompt_tokens,
+              "computed_tokens": stats[-1].computed_tokens,
               "wall_ms_p50": statistics.median(walls), "wall_ms_min": min(walls), "reps": args.reps,
               **gpu_ms_by_kind(prof.key_averages(), 2), **waits, "torch": env["torch"], "date": env["date"]}
     record["host_not_overlapped_ms"] = record["wall_ms_p50"] - record["gpu_ms"]
     print(format_table([record], ["tensor_parallel", "wall_ms_p50", "gpu_ms", "gpu_matmul_ms", "gpu_attention_ms",
-                                  "gpu_all_reduce_ms", "gpu_other_ms", "host_not_overlapped_ms"]))
+                                  "gpu_all_reduce_ms", "gpu_other_kernels_ms", "host_not_overlapped_ms"]))
     print("->", write_records(Path(args.out), [record]))
 
 

@@ -24,13 +24,16 @@ def matmul_tflops(device) -> float:
     return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
 
 
-def kernel_class(name: str, copies: bool = False) -> str:
+def kernel_class(name: str, copies: bool = False, all_reduces: bool = False) -> str:
     """The record field a profiled CUDA kernel's time goes to (the profile benchmarks' split):
     ``attention_ms`` (lazy-rag's Triton attention kernels), ``matmul_ms`` (cuBLAS GEMMs),
-    ``d2h_ms`` (device-to-host copies, with ``copies``), else ``other_kernels_ms``."""
+    ``d2h_ms`` (device-to-host copies, with ``copies``), ``all_reduce_ms`` (NCCL's all-reduce
+    kernels, with ``all_reduces``: a tensor-parallel rank's), else ``other_kernels_ms``."""
     n = name.lower()
     if copies and "memcpy" in n and ("dtoh" in n or "device -> pageable" in n or "device -> pinned" in n):
         return "d2h_ms"
+    if all_reduces and "nccl" in n and "allreduce" in n:
+        return "all_reduce_ms"
     if "paged_attn" in n or "shared_chunk" in n or "merge" in n or "prefill_runs" in n:
         return "attention_ms"
     if "gemm" in n or "nvjet" in n or "cutlass" in n or "sm90_xmma" in n:
