@@ -58,7 +58,7 @@ def open_rank_engine(group: RankGroup, model, tokenizer, model_name, default_sou
     configuration, over this rank's share of the model, on this rank's device. ``model``: rank 0's
     ``RankShare`` (this rank loads its own share from the same source, directly on its device) or
     the whole model (shared memory; on a GPU, copied whole to this rank's GPU before it keeps its
-    share). ``tiers``: the host tier it shares with this worker's other engines (``shared_tiers``)."""
+    share). ``tiers``: the host tier it shares with this worker's other engines (``worker_tiers``)."""
     from ..model_host import ModelHost
 
     if isinstance(model, RankShare):
