@@ -43,8 +43,10 @@ def unsupported_reason(experts: torch.nn.Module) -> str | None:
         "gate and up not concatenated": getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False),
         "transposed weights": not getattr(experts, "is_transposed", True),
         "biases": not getattr(experts, "has_bias", True),
-        "a norm after the experts": not getattr(experts, "has_post_expert_norm", True),
-        "expert parallelism": not getattr(experts, "_is_expert_parallel", True),
+        # Both flags arrived after transformers 5.17 (the GPU image): their absence means the
+        # feature does not exist there, not that it is on.
+        "a norm after the experts": not getattr(experts, "has_post_expert_norm", False),
+        "expert parallelism": not getattr(experts, "_is_expert_parallel", False),
         "an activation other than SiLU": isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)),
         "its own gating": getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
     }
@@ -74,9 +76,10 @@ def register_triton_experts() -> None:
 
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's experts modules that dispatch through the ExpertsInterface (the decorator's
-    ``__init__`` gives each ``_is_expert_parallel``)."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")]
+    """The model's experts modules that dispatch through the ExpertsInterface: the ones whose
+    ``__init__`` is ``use_experts_implementation``'s, which sets ``is_concatenated`` and ``config``
+    (in every transformers 5 release; later ones add more flags)."""
+    return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "config")]
 
 
 def use_experts(model, experts: str | None = None):

@@ -106,6 +106,25 @@ def test_tiny_qwen3_moe_logits_unchanged(monkeypatch):
     assert rel_err(after, before) <= 1e-5
 
 
+def test_experts_found_without_later_transformers_flags():
+    """transformers 5.17 (the GPU image) sets neither ``_is_expert_parallel`` nor
+    ``has_post_expert_norm``: the experts are still found, and still supported."""
+    from lazy_rag.experts import experts_modules, unsupported_reason
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen3_moe", vocab_size=512)
+    modules = experts_modules(model)
+    assert len(modules) == model.config.num_hidden_layers
+    for m in modules:
+        for flag in ("_is_expert_parallel", "has_post_expert_norm"):
+            m.__dict__.pop(flag, None)
+        assert not hasattr(m, "_is_expert_parallel")
+        assert unsupported_reason(m) is None
+    assert experts_modules(model) == modules
+    use_experts(model, "triton")
+    assert model.config._experts_implementation == TRITON_EXPERTS
+
+
 def test_large_batches_take_grouped_mm(monkeypatch):
     """Past MOST_KERNEL_PAIRS (a prefill) the forward is transformers' grouped_mm, same result."""
     import lazy_rag.experts as experts
