@@ -28,27 +28,27 @@ import time
 
 import torch
 
-from . import host_memory
-
 log = logging.getLogger(__name__)
 
 ALIGN = 512   # each tensor's offset in a buffer: DMA- and vector-friendly
 
 
-def _register(buf: torch.Tensor, device: int) -> None:
-    host_memory.register(buf.data_ptr(), buf.numel(), device)
+def _register(buf: torch.Tensor) -> None:
+    rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with CUDA error {rc}")
 
 
-def _unregister(buf: torch.Tensor, device: int) -> None:
-    host_memory.unregister(buf.data_ptr(), device, buf)   # kept until exit if that fails
+def _unregister(buf: torch.Tensor) -> None:
+    rc = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+    if rc != 0:
+        log.warning("cudaHostUnregister failed with CUDA error %d; the buffer stays pinned until exit.", rc)
 
 
 class PinnedStaging:
     def __init__(self, slots: int, slot_bytes: int, pin: bool = True):
         """``pin=False``: ordinary host memory (what a machine without CUDA can test)."""
         self.slots, self.slot_bytes, self.pin = int(slots), int(slot_bytes), pin
-        # registered on the creating thread's device (the background thread's own would be device 0)
-        self.device = torch.cuda.current_device() if pin else -1
         self._free: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -65,7 +65,7 @@ class PinnedStaging:
                 buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
                 buf.fill_(0)   # the pages faulted in here, so that registering only pins them
                 if self.pin:
-                    _register(buf, self.device)
+                    _register(buf)
             except BaseException as e:  # noqa: BLE001 - leases fall back to pinning per tensor
                 log.warning("Pinned staging buffers could not be made (%s: %s); each batch pins its own.",
                             type(e).__name__, e)
@@ -101,7 +101,7 @@ class PinnedStaging:
 
     def _drop(self, buf: torch.Tensor) -> None:
         if self.pin:
-            _unregister(buf, self.device)
+            _unregister(buf)
 
     def close(self) -> None:
         """Stop making buffers and drop (unpin) the free ones; a leased one goes when released."""

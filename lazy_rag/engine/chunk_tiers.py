@@ -46,7 +46,6 @@ from typing import Sequence
 
 import torch
 
-from ..host_memory import hold_until, host_empty
 from ..lru import ByteLRU
 from ..kernels import FP8, dequantize_rows
 from ..kernels.rope import LayerRopes, RopeTable
@@ -129,10 +128,10 @@ class ChunkTiers:
 
     def to_host(self, kv: ChunkKV, wait: bool = True) -> ChunkKV:
         """A host copy of ``kv`` (every tensor: an fp8 chunk's scales too; pinned on a CUDA
-        machine: ``host_memory.host_empty``), not kept in the tier. ``wait=False`` (CUDA KV,
-        pinned host): the copies are queued on the side stream and this returns at once; only the
-        GPU may read the copy before they finish (``place`` orders its reads after them), so the
-        caller must not hand it to the host (a store write)."""
+        machine), not kept in the tier. ``wait=False`` (CUDA KV, pinned host): the copies are
+        queued on the side stream and this returns at once; only the GPU may read the copy
+        before they finish (``place`` orders its reads after them), so the caller must not
+        hand it to the host (a store write)."""
         tensors = kv.tensors()
         if not wait and self.pin and all(t.is_cuda for t in tensors.values()):
             stream = self._side_stream(next(iter(tensors.values())).device)
@@ -140,20 +139,13 @@ class ChunkTiers:
             out = {}
             with torch.cuda.stream(stream):
                 for name, t in tensors.items():
-                    out[name] = host_empty(t.shape, t.dtype, device=t.device).copy_(t, non_blocking=True)
+                    out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                     t.record_stream(stream)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-            hold_until(copied, out.values())   # the host tier may drop the copy before it is written
             return kv.with_tensors(out)
         out = {}
         for name, t in tensors.items():
-            t = t.detach()
-            if t.device.type == "cpu" and (not self.pin or t.is_pinned()):
-                out[name] = t   # on the host as it should be (a segment store reads into pinned memory)
-            else:   # one copy, straight into pinned memory
-                host = host_empty(t.shape, t.dtype, pin=self.pin, device=t.device if t.is_cuda else None)
-                out[name] = host.copy_(t)
+            t = t.detach().to("cpu")
+            out[name] = t.pin_memory() if self.pin and not t.is_pinned() else t
         return kv.with_tensors(out)
 
     def _side_stream(self, device) -> "torch.cuda.Stream":
@@ -275,6 +267,4 @@ class ChunkTiers:
             # the source tensors must outlive the copy: keep them alive on the caching allocator
             for t in (*src.values(), k, v):
                 t.record_stream(self._stream)
-            # and the host ones (registered memory is not torch's: nothing else waits for the copy)
-            hold_until(event, (t for t in kv.tensors().values() if not t.is_cuda))
         return Transfer(event)

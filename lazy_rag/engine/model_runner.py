@@ -58,7 +58,6 @@ from ..chunk_adapter import ChunkAdapters, encoding_chunks
 from ..kernels import HIDDEN_POS, lazy_prefill, plan_prefill, quantize_rows, rope_cos_sin, rotate
 from ..kernels.rope import apply_cos_sin
 from ..chunk_kv import ChunkKV
-from ..host_memory import host_empty
 from .cuda_graphs import AppendGraphs, DecodeAttention, DecodeGraphs
 from .page_pool import PagePool
 from .page_table import (attention_path, build_table, group_rows, is_decode_step, page_rows, slot_map, step_tokens,
@@ -336,7 +335,7 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
     store's copy of it (2 GB per batch of the 8B shape, on the host's prepare threads, into freshly
     faulted memory on a build's first batch) was the writer's largest cost after the disk itself
     (BENCHMARKS.md, "The encode alone"). ``host_alloc(shape, dtype)``: the pinned host
-    tensor each one goes to (default: memory of its own, registered: ``host_memory.host_empty``)."""
+    tensor each one goes to (default: fresh pinned memory)."""
     out = [[] for _ in spans]
     for t in tensors:
         layers, rest = t.shape[0], tuple(t.shape[2:])
@@ -351,7 +350,7 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
             at += n
         if flat.device.type == "cuda":
             host = host_alloc(flat.shape, flat.dtype) if host_alloc is not None else \
-                host_empty(flat.shape, flat.dtype, device=flat.device)
+                torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             flat = host.copy_(flat)
         for parts, (at, n, shape) in zip(out, places):
             parts.append(flat[at:at + n].view(shape))
