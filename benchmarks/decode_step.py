@@ -10,9 +10,9 @@ architecture's step to the first one's.
     python benchmarks/decode_step.py --random-weights qwen3-a3b-dense,qwen3-30b-a3b --batch 1,32
 
 ``--experts`` picks what runs the mixture-of-experts shapes' routed experts (lazy_rag.experts):
-transformers' ``grouped_mm`` (the default) and/or lazy-rag's Triton kernel (kernels/moe.py). With
-both, each MoE shape runs once per choice, side by side; each record carries its choice
-(``experts``, None for a dense shape):
+``auto`` (the default: the Triton kernel on CUDA), transformers' ``grouped_mm`` and/or lazy-rag's
+Triton kernel (kernels/moe.py). With several, each MoE shape runs once per choice, side by side;
+each record names the implementation that ran (``experts``, None for a dense shape):
 
     python benchmarks/decode_step.py --random-weights qwen3-a3b-dense,qwen3-30b-a3b --batch 1,32 \
         --experts grouped_mm,triton
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lazy_rag.bench.records import environment, format_table, write_records
-from lazy_rag.experts import DEFAULT_EXPERTS
+from lazy_rag.experts import DEFAULT_EXPERTS, experts_in_use
 from lazy_rag.random_models import ARCHITECTURES, IdTokenizer, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--experts", default=DEFAULT_EXPERTS,
                     help="comma-separated: what runs a mixture-of-experts shape's routed experts, each in turn "
-                         "(grouped_mm, triton: lazy_rag.experts.EXPERTS)")
+                         "(auto, grouped_mm, triton: lazy_rag.experts.EXPERTS; a record names the one that ran)")
     ap.add_argument("--out", default="decode_step")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -97,7 +97,7 @@ def main():
             wall = statistics.median(walls)
             first.setdefault(batch, wall)
             rec = {"benchmark": "decode_step", "mode": "lazy", "device": env["device"], "architecture": name,
-                   "moe": moe, "experts": experts,
+                   "moe": moe, "experts": experts_in_use(model),
                    "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
                    "layers": model.config.num_hidden_layers, "batch": batch, "k": args.k,
                    "chunk_tokens": args.chunk_tokens, "step_wall_ms": round(wall, 3),

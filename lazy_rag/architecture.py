@@ -39,12 +39,11 @@ Mixture-of-experts and packing: the engine packs the tokens of many sequences in
 [n_tokens, hidden] batch, which the block takes as one sequence; its router scores and picks
 experts per token (softmax and top-k over each row of its logits, no capacity limit or batch
 statistics), so a token's output does not depend on what it is packed with. On CUDA the experts
-run as transformers' ``grouped_mm`` experts implementation (its default): the routed tokens
-sorted by expert and each projection one grouped GEMM over all experts, with no host sync, so a
-step's experts are one kernel per projection, not a Python loop, and the step graphs capture them. An
-opt-in alternative, chosen where the model is loaded (``experts="triton"``: lazy_rag/experts.py,
-kernels/moe.py), runs decode-sized batches through a Triton kernel that reads each hit expert's
-weights once per step; it is unmeasured so far and off by default.
+run decode-sized batches through lazy-rag's Triton experts kernel (lazy_rag/experts.py,
+kernels/moe.py: each hit expert's weights read once per step, the routed pairs sorted on the
+device with no host sync, so the step graphs capture it) and larger batches as transformers'
+``grouped_mm`` experts implementation (each projection one grouped GEMM over all experts); the
+choice is made where the model is loaded (``experts=``, default "auto").
 
 Sliding windows and position-free reuse: a window is a mask over *logical* positions (a query at
 p sees keys at p - W + 1 .. p), which lazy-rag assigns at query time exactly like RoPE; a chunk

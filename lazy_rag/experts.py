@@ -6,14 +6,20 @@ transformers' experts modules (``Qwen3MoeExperts`` and its kin, decorated with
 ``use_experts_implementation``) dispatch their forward on ``config._experts_implementation``
 through its ``ExpertsInterface``. ``use_experts`` registers lazy-rag's Triton experts there under
 ``TRITON_EXPERTS`` (on first use: transformers' MoE integration is not imported for a model that
-keeps the default) and points a model at it. Choices (``EXPERTS``):
+keeps transformers' choice) and points a model at it. Choices (``EXPERTS``):
 
-    "grouped_mm"  transformers' grouped GEMM over the expert-sorted tokens (the default: the
-                  model is left as transformers built it, which falls back to its eager loop
-                  where grouped_mm cannot run)
+    "auto"        the default: "triton" for a model on a CUDA device whose experts the kernel
+                  supports (``unsupported_reason``), else "grouped_mm"
+    "grouped_mm"  transformers' grouped GEMM over the expert-sorted tokens (the model is left as
+                  transformers built it, which falls back to its eager loop where grouped_mm
+                  cannot run)
     "triton"      kernels/moe.py for decode-sized batches: per expert, every row of a step
                   against weights read once (issue 62); a prefill's larger batches still take
-                  grouped_mm. Unmeasured on a GPU so far, hence off by default
+                  grouped_mm. On an H200 (Qwen3-30B-A3B's shape, bf16) a decode step took 8.18
+                  ms against grouped_mm's 9.92 at batch 1 and 22.7 against 29.4 at batch 32
+                  (BENCHMARKS.md, "Mixture-of-experts decode"), hence "auto"'s choice. Off
+                  CUDA it runs the torch reference (or Triton's interpreter), so "auto" keeps
+                  transformers' experts there
 """
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ import torch
 from .errors import LazyRagError
 
 TRITON_EXPERTS = "lazy_rag_triton"
-EXPERTS = {"grouped_mm": "grouped_mm", "triton": TRITON_EXPERTS}
-DEFAULT_EXPERTS = "grouped_mm"
+EXPERTS = {"auto": None, "grouped_mm": "grouped_mm", "triton": TRITON_EXPERTS}
+DEFAULT_EXPERTS = "auto"
 # The kernel is shaped for decode: 16-row blocks against weights streamed once. A prefill's
 # thousands of rows per expert are a compute-bound GEMM, which grouped_mm's tiles do better; the
 # choice is on the shape alone (no host sync), so each captured graph keeps one path.
@@ -82,15 +88,22 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "config")]
 
 
+def on_cuda(model) -> bool:
+    return any(p.is_cuda for p in model.parameters())
+
+
 def use_experts(model, experts: str | None = None):
     """Run ``model``'s routed experts with ``experts`` (a key of ``EXPERTS``; None: ``DEFAULT_EXPERTS``);
-    returns the model. The default leaves the model as transformers built it; a dense model has
+    returns the model. "grouped_mm" leaves the model as transformers built it; a dense model has
     nothing to switch."""
     experts = experts or DEFAULT_EXPERTS
     if experts not in EXPERTS:
         raise LazyRagError(f"Unknown experts implementation {experts!r}; choose one of {', '.join(EXPERTS)}.")
     modules = experts_modules(model)
-    if experts == DEFAULT_EXPERTS:
+    if experts == "auto":
+        supported = modules and not any(map(unsupported_reason, modules))
+        experts = "triton" if supported and on_cuda(model) else "grouped_mm"
+    if experts == "grouped_mm":
         return model
     if not modules:
         config = model.config
@@ -102,7 +115,15 @@ def use_experts(model, experts: str | None = None):
         reason = unsupported_reason(m)
         if reason:
             raise LazyRagError(f"experts={experts!r} cannot run {type(m).__name__}: {reason}. "
-                               f"Use experts={DEFAULT_EXPERTS!r}.")
+                               f"Use experts='grouped_mm'.")
     register_triton_experts()
     model.set_experts_implementation(EXPERTS[experts])
     return model
+
+
+def experts_in_use(model) -> str | None:
+    """Which of ``EXPERTS`` runs ``model``'s routed experts ("triton" or "grouped_mm"; None for a
+    dense model): what a record names, "auto" resolved."""
+    if not experts_modules(model):
+        return None
+    return "triton" if getattr(model.config, "_experts_implementation", None) == TRITON_EXPERTS else "grouped_mm"

@@ -42,7 +42,8 @@ class LazyLLM:
     def from_pretrained(cls, name_or_path: str = "smollm2", device: str = "auto", dtype: str = "auto",
                         wrapper="auto", experts: str | None = None, **kwargs) -> "LazyLLM":
         """``experts``: what runs a mixture-of-experts model's routed experts (``lazy_rag.experts``:
-        transformers' grouped_mm by default, or "triton", unmeasured)."""
+        "auto", the default: the Triton experts kernel on CUDA; "grouped_mm": transformers';
+        "triton")."""
         from .models import load_model_and_tokenizer
 
         # over N ranks, this process loads rank 0's share of the model alone (the others theirs)

@@ -11,7 +11,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from lazy_rag.errors import LazyRagError
-from lazy_rag.experts import TRITON_EXPERTS, triton_experts_forward, use_experts
+from lazy_rag.experts import TRITON_EXPERTS, experts_in_use, triton_experts_forward, use_experts
 from lazy_rag.kernels import moe
 from lazy_rag.kernels.moe import moe_experts, sort_pairs_by_expert
 from lazy_rag.kernels.reference import moe_experts_ref
@@ -151,8 +151,29 @@ def test_use_experts_choices():
     with pytest.raises(LazyRagError, match="Unknown experts"):
         use_experts(dense, "fast")
     mixtral = tiny_model("mixtral", vocab_size=512)
-    use_experts(mixtral, "grouped_mm")                                  # the default: left as built
+    use_experts(mixtral, "grouped_mm")                                  # left as built
     assert mixtral.config._experts_implementation != TRITON_EXPERTS
+    assert experts_in_use(mixtral) == "grouped_mm" and experts_in_use(dense) is None
+
+
+def test_auto_takes_the_kernel_on_cuda_only(monkeypatch):
+    """The default, "auto": the Triton experts for a supported MoE model on a CUDA device,
+    transformers' own elsewhere or where the kernel cannot run the experts."""
+    import lazy_rag.experts as experts
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen3_moe", vocab_size=512)
+    use_experts(model)                                                  # here: the CPU
+    assert experts_in_use(model) == ("triton" if DEVICE == "cuda" else "grouped_mm")
+    monkeypatch.setattr(experts, "on_cuda", lambda m: True)
+    use_experts(model)
+    assert experts_in_use(model) == "triton"
+    unsupported = tiny_model("qwen3_moe", vocab_size=512)
+    monkeypatch.setattr(experts, "unsupported_reason", lambda m: "biases")
+    use_experts(unsupported)
+    assert experts_in_use(unsupported) == "grouped_mm"
+    with pytest.raises(LazyRagError, match="cannot run"):
+        use_experts(unsupported, "triton")
 
 
 def test_from_pretrained_takes_the_experts_choice(tmp_path, tokenizer):
