@@ -36,6 +36,7 @@ import torch
 
 from . import build_estimate
 from .kernels import FP8
+from .kv_record import INT4
 from .pinned_staging import ALIGN, PinnedStaging
 
 log = logging.getLogger(__name__)
@@ -231,12 +232,15 @@ class KVWriter:
             self.stats.write_s += seconds
 
 
-def engine_quantizes(kv_dtype, device: torch.device) -> bool:
-    """Whether the build's encode hands an fp8 store its KV already quantised: off the CPU the
-    engine quantises on its device (the store's own rule, kernels.quantize_rows), which on the
-    host took the writer's prepare threads longer than the disk took to write it (the 8B fp8
-    build waited 9.8 s of its 22.6 s on them); on the CPU the store quantises as it writes."""
-    return kv_dtype == FP8 and device.type != "cpu"
+def engine_quantizes(kv_dtype, device: torch.device) -> str | None:
+    """The format ("fp8", "int4") in which the build's encode hands a quantised store its KV, or
+    None: off the CPU the engine quantises on its device (the store's own rules,
+    kernels.quantize_rows and kv_int4), which on the host took the writer longer than the disk
+    took to write it (the 8B fp8 build waited 9.8 s of its 22.6 s on its prepare threads; the 8B
+    int4 build ran at 769 tokens/s); on the CPU the store quantises as it writes."""
+    if device.type == "cpu":
+        return None
+    return "fp8" if kv_dtype == FP8 else "int4" if kv_dtype == INT4 else None
 
 
 class EncodeWarmup:
@@ -343,9 +347,9 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         background = not on_cpu
     batch_tokens = int(batch_tokens or (CPU_BATCH_TOKENS if on_cpu else None) or engine.config.max_batched_tokens)
     quantize = engine_quantizes(store.kv_dtype, llm.device)
-    # the KV the encode hands the writer, per token: fp8 with its scales where the engine
-    # quantises, else the model's dtype (the store converts as it writes)
-    per_token = build_estimate.kv_bytes_per_token(llm, "fp8" if quantize else "auto")
+    # the KV the encode hands the writer, per token: fp8 or int4 with its scales where the
+    # engine quantises, else the model's dtype (the store converts as it writes)
+    per_token = build_estimate.kv_bytes_per_token(llm, quantize or "auto")
     if max_pending_bytes is None:  # two batches' KV on the host: one being written, one ready
         max_pending_bytes = int(2 * batch_tokens * per_token)
     stats = PipelineStats()

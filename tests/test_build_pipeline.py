@@ -27,7 +27,7 @@ class FakeEngine:
         self.config = SimpleNamespace(max_batched_tokens=16384)
         self.batches, self.fail_at, self.host_ptrs = [], fail_at, []
 
-    def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False, host_alloc=None):
+    def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=None, host_alloc=None):
         assert cache is False
         if self.fail_at is not None and len(self.batches) == self.fail_at:
             raise RuntimeError("encode failed")
@@ -44,7 +44,7 @@ class FakeEngine:
 
 def fake_llm(device: str, **kw):
     return SimpleNamespace(engine=FakeEngine(**kw), device=torch.device(device), dtype=torch.float32,
-                           shape=SimpleNamespace(kv_bytes_per_token=2, num_layers=1, num_kv_heads=1))
+                           shape=SimpleNamespace(kv_bytes_per_token=2, num_layers=1, num_kv_heads=1, head_dim=1))
 
 
 class Bar:
@@ -133,17 +133,20 @@ def test_an_encode_error_stops_the_writer_after_what_was_encoded(background):
     assert not writer_threads()
 
 
-@pytest.mark.parametrize("device,kv_dtype,quantize", [("cuda", torch.float8_e4m3fn, True),
-                                                      ("cuda", None, False),
-                                                      ("cpu", torch.float8_e4m3fn, False)])
-def test_an_fp8_store_is_quantised_by_the_engine_on_an_accelerator(tmp_path, device, kv_dtype, quantize):
-    """An fp8 store's build asks the engine for fp8 KV (quantised on its device: half the bytes
-    to copy, and none of the host threads' quantising); a CPU build quantises in the store."""
+@pytest.mark.parametrize("device,kv_dtype,quantize", [("cuda", torch.float8_e4m3fn, "fp8"),
+                                                      ("cuda", torch.quint4x2, "int4"),
+                                                      ("cuda", None, None),
+                                                      ("cpu", torch.float8_e4m3fn, None),
+                                                      ("cpu", torch.quint4x2, None)])
+def test_a_quantised_store_is_quantised_by_the_engine_on_an_accelerator(tmp_path, device, kv_dtype, quantize):
+    """An fp8 or int4 store's build asks the engine for KV in that format (quantised on its
+    device: a half or a quarter of the bytes to copy, and none of the host threads' quantising);
+    a CPU build quantises in the store."""
     llm = fake_llm(device)
     store = ListStore()
     store.kv_dtype = kv_dtype
     encode_and_write(llm, store, records(3), None, Bar(), [])
-    assert llm.engine.quantize is quantize
+    assert llm.engine.quantize == quantize
 
 
 def test_batches_are_balanced_within_the_budget():
@@ -210,23 +213,25 @@ def test_the_encode_warmup_encodes_short_chunks_as_the_build_will_and_only_logs_
     calls = []
 
     class Engine:
-        def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=False, host_alloc=None):
+        def encode_chunks(self, chunks, prefix, wrapper, cache=True, quantize=None, host_alloc=None):
             calls.append((chunks, prefix, wrapper, cache, quantize))
             if len(calls) == 2:
                 raise RuntimeError("out of memory")
 
     from lazy_rag.build_pipeline import engine_quantizes
-    assert engine_quantizes(FP8, torch.device("cuda")) and not engine_quantizes(FP8, torch.device("cpu"))
-    assert not engine_quantizes(torch.bfloat16, torch.device("cuda"))
+    from lazy_rag.kv_record import INT4
+    assert engine_quantizes(FP8, torch.device("cuda")) == "fp8" and engine_quantizes(FP8, torch.device("cpu")) is None
+    assert engine_quantizes(INT4, torch.device("cuda")) == "int4" and engine_quantizes(INT4, torch.device("cpu")) is None
+    assert engine_quantizes(torch.bfloat16, torch.device("cuda")) is None
     llm = SimpleNamespace(engine=Engine(), device=torch.device("cuda"))    # never touched: a fake
     w = EncodeWarmup(llm, [7, 8], "wrapper", FP8)
     assert w.wait() >= 0 and w.error is None and not w.thread.is_alive()
-    assert calls == [([[1] * EncodeWarmup.TOKENS] * EncodeWarmup.CHUNKS, (7, 8), "wrapper", False, True)]
+    assert calls == [([[1] * EncodeWarmup.TOKENS] * EncodeWarmup.CHUNKS, (7, 8), "wrapper", False, "fp8")]
     assert EncodeWarmup.CHUNKS > 1 and EncodeWarmup.TOKENS * 16 > 128 and EncodeWarmup.TOKENS % 16
     with caplog.at_level("WARNING"):
         w = EncodeWarmup(llm, (), None, torch.bfloat16)
         w.wait()
-    assert isinstance(w.error, RuntimeError) and calls[1][4] is False
+    assert isinstance(w.error, RuntimeError) and calls[1][4] is None
     assert "warm-up failed (RuntimeError: out of memory)" in caplog.text
     assert not EncodeWarmup.wanted(SimpleNamespace(device=torch.device("cpu")))
     assert EncodeWarmup.wanted(llm) == torch.cuda.is_available()

@@ -353,14 +353,15 @@ class Engine:
 
     # -- chunk encoding (index builds) ----------------------------------------------------------
     def encode_chunks(self, chunks: Seq[Seq[int]], shared_prefix: Seq[int] = (), wrapper=None,
-                      cache: bool = True, quantize: bool = False, host_alloc=None) -> list[ChunkKV]:
+                      cache: bool = True, quantize: str | None = None, host_alloc=None) -> list[ChunkKV]:
         """Each chunk's position-free KV on the host (keys unrotated), encoded after
         ``shared_prefix`` and inside ``wrapper`` (its slots' KV included), many chunks per forward.
         Encoded chunks stay cached in the pool and the host tier, unless ``cache=False``: an
         index build, which writes the KV to disk and would otherwise hold its whole corpus's KV in
         memory up to the pool's and the host tier's budgets (6 GiB by default on a CPU).
-        ``quantize`` (with ``cache=False``): the KV comes back fp8 with its per-token scales
-        (``kernels.quantize_rows``, computed on the engine's device), as an fp8 store holds it.
+        ``quantize`` (with ``cache=False``): "fp8", the KV comes back fp8 with its per-token
+        scales (``kernels.quantize_rows``), or "int4", in ``kv_int4``'s groups, computed on the
+        engine's device either way, as a store of that format holds it.
         ``host_alloc`` (with ``cache=False``): where the host copies go (``ModelRunner.encode``)."""
         prefix = tuple(int(t) for t in shared_prefix)
         with self.lock, torch.inference_mode():  # the lock also guards the host's wrapper table
@@ -384,7 +385,7 @@ class Engine:
                     self.pm.release(pre)
         return out
 
-    def _encode_batch(self, chunks, batch, prefix, pre, out, cache: bool, quantize: bool = False,
+    def _encode_batch(self, chunks, batch, prefix, pre, out, cache: bool, quantize: str | None = None,
                       host_alloc=None) -> None:
         p = len(prefix)
         cached = [Run(0, p, tuple(pre.pages), 0)] if pre is not None else []
@@ -395,7 +396,7 @@ class Engine:
                 pages = self.pm.allocate(self.pool.pages_for(len(ids)))
                 owned.append(pages)
                 jobs.append(EncodeJob(list(prefix) + ids, list(cached), [Run(p, len(ids), tuple(pages), p)]))
-            kvs = self.runner.encode(jobs, to_host=not cache, quantize=quantize and not cache,
+            kvs = self.runner.encode(jobs, to_host=not cache, quantize=None if cache else quantize,
                                      host_alloc=None if cache else host_alloc)
         except BaseException:
             for pages in owned:

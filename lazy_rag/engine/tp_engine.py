@@ -138,7 +138,7 @@ class TPEngine(Engine):
                 self.ranks.send("abort", self.eid, handle.seq.id)
             super().abort(handle)
 
-    def encode_chunks(self, chunks, shared_prefix=(), wrapper=None, cache: bool = True, quantize: bool = False,
+    def encode_chunks(self, chunks, shared_prefix=(), wrapper=None, cache: bool = True, quantize: str | None = None,
                       host_alloc=None):
         """Every rank encodes its heads; the KV returned holds all of them (gathered), as a
         single process's would (``host_alloc`` is not used: the gathered tensors are new)."""

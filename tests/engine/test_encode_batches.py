@@ -37,10 +37,10 @@ def test_a_builds_host_kv_is_contiguous_per_chunk_and_equals_the_cached_encode(t
     llm = LazyLLM(model, tokenizer, page_size=16)
     g = torch.Generator().manual_seed(1)
     chunks = [torch.randint(200, 4000, (n,), generator=g).tolist() for n in (7, 33, 1, 64)]
-    for quantize in (False, True):
+    for quantize in (None, "fp8"):
         built = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize)
         for ids, kv in zip(chunks, built):
-            assert kv.k.device.type == "cpu" and kv.quantized == quantize
+            assert kv.k.device.type == "cpu" and kv.quantized == (quantize == "fp8")
             for t in kv.tensors().values():
                 assert t.is_contiguous() and t.shape[1] == len(ids)
         # one storage per tensor kind, the chunks back to back in it
@@ -69,7 +69,7 @@ def test_a_builds_host_kv_lands_in_its_staging_buffer(tokenizer, device):
     chunks = [torch.randint(200, 4000, (n,), generator=g).tolist() for n in (9, 70, 2)]
     cuda = device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda")
     staging = PinnedStaging(1, 1 << 22, pin=cuda)
-    for quantize in (False, True):
+    for quantize in (None, "fp8", "int4"):
         plain = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize)
         lease = staging.lease()
         staged = llm.engine.encode_chunks(chunks, cache=False, quantize=quantize, host_alloc=lease.take)
@@ -153,3 +153,29 @@ def test_the_encode_warmup_compiles_the_kernel_a_build_batch_runs(tokenizer, dev
     with recorded_launches() as build:
         llm.engine.encode_chunks([torch.randint(200, 4000, (n,), generator=g).tolist() for n in lengths], cache=False)
     assert warmup.last is not None and build.last is warmup.last
+
+
+def test_int4_encoded_on_the_engine_is_what_the_store_would_write(tokenizer, device):
+    """``encode_chunks(cache=False, quantize="int4")`` (an int4 store's build off the CPU): each
+    chunk quantised alone, its key groups starting at its first token, into the very records the
+    store writes when it quantises unquantised KV itself."""
+    from lazy_rag.kv_record import INT4, pack
+
+    model = tiny_model("llama", "llama3", seed=3, hidden_size=128).to(device)
+    llm = LazyLLM(model, tokenizer, page_size=16)
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randint(200, 4000, (n,), generator=g).tolist() for n in (5, 130, 257)]
+    plain = llm.engine.encode_chunks(chunks, cache=False)
+    quant = llm.engine.encode_chunks(chunks, cache=False, quantize="int4")
+    for ids, a, b in zip(chunks, plain, quant):
+        assert b.int4 and b.k.device.type == "cpu" and b.k.shape[1] == len(ids)
+        meta = dict(chunk_id="c", tokens_key="t", fingerprint="f", dtype=INT4)
+        if torch.device(device).type == "cpu":
+            assert pack(b, **meta).body_bytes() == pack(a, **meta).body_bytes()
+        else:   # the range search's sums may round otherwise on the GPU: the same KV within a step
+            from lazy_rag.chunk_kv import ChunkKV
+            from lazy_rag.kv_int4 import KEY_GROUP, VALUE_GROUP, quantize_kv
+
+            want = ChunkKV.from_tensors(quantize_kv(a.k, a.v), (KEY_GROUP, VALUE_GROUP))
+            for x, y in zip(b.dequantized(torch.float32), want.dequantized(torch.float32)):
+                assert (x - y).norm() <= 0.02 * y.norm()

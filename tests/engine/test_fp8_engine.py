@@ -170,13 +170,13 @@ def test_pool_bytes_and_encoded_kv_format(llm):
 
 
 def test_encode_chunks_quantize_is_the_stores_rule(tmp_path, llm):
-    """``encode_chunks(cache=False, quantize=True)`` (an fp8 store's build on an accelerator)
+    """``encode_chunks(cache=False, quantize="fp8")`` (an fp8 store's build on an accelerator)
     returns, from an unquantised pool, the bytes and scales an fp8 store would write for the
     unquantised KV: the store's record is the same either way."""
     eng = Engine(llm.host, EngineConfig(kv_bytes=32 << 20, cuda_graphs=False))
     ids = [list(range(300, 317)), list(range(40, 49))]
     plain = eng.encode_chunks(ids, cache=False)
-    quant = eng.encode_chunks(ids, cache=False, quantize=True)
+    quant = eng.encode_chunks(ids, cache=False, quantize="fp8")
     store = ChunkStore(tmp_path, "fp", kv_dtype=FP8)
     for i, (p, q) in enumerate(zip(plain, quant)):
         assert q.quantized and not p.quantized

@@ -245,7 +245,7 @@ def test_quantised_stored_kv_is_always_read_and_kept_apart_from_unquantised_kv(l
     other's requests left in the engine."""
     eng = llm.engine
     plain = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False)))
-    fp8 = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False, quantize=True)))
+    fp8 = dict(zip(CHUNKS, eng.encode_chunks(list(CHUNKS.values()), cache=False, quantize="fp8")))
     assert all(kv.format == "fp8" for kv in fp8.values())
     eng.clear_cache()
     eng.planner.chooser.forward_s, eng.planner.chooser.token_s = 1e-3, 1e-6  # encoding looks far faster

@@ -107,14 +107,20 @@ def test_sizes_that_do_not_split_the_heads_are_refused():
 
 def test_encoded_chunk_kv_holds_every_head_as_one_process_writes_it(pair):
     """What an index build under TP stores: each rank encodes its KV heads, rank 0 returns all of
-    them (fp32 and fp8), as the single-process engine encodes them."""
+    them (fp32, fp8 and int4), as the single-process engine encodes them."""
     tp, one = pair
     rng = random.Random(4)
     chunks = [_ids(rng, 11), _ids(rng, 26)]
-    for quantize in (False, True):
+    for quantize in (None, "fp8", "int4"):
         got = tp.engine.encode_chunks(chunks, cache=False, quantize=quantize)
         want = one.engine.encode_chunks(chunks, cache=False, quantize=quantize)
         for a, b in zip(got, want):
             assert a.k.shape == b.k.shape and a.k.shape[2] == one.shape.num_kv_heads
             for name, t in b.tensors().items():
+                if quantize == "int4":   # codes of the same inputs up to TP's rounding: dequantised KV compared
+                    continue
                 assert rel_err(a.tensors()[name].float(), t.float()) < (TP_TOL if not quantize else 0.07), name
+            if quantize == "int4":
+                assert a.groups == b.groups and a.int4
+                for x, y in zip(a.dequantized(torch.float32), b.dequantized(torch.float32)):
+                    assert rel_err(x, y) < 0.07
