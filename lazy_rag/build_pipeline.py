@@ -232,6 +232,20 @@ class KVWriter:
             self.stats.write_s += seconds
 
 
+def staging_bytes(shape, batches, wrapper_slots: int, per_token: float, quantize: str | None) -> int:
+    """The bytes of a staging buffer that holds any of ``batches``' host KV (each chunk with its
+    wrapper slots' tokens): per token as the encode hands it, plus the tensors' aligned starts
+    (a batch's few layer-major tensors; int4's six per chunk, each chunk quantised alone) and, for
+    int4, each chunk's last key group's scales and zeros in whole (``per_token`` counts whole
+    groups)."""
+    largest = max(sum(len(r.token_ids) + wrapper_slots for r in b) for b in batches)
+    slot = largest * per_token + 8 * ALIGN
+    if quantize == "int4":
+        tail = 4 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+        slot += max(map(len, batches)) * (tail + 6 * ALIGN)
+    return int(slot)
+
+
 def engine_quantizes(kv_dtype, device: torch.device) -> str | None:
     """The format ("fp8", "int4") in which the build's encode hands a quantised store its KV, or
     None: off the CPU the engine quantises on its device (the store's own rules,
@@ -361,10 +375,8 @@ def encode_and_write(llm, store, records, wrapper, bar, written: list, *, batch_
         # as large as the largest batch (with each chunk's wrapper slots, whose KV comes back
         # with the chunk's) and no more buffers than batches: an update of a few chunks pins a
         # few MB, not three full batches' worth
-        slots = getattr(wrapper, "slots", 0) or 0
-        largest = max(sum(len(r.token_ids) + slots for r in b) for b in batches)
-        slot = largest * per_token
-        staging = PinnedStaging(min(STAGING_SLOTS, len(batches)), int(slot) + 8 * ALIGN)
+        slot = staging_bytes(llm.shape, batches, getattr(wrapper, "slots", 0) or 0, per_token, quantize)
+        staging = PinnedStaging(min(STAGING_SLOTS, len(batches)), slot)
     try:
         writer = KVWriter(store, written, stats, max_pending_bytes, background=background)
     except BaseException:

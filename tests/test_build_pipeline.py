@@ -312,3 +312,24 @@ def test_an_interrupt_in_the_work_beside_the_writes_gives_every_staging_buffer_b
                          max_pending_bytes=1, beside_writes=task)
     assert 1 < len(leases) < 12 and all(lease.buf is None for lease in leases)
     assert not writer_threads()
+
+
+@pytest.mark.parametrize("lengths", [(1,), (127, 128, 129), (300, 5, 64, 700), (5,) * 40])
+def test_an_int4_batch_fits_its_staging_buffer(lengths):
+    """staging_bytes: a batch of chunks quantised one by one on the GPU (int4: six tensors each,
+    a last key group of its own) fits the buffer, carved as PinnedStaging's leases carve it."""
+    from lazy_rag.build_pipeline import staging_bytes
+    from lazy_rag.kv_int4 import bytes_per_token, quantize_kv
+    from lazy_rag.pinned_staging import ALIGN
+
+    shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64)
+    batches = [[SimpleNamespace(token_ids=[0] * n) for n in lengths]]
+    per_token = bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    used = 0
+    for n in lengths:
+        kv = torch.randn(shape.num_layers, n, shape.num_kv_heads, shape.head_dim)
+        for t in quantize_kv(kv, kv).values():
+            used = -(-used // ALIGN) * ALIGN + t.numel() * t.dtype.itemsize
+    assert used <= staging_bytes(shape, batches, 0, per_token, "int4")
+    if len(lengths) == 40:   # many short chunks: their own groups and starts outgrow the per-token count
+        assert used > staging_bytes(shape, batches, 0, per_token, None)
