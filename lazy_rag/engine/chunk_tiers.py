@@ -40,8 +40,10 @@ import contextlib
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -54,6 +56,21 @@ from ..chunk_kv import NOT_IN_MEMORY, ChunkKV, ChunkKVStore
 from .page_pool import PagePool
 
 log = logging.getLogger(__name__)
+
+# A request's cold chunks of a quantised store are read this many at once (``read_ahead``): a
+# read is a preadv, a CRC and a copy into pinned memory, all outside the GIL, so four records
+# cost about as much as the slowest of them, not their sum, on a machine with the cores for it.
+READ_AHEAD_THREADS = 4
+_read_pool: ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def read_pool() -> ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="lazy-rag-read-ahead")
+        return _read_pool
 
 
 def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "",
@@ -125,6 +142,8 @@ class ChunkTiers:
         # a tensor-parallel rank's KV heads (``tensor_parallel.HeadShard``): it keeps only its
         # heads of what it reads from a store and writes every rank's heads of what it encoded
         self.heads = None
+        # reads started by ``read_ahead``, by (store id, cache key): (store, future)
+        self._ahead: dict[tuple, tuple[ChunkKVStore, Future]] = {}
 
     def to_host(self, kv: ChunkKV, wait: bool = True) -> ChunkKV:
         """A host copy of ``kv`` (every tensor: an fp8 chunk's scales too; pinned on a CUDA
@@ -156,6 +175,40 @@ class ChunkTiers:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
+
+    def read_ahead(self, store: ChunkKVStore | None, chunks) -> int:
+        """Start reading at once the records ``fetch`` will read from ``store`` for ``chunks``
+        ((cache key, token ids, chunk id) each) whatever a read costs: those of a quantised
+        store (its answers are its stored KV, never encoded again instead) that the host tier
+        lacks. ``fetch`` then takes each one's result, so a request's cold chunks wait for the
+        slowest read instead of for all of them in turn; ``drop_read_ahead`` forgets those it did
+        not take. Returns how many reads started."""
+        stored = stored_format(store)
+        if not stored or not getattr(store, "reads_pinned", False):
+            return 0
+        started = 0
+        for key, token_ids, chunk_id in chunks:
+            ahead = (id(store), key)
+            if chunk_id is None or ahead in self._ahead or host_key(key, stored) in self.host:
+                continue
+            read = read_pool().submit(store.read, chunk_id, tuple(token_ids), pin=self.pin, tensor_crcs=False)
+            self._ahead[ahead] = (store, read)
+            started += 1
+        self.counters["read_ahead"] += started
+        return started
+
+    def drop_read_ahead(self) -> None:
+        """Forget the reads ``read_ahead`` started that no ``fetch`` took (their buffers go)."""
+        for _, read in self._ahead.values():
+            read.cancel()
+        self._ahead.clear()
+
+    def _read(self, store: ChunkKVStore, key, chunk_id: str, token_ids, fast: dict):
+        """``store.read``'s result: the read ``read_ahead`` started for it, or a read now."""
+        entry = self._ahead.pop((id(store), key), None)
+        if entry is not None and entry[0] is store:
+            return entry[1].result()
+        return store.read(chunk_id, tuple(token_ids), **fast)
 
     def fetch(self, key, token_ids: Sequence[int], chunk_id: str | None,
               store: ChunkKVStore | None, kv_dtype: torch.dtype | None = None, chooser=None,
@@ -203,7 +256,7 @@ class ChunkTiers:
                 self.counters["recomputed_not_read"] += 1
                 return None, "recompute"
             t0 = time.perf_counter()
-            kv, why = store.read(chunk_id, tuple(token_ids), **fast)
+            kv, why = self._read(store, key, chunk_id, token_ids, fast)
             if kv is not None and nowait is not None:  # a read that went to the disk: its rate
                 chooser.observe_read(kv.nbytes, time.perf_counter() - t0)
         if kv is None:

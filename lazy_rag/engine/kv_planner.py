@@ -207,6 +207,10 @@ class KVPlanner:
         # chunk): the first such chunk pays an eager forward's fixed cost
         eager = False
         pending, tokens, short = [], 0, None
+        # a quantised store's records are read whatever they cost: all of them at once
+        self.tiers.read_ahead(store, [(key, ids, cid) for _, ids, cid, _, _, key in self._chunks(seq)
+                                      if key not in seq.prefetched and key not in seq.pending_chunks
+                                      and self.pm.lookup(key) is None])
         try:
             for _, ids, cid, prefix, _, key in self._chunks(seq):
                 if key in seq.prefetched or key in seq.pending_chunks or self.pm.lookup(key) is not None:
@@ -253,6 +257,8 @@ class KVPlanner:
             for _, e, *_ in pending:
                 self.pm.discard(e)  # never filled: no one may find it
             raise
+        finally:
+            self.tiers.drop_read_ahead()   # those not taken (a request refused part-way)
         if short is not None:
             raise short
 

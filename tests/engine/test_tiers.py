@@ -79,3 +79,89 @@ def test_encoding_for_an_index_build_keeps_nothing_in_memory(tokenizer):
     assert [kv.num_tokens for kv in built] == [13] * len(chunks)
     for a, b in zip(kept, built[:2]):  # the same KV either way
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+class _QuantisedStore:
+    """A quantised store whose reads meet at a barrier: four reads in turn would never pass it."""
+    kv_format = "int4"
+    reads_pinned = True
+
+    def __init__(self, kvs, barrier_parties: int):
+        import threading
+
+        self.kvs, self.threads = kvs, []
+        self.barrier = threading.Barrier(barrier_parties, timeout=10)
+
+    def read(self, chunk_id, token_ids, pin=False, tensor_crcs=True):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        self.barrier.wait()
+        return self.kvs[chunk_id], None
+
+
+def test_a_quantised_stores_cold_chunks_are_read_at_once(tmp_path):
+    """read_ahead starts the reads of every chunk a quantised store will be read for (not those
+    in the host tier), all at once; fetch takes their results in turn, the same KV a read gives."""
+    from lazy_rag.chunk_kv import ChunkKV
+    from lazy_rag.engine.chunk_tiers import READ_AHEAD_THREADS, host_key
+
+    ids = {f"c{i}": list(range(10 * i, 10 * i + 7)) for i in range(READ_AHEAD_THREADS + 1)}
+    kvs = {cid: ChunkKV(torch.full((1, 7, 1, 2), float(i)), torch.zeros(1, 7, 1, 2)) for i, cid in enumerate(ids)}
+    store = _QuantisedStore(kvs, READ_AHEAD_THREADS)
+    tiers = ChunkTiers(host_bytes=1 << 20, pin=False)
+    hosted = "c0"   # in the host tier already: not read
+    tiers.host.put(host_key(chunk_key(ids[hosted]), "int4"), kvs[hosted])
+    chunks = [(chunk_key(t), t, cid) for cid, t in ids.items()]
+    assert tiers.read_ahead(store, chunks) == READ_AHEAD_THREADS
+    assert tiers.read_ahead(store, chunks) == 0                       # started once
+    for key, t, cid in chunks:
+        kv, tier = tiers.fetch(key, t, cid, store)
+        assert torch.equal(kv.k, kvs[cid].k) and tier == ("host" if cid == hosted else "disk")
+    assert len(store.threads) == READ_AHEAD_THREADS and all("read-ahead" in n for n in store.threads)
+    assert not tiers._ahead
+
+
+def test_read_ahead_only_for_quantised_stores_and_dropped_when_not_taken(tmp_path):
+    """An unquantised store's reads are weighed against encoding one by one (read_or_encode): no
+    read-ahead. Reads a request did not take are forgotten."""
+    from lazy_rag.chunk_kv import ChunkKV
+
+    tiers = ChunkTiers(host_bytes=1 << 20, pin=False)
+    ids = list(range(5, 12))
+    assert tiers.read_ahead(ChunkStore(tmp_path, "fp", precomputed=False), [(chunk_key(ids), ids, "c")]) == 0
+    assert tiers.read_ahead(None, [(chunk_key(ids), ids, "c")]) == 0
+    store = _QuantisedStore({"c": ChunkKV(torch.zeros(1, 7, 1, 2), torch.zeros(1, 7, 1, 2))}, 1)
+    assert tiers.read_ahead(store, [(chunk_key(ids), ids, "c")]) == 1
+    tiers.drop_read_ahead()
+    assert not tiers._ahead
+
+
+def test_a_lazy_request_over_an_int4_store_reads_its_chunks_ahead_with_the_same_answer(tmp_path, tokenizer,
+                                                                                      monkeypatch):
+    """Through the engine: a request's cold chunks of an int4 store are read ahead, all of them,
+    and the answer and first logits are those of reading them one by one."""
+    from lazy_rag import Chunk
+    from lazy_rag.kv_record import INT4
+
+    llm = LazyLLM(tiny_model("llama", "llama3"), tokenizer, page_size=4)
+    store = ChunkStore(tmp_path, "fp", kv_dtype=INT4, precomputed=False)
+    source = ChunkSource((), store)
+    chunks = [Chunk(list(range(200 + 20 * i, 213 + 20 * i)), chunk_id=f"c{i}") for i in range(3)]
+    segs = [[11, 12], *chunks, [30, 31, 32]]
+    llm.generate(segs, max_new_tokens=1, source=source)                # encoded, written back as int4
+
+    def answer():
+        llm.engine.clear_cache()
+        before = llm.engine.tiers.counters["read_ahead"]
+        out = llm.generate(segs, max_new_tokens=4, source=source, output_first_logits=True)
+        assert out.stats.chunk_sources == {"disk": 3}
+        return out, llm.engine.tiers.counters["read_ahead"] - before
+
+    ahead, started = answer()
+    assert started == 3
+    monkeypatch.setattr(ChunkTiers, "read_ahead", lambda self, store, chunks: 0)
+    one_by_one, started = answer()
+    assert started == 0
+    assert ahead.token_ids == one_by_one.token_ids
+    assert torch.equal(ahead.first_logits, one_by_one.first_logits)
