@@ -40,6 +40,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -71,6 +72,16 @@ def read_pool() -> ThreadPoolExecutor:
         if _read_pool is None:
             _read_pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="lazy-rag-read-ahead")
         return _read_pool
+
+
+def _forget_read_pool() -> None:
+    # a forked child has none of the parent's threads: its reads would wait forever in a copy of
+    # the parent's pool
+    global _read_pool, _read_pool_lock
+    _read_pool, _read_pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_read_pool)
 
 
 def chunk_key(token_ids: Sequence[int], shared_prefix: Sequence[int] = (), salt: str = "",

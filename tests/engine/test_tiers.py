@@ -165,3 +165,22 @@ def test_a_lazy_request_over_an_int4_store_reads_its_chunks_ahead_with_the_same_
     assert started == 0
     assert ahead.token_ids == one_by_one.token_ids
     assert torch.equal(ahead.first_logits, one_by_one.first_logits)
+
+
+def test_a_forked_child_reads_ahead_with_threads_of_its_own():
+    """A process forked after reads ahead (a pre-forking server) gets a pool of its own: the
+    parent's would hold no threads in the child, and its reads would never finish."""
+    import os
+
+    from lazy_rag.engine import chunk_tiers
+
+    assert chunk_tiers.read_pool().submit(lambda: 1).result(timeout=10) == 1
+    pid = os.fork()
+    if pid == 0:   # the child: exit 0 only if a read-ahead task runs
+        try:
+            ok = chunk_tiers.read_pool().submit(lambda: 2).result(timeout=10) == 2
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
