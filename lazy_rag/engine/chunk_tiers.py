@@ -4,9 +4,10 @@ ids and the prefix it was encoded after (and the model, which is the engine's ow
 chunk of an index that stores quantised KV (fp8, int4), on that format: such an index's answers
 are defined by its stored KV, so its chunks never share pool or host entries with an
 unquantised index's (nor with another format's), and their stored KV is always read rather
-than encoded again (``fetch``), a request's cold chunks all at once (``read_ahead``). The one exception is a chunk whose KV is not stored yet (an index
-built without KV): the request that encodes it answers from the unquantised KV, which stays in
-the pool under the quantised key until evicted; the host tier keeps only the stored format.
+than encoded again (``fetch``), a request's cold chunks all at once (``read_ahead``). The one
+exception is a chunk whose KV is not stored yet (an index built without KV): the request that
+encodes it answers from the unquantised KV, which stays in the pool under the quantised key
+until evicted; the host tier keeps only the stored format.
 
 The planner asks ``fetch`` when a chunk is not resident in the pool; when no tier has it either,
 the engine encodes it straight into its pool pages and hands the captured KV to ``keep`` (host
