@@ -52,19 +52,24 @@ def encode_whole(engine: Engine, chunks, prefix, wrapper, cache, quantize) -> li
     return [engine.tiers.heads.whole(kv) for kv in kvs]
 
 
-def open_rank_engine(group: RankGroup, model, tokenizer, model_name, default_source, config,
+def open_rank_engine(group: RankGroup, model, experts, tokenizer, model_name, default_source, config,
                      tiers: ChunkTiers | None = None) -> Engine:
     """A worker's engine: the same host as rank 0's (tokenizer, default chunk source) and the same
     configuration, over this rank's share of the model, on this rank's device. ``model``: rank 0's
     ``RankShare`` (this rank loads its own share from the same source, directly on its device) or
     the whole model (shared memory; on a GPU, copied whole to this rank's GPU before it keeps its
-    share). ``tiers``: the host tier it shares with this worker's other engines (``worker_tiers``)."""
+    share). ``experts``: what runs rank 0's routed experts (``experts.experts_in_use``), which this
+    rank runs too: registered in this process, where a whole model's config already names it.
+    ``tiers``: the host tier it shares with this worker's other engines (``worker_tiers``)."""
+    from ..experts import use_experts
     from ..model_host import ModelHost
 
     if isinstance(model, RankShare):
         model = dataclasses.replace(model, rank=group.rank, device=group.device).load()
     elif group.device.type == "cuda":
         model = model.to(group.device)
+    if experts is not None:
+        model = use_experts(model, experts)
     host = ModelHost(model, tokenizer, model_name=model_name)
     host.default_source = default_source
     parts = ShardedParts(host.parts, group)

@@ -35,6 +35,7 @@ import random
 import weakref
 
 from ..errors import LazyRagError
+from ..experts import experts_in_use
 from ..requests import SamplingParams
 from .engine import Engine
 from .rank_pool import RankPool
@@ -76,8 +77,8 @@ class TPEngine(Engine):
         # memory, each worker keeping its own share of it
         share = getattr(host.model, "rank_share", None)
         with self.ranks.lock:
-            self.ranks.send("open", self.eid, host.model if share is None else share, host.tokenizer,
-                            host.model_name, host.default_source, config, self.ranks.tiers_spec(tiers))
+            self.ranks.send("open", self.eid, host.model if share is None else share, experts_in_use(host.model),
+                            host.tokenizer, host.model_name, host.default_source, config, self.ranks.tiers_spec(tiers))
             super().__init__(host, agreed_config(config, parts, host.dtype, group), tiers, parts=parts)
             attach(self, group)
             self.rank_weight_bytes = gather_weight_bytes(self, group)

@@ -124,3 +124,20 @@ def test_encoded_chunk_kv_holds_every_head_as_one_process_writes_it(pair):
                 assert a.groups == b.groups and a.int4
                 for x, y in zip(a.dequantized(torch.float32), b.dequantized(torch.float32)):
                     assert rel_err(x, y) < 0.07
+
+
+def test_the_workers_run_rank_0s_experts_implementation():
+    """A MoE model whose experts rank 0 runs through lazy-rag's Triton experts (the default on
+    CUDA; here the torch reference) makes every rank run them: a worker registers them too, and
+    the answers are the single process's."""
+    from lazy_rag.experts import experts_in_use, use_experts
+
+    model = use_experts(tiny_model("qwen3_moe", "default", hidden_size=128), "triton")
+    assert experts_in_use(model) == "triton"
+    tp = LazyLLM(model, IdTokenizer(), tensor_parallel=2, num_pages=64, page_size=16)
+    one = LazyLLM(model, IdTokenizer(), num_pages=64, page_size=16)
+    tp.eos_ids = one.eos_ids = set()
+    rng = random.Random(5)
+    segs = [_ids(rng, 5), Chunk(_ids(rng, 21)), _ids(rng, 6)]
+    _both((tp, one), segs, mode="lazy")
+    assert tp.engine.stats()["tensor_parallel"] == 2
