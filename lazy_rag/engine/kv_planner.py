@@ -209,11 +209,10 @@ class KVPlanner:
         pending, tokens, short = [], 0, None
         # a quantised store's records are read whatever they cost: all of them at once
         self.tiers.read_ahead(store, [(key, ids, cid) for _, ids, cid, _, _, key in self._chunks(seq)
-                                      if key not in seq.prefetched and key not in seq.pending_chunks
-                                      and self.pm.lookup(key) is None])
+                                      if not self._placed(seq, key)])
         try:
             for _, ids, cid, prefix, _, key in self._chunks(seq):
-                if key in seq.prefetched or key in seq.pending_chunks or self.pm.lookup(key) is not None:
+                if self._placed(seq, key):
                     continue  # resident (or listed twice): the admission acquires it
                 if key in self.encoding:
                     raise ChunkBeingEncoded(f"chunk {cid or key[-1][:12]} is being encoded by request "
@@ -261,6 +260,10 @@ class KVPlanner:
             self.tiers.drop_read_ahead()   # those not taken (a request refused part-way)
         if short is not None:
             raise short
+
+    def _placed(self, seq: Sequence, key) -> bool:
+        """Whether the chunk under ``key`` is resident, or already placed or pending for ``seq``."""
+        return key in seq.prefetched or key in seq.pending_chunks or self.pm.lookup(key) is not None
 
     def _drop_prefetched(self, seq: Sequence) -> None:
         """Release the placed chunks the admission did not take (it failed before them); a retry
