@@ -91,17 +91,14 @@ def _all_plain_ints(seq) -> bool:
     return types.count(int) == len(types)
 
 
-def _is_token_list(seg) -> bool:
-    # bool, int subclasses (and anything else isinstance calls an int) take the Python loop
-    return isinstance(seg, (list, tuple)) and (_all_plain_ints(seg) or all(isinstance(t, int) for t in seg))
-
-
 def _token_ids(seg, container=list):
-    """``seg`` as ``container`` of plain ints if it is a token list (``_is_token_list``), else None."""
+    """``seg`` as ``container`` of plain ints if it is a token list (a list or tuple of ints),
+    else None."""
     if not isinstance(seg, (list, tuple)):
         return None
     if _all_plain_ints(seg):
         return container(seg)  # already plain ints: a C copy
+    # bool, int subclasses (and anything else isinstance calls an int) take the Python loop
     if all(isinstance(t, int) for t in seg):
         return container(int(t) for t in seg)
     return None
@@ -155,7 +152,7 @@ def assemble(tokenizer, segments: Sequence[Segment], shared_prefix: Sequence[int
         raise LazyRagError(f"boundary_recompute must be >= 0, got {boundary_recompute}.")
     if not segments:
         raise LazyRagError("The prompt is empty: pass at least one segment (a str, token ids or Chunk).")
-    if isinstance(segments, (str, Chunk)) or _is_token_list(segments):
+    if isinstance(segments, (str, Chunk)) or _token_ids(segments) is not None:
         segments = [segments]
     layout = PromptLayout(token_ids=[])
     for i, seg in enumerate(segments):
