@@ -115,7 +115,9 @@ class ModelRunner:
         p, shp = self.parts, self.parts.shape
         n = ids.shape[0]
         depth = len(p.layers) if num_layers is None else num_layers
-        # (not inside a CUDA graph's capture: a replay runs no host code; ``check_replay`` checks it)
+        # (not inside a CUDA graph's capture: a replay runs no host code; ``check_replay`` checks it).
+        # On CUDA only started here, compared before the output is read: ``settle`` in ``run``,
+        # ``_check_lockstep_before_reading`` elsewhere
         if self.group is not None and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             ids_sum, pos_sum = sums if sums is not None else (int(ids.sum()), int(pos.sum()))
             self.group.check_lockstep([n, depth, ids_sum, pos_sum], "a forward")
@@ -254,7 +256,16 @@ class ModelRunner:
                                      StepAttention(self, jobs, batch, pack_fresh=True, encode_batch=True),
                                      key_pos=batch.key_pos,
                                      capture=True, sums=batch.sums)
+        self._check_lockstep_before_reading()
         return self._chunk_kvs(*caught, batch.spans, to_host, quantize, host_alloc)
+
+    def _check_lockstep_before_reading(self) -> None:
+        """Before a forward's output is read outside ``run`` (which settles): a tensor-parallel
+        rank's lockstep checks left to compare after the forward was enqueued
+        (``RankGroup.check_lockstep``) must pass, or the read could wait on a forward out of
+        lockstep hung on the GPU, or return what it computed."""
+        if self.group is not None:
+            self.group.check_pending_lockstep()
 
     def _adapters_on(self, jobs, batch: "PackedBatch"):
         """The chunk adapters (chunk_adapter.py) on for the encode jobs' tokens (the first spans
@@ -292,6 +303,7 @@ class ModelRunner:
         probe = QuestionProbe(self, seq, rows, batch, candidates)
         self.forward(batch.ids, batch.pos, batch.write_page, batch.write_slot,
                      StepAttention(self, [seq], batch, probe=probe), key_pos=batch.key_pos, sums=batch.sums)
+        self._check_lockstep_before_reading()
         scores = probe.scores()
         if self.group is not None:   # the mean over this rank's heads -> over every head
             scores = self.group.all_reduce(scores) / self.group.size
@@ -309,6 +321,7 @@ class ModelRunner:
         full = FreshCausal(self, pos)
         _, (k, v) = self.forward(torch.tensor(prompt, device=dev), pos, None, None, full, capture=True,
                                  num_layers=layer + 1, sums=(sum(prompt), len(prompt) * (len(prompt) - 1) // 2))
+        self._check_lockstep_before_reading()
         where = slot_map(seq, self.pool.page_size, candidates)
         page = torch.tensor([where[p][0] for p in candidates], device=dev)
         slot = torch.tensor([where[p][1] for p in candidates], device=dev)

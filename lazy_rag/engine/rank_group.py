@@ -8,7 +8,7 @@ import datetime
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 
@@ -34,7 +34,9 @@ class RankGroup:
     ``rank_devices``) the collectives over device tensors (the activations' all-reduces, KV
     gathers) go over NCCL and are only ordered on the GPU's stream, never waited for by the host
     (so a step has no host sync per all-reduce and can be captured in a CUDA graph); the
-    collectives over CPU tensors (lockstep checks, agreements) go over gloo, as on the CPU.
+    collectives over CPU tensors (lockstep checks, agreements) go over gloo, as on the CPU. There a
+    forward's lockstep check is compared after its kernels are enqueued, before its output is read
+    (``check_lockstep``, ``check_pending_lockstep``).
 
     NCCL has no timeout of its own on the GPU: a peer that died leaves this rank's all-reduce
     kernel waiting. So the host bounds every CUDA step (``settle``: the step's work must finish
@@ -56,6 +58,10 @@ class RankGroup:
         # process may run its own torch.distributed, and several groups may coexist
         self.control = dist.ProcessGroupGloo(store, rank, size, self.timeout)
         self.nccl = nccl_group(store, rank, size, self.timeout, self.device) if self.device.type == "cuda" else None
+        # whether a lockstep check's gather runs while the forward is enqueued (``check_lockstep``
+        # says when that is safe), and those gathers, oldest first, not compared yet
+        self.defer_lockstep = self.nccl is not None
+        self.pending_lockstep: deque = deque()
 
     def _wait(self, work, what: str) -> None:
         if self.broken is not None:
@@ -104,11 +110,37 @@ class RankGroup:
     def check_lockstep(self, values: list[int], what: str) -> None:
         """Every rank must be about to run the same forward: compare ``values`` (token counts
         and id sums) with the other ranks' and fail, naming the ranks, if they differ. A rank
-        out of lockstep would otherwise all-reduce tensors of other shapes, or hang."""
+        out of lockstep would otherwise all-reduce tensors of other shapes, or hang.
+
+        With ``defer_lockstep`` (CUDA) the gather is only started here, and compared by
+        ``check_pending_lockstep`` (``settle``, or a read of a forward's output outside a step):
+        the host enqueues the forward meanwhile instead of waiting for the other ranks' hosts.
+        That is safe because the forward's NCCL collectives are only queued on the GPU: a
+        forward out of lockstep leaves its kernels waiting there, the comparison fails the group
+        before its output is read, and ``fail``'s abort lets those kernels return. On the CPU the
+        forward's collectives go over gloo and the host waits for each: a forward out of lockstep
+        would hang in, or fail, its first all-reduce before any comparison, so the check waits."""
+        if self.broken is not None:
+            raise self.broken
         mine = torch.tensor(values, dtype=torch.int64)
-        ranks = self.all_gather(mine)
-        if any(not torch.equal(r, ranks[0]) for r in ranks):
-            got = "; ".join(f"rank {i}: {r.tolist()}" for i, r in enumerate(ranks))
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        check = (self.control.allgather([gathered], [mine]), gathered, what)
+        if self.defer_lockstep:
+            self.pending_lockstep.append(check)
+        else:
+            self._compare_lockstep(*check)
+
+    def check_pending_lockstep(self) -> None:
+        """Compare the deferred lockstep checks (``check_lockstep``), every one in the order its
+        forward was enqueued; fail as ``check_lockstep`` does where the ranks differ, or where a
+        rank did not answer a gather within the timeout."""
+        while self.pending_lockstep:
+            self._compare_lockstep(*self.pending_lockstep.popleft())
+
+    def _compare_lockstep(self, work, gathered: list[torch.Tensor], what: str) -> None:
+        self._wait(work, f"the lockstep check before {what}")
+        if any(not torch.equal(r, gathered[0]) for r in gathered):
+            got = "; ".join(f"rank {i}: {r.tolist()}" for i, r in enumerate(gathered))
             self.fail(RankFailedError(f"Tensor-parallel ranks left lockstep before {what} ({got})."))
             raise self.broken
 
@@ -118,11 +150,15 @@ class RankGroup:
         return all(bool(r.item()) for r in self.all_gather(torch.tensor([int(ok)], dtype=torch.int64)))
 
     def settle(self) -> None:
-        """On CUDA, wait until this rank's queued work (a step's, with its NCCL all-reduces) has
-        finished, at most the timeout; raise if a rank was found dead meanwhile (``fail``, whose
-        abort lets the waiting kernels return) or the step outran the timeout (a hung rank). The
-        step's tokens are then never read from a step the ranks did not all finish. On the CPU
-        every collective was waited for already: nothing to do."""
+        """Check the step's deferred lockstep checks (``check_pending_lockstep``); then, on CUDA,
+        wait until this rank's queued work (a step's, with its NCCL all-reduces) has finished, at
+        most the timeout; raise if a rank was found dead meanwhile (``fail``, whose abort lets the
+        waiting kernels return) or the step outran the timeout (a hung rank). The step's tokens
+        are then never read from a step the ranks did not all finish, nor from one out of
+        lockstep. On the CPU every collective was waited for already.
+        The lockstep checks come first: a step out of lockstep may be the one hanging on the GPU,
+        and the failure they find aborts it at once instead of at the timeout."""
+        self.check_pending_lockstep()
         if self.nccl is None:
             return
         done = torch.cuda.Event()

@@ -14,8 +14,8 @@ itself. Everything a decision reads is then equal on every rank: the requests, t
 the logits (the residual stream is whole on every rank after each all-reduce, and the LM head
 is whole), so every rank samples the same tokens. The two inputs that are not, timings, are
 kept out of decisions (``read_or_encode.ReadAlways``); ``RankGroup.check_lockstep`` compares the
-ranks' tokens before every forward, so a rank that left lockstep fails the step with an error
-instead of hanging.
+ranks' tokens of every forward (on GPUs while the forward is enqueued, before its output is
+read), so a rank that left lockstep fails the step with an error instead of hanging.
 
 On GPUs (``rank_devices``) rank r runs on the r-th GPU after rank 0's, its activations'
 all-reduces over NCCL inside its CUDA graphs, and the decisions that read the process rather

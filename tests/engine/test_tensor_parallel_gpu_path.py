@@ -115,8 +115,11 @@ def test_a_gpu_rank_sends_device_tensors_to_nccl_unwaited_and_cpu_tensors_to_glo
     assert group.all_reduce(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]   # a CPU tensor: gloo
     group.check_lockstep([1, 2], "a forward")
     assert nccl.calls == ["allreduce"]
+    assert group.defer_lockstep and len(group.pending_lockstep) == 1   # compared before the step is read
+    group.check_pending_lockstep()
+    assert not group.pending_lockstep
     cpu, made = _group(monkeypatch, torch.device("cpu"))
-    assert cpu.nccl is None and not made
+    assert cpu.nccl is None and not made and not cpu.defer_lockstep
     cpu.settle()   # nothing queued on the CPU
 
 
