@@ -398,9 +398,9 @@ class AppendGraphs:
         paths = [attention_path(s, True, ps)[0] for s in seqs]
         # fresh sequences (full mode, a request served again as full re-encoding) take the Triton
         # kernel over their own pages as in an encoding step, up to that step's token limit, where
-        # a small model's eager step is launch-bound. Not from an fp8 pool: full's eager SDPA
-        # attends to the exact new K/V, the kernel would read them quantised.
-        fresh = "fresh" in paths and not r.pool.quantized
+        # a small model's eager step is launch-bound. Not from a lossy (fp8) pool: full's eager
+        # SDPA attends to the exact new K/V, the kernel would read them quantised.
+        fresh = "fresh" in paths and not r.pool.lossy
         T = token_bucket(n, self.max_encode_tokens if encodes or fresh else self.max_tokens)
         paged = ("paged", "fresh", "tail") if encodes else ("paged", "fresh") if fresh else ("paged",)
         if T is None or any(path not in paged for path in paths):

@@ -90,6 +90,12 @@ class PagePool:
         """fp8 pages with per-token scales."""
         return self.dtype == FP8
 
+    @property
+    def lossy(self) -> bool:
+        """A read returns other values than were written (an fp8 pool's, quantised): a step that
+        attends to its new tokens' exact K/V cannot read them back from such a pool."""
+        return self.quantized
+
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, page_size: int,
                          head_dim: int, dtype: torch.dtype) -> int:

@@ -40,6 +40,8 @@ from tiny_models import tiny_model
 class FakeQuantPool(PagePool):
     """An unquantised pool whose every write stores what an fp8 pool would hold, dequantised."""
 
+    lossy = True   # as an fp8 pool: a fresh sequence's step attends to its exact K/V, not to its pages
+
     def write_tokens(self, layer, page, slot, k, v):
         super().write_tokens(layer, page, slot, fake_quantize(k.float()), fake_quantize(v.float()))
 
