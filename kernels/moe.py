@@ -30,8 +30,14 @@ decode step's layers whole):
    weight, stored in fp32 to the pair's own row of a [T*K, H] buffer; a sum over k then gives each
    token's output. Every element has one writer, so the result is deterministic (atomic adds
    into [T, H] would not be), and the sum's order is that of transformers' ``grouped_mm`` path.
+
+Tiles: each kernel's launch configuration (output columns per program, the reduction's step,
+warps, pipeline stages) is a ``MoeTiles``, whose defaults are the one place they are set;
+``moe_experts`` takes another as ``tiles=``, and benchmarks/moe_tiles.py sweeps them on a GPU.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -124,10 +130,107 @@ def _block(n: int, most: int) -> int:
     return max(16, min(most, triton.next_power_of_2(n)))
 
 
+def _power_of_2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """The two kernels' launch configurations: ``gate_up_*`` for ``_gate_up_silu_kernel``,
+    ``down_*`` for ``_down_kernel``. block_n: output columns per program (of I, of H); block_k:
+    the reduction's step (over H, over I); each a power of 2 of at least 16 (tl.dot's least), and
+    narrowed at launch to what its dimension needs (``_block``). num_warps: a power of 2 up to
+    32; num_stages: software-pipeline stages, None for Triton's default; neither is passed to the
+    CPU interpreter, which refuses them. The defaults are the kernels' own."""
+
+    gate_up_block_n: int = 64
+    gate_up_block_k: int = 64
+    gate_up_num_warps: int = 4
+    gate_up_num_stages: int | None = None
+    down_block_n: int = 64
+    down_block_k: int = 64
+    down_num_warps: int = 4
+    down_num_stages: int | None = None
+
+    def __post_init__(self):
+        for kernel in ("gate_up", "down"):
+            for name in (f"{kernel}_block_n", f"{kernel}_block_k"):
+                v = getattr(self, name)
+                if not _power_of_2(v) or v < 16:
+                    raise ValueError(f"MoeTiles.{name} must be a power of 2 of at least 16 "
+                                     f"(tl.dot's least), got {v!r}")
+            name = f"{kernel}_num_warps"
+            v = getattr(self, name)
+            if not _power_of_2(v) or v > 32:
+                raise ValueError(f"MoeTiles.{name} must be a power of 2 from 1 to 32, got {v!r}")
+            name = f"{kernel}_num_stages"
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"MoeTiles.{name} must be None (Triton's default) or an int >= 1, got {v!r}")
+
+    def of(self, kernel: str) -> tuple[int, int, int, int | None]:
+        """(block_n, block_k, num_warps, num_stages) of kernel "gate_up" or "down"."""
+        if kernel not in ("gate_up", "down"):
+            raise ValueError(f"unknown MoE kernel {kernel!r}: 'gate_up' or 'down'")
+        return tuple(getattr(self, f"{kernel}_{f}") for f in ("block_n", "block_k", "num_warps", "num_stages"))
+
+
+DEFAULT_TILES = MoeTiles()
+
+
+def _launch_options(t: torch.Tensor, tiles: MoeTiles, kernel: str) -> dict:
+    """num_warps / num_stages for a CUDA launch; none under the CPU interpreter (it refuses them)."""
+    if interpreting() and not t.is_cuda:
+        return {}
+    _, _, warps, stages = tiles.of(kernel)
+    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+
+
+def _precision(dtype: torch.dtype):
+    # fp32 operands: exact products (the oracle tests' tolerance), not the GPU's default tf32;
+    # 16-bit operands: Triton's default
+    return "ieee" if dtype == torch.float32 else None
+
+
+def gate_up_silu(hidden: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, pair_order: torch.Tensor,
+                 start: torch.Tensor, count: torch.Tensor, top_k: int, tiles: MoeTiles = DEFAULT_TILES) -> torch.Tensor:
+    """Step 2 alone (moe_experts runs all three; benchmarks/moe_tiles.py times it by itself):
+    act [T*K, I] in sorted-pair order, silu(gate) * up, from sort_pairs_by_expert's grouping."""
+    E, two_i, H = gate_up.shape
+    inter = two_i // 2
+    block_n, block_k, _, _ = tiles.of("gate_up")
+    bn, bk = _block(inter, block_n), _block(H, block_k)
+    _gate_up_silu_kernel[(E, triton.cdiv(inter, bn))](
+        hidden, gate_up, act, pair_order, start, count, top_k, H, inter, hidden.stride(0), gate_up.stride(0),
+        gate_up.stride(1), act.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        PRECISION=_precision(hidden.dtype), **_launch_options(hidden, tiles, "gate_up"))
+    return act
+
+
+def down_proj(act: torch.Tensor, down: torch.Tensor, per_pair: torch.Tensor, route: torch.Tensor,
+              pair_order: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+              tiles: MoeTiles = DEFAULT_TILES) -> torch.Tensor:
+    """Step 3 alone (see gate_up_silu): per_pair [T*K, H] fp32, each pair's routing weight times
+    down[e] @ act, in the pair's own row (route: the flat [T*K] routing weights)."""
+    E, H, inter = down.shape
+    block_n, block_k, _, _ = tiles.of("down")
+    bn, bk = _block(H, block_n), _block(inter, block_k)
+    _down_kernel[(E, triton.cdiv(H, bn))](
+        act, down, per_pair, route, pair_order, start, count, H, inter, act.stride(0), down.stride(0),
+        down.stride(1), per_pair.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        PRECISION=_precision(act.dtype), **_launch_options(act, tiles, "down"))
+    return per_pair
+
+
 def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                top_k_weights: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
     """The routed experts' output [T, H] (contract in the module docstring). CUDA tensors: the
-    Triton kernels; CPU: the interpreter under TRITON_INTERPRET=1, else the torch reference."""
+    Triton kernels (launched with ``tiles``, default ``MoeTiles()``); CPU: the interpreter under
+    TRITON_INTERPRET=1, else the torch reference."""
+    if tiles is None:
+        tiles = DEFAULT_TILES
+    elif not isinstance(tiles, MoeTiles):
+        raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
     if not use_triton(hidden):
         return moe_experts_ref(hidden, gate_up, down, top_k_index, top_k_weights)
     T, H = hidden.shape
@@ -139,17 +242,6 @@ def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     pair_order, start, count = sort_pairs_by_expert(top_k_index, E)
     act = torch.empty(T * K, inter, dtype=hidden.dtype, device=hidden.device)
     per_pair = torch.empty(T * K, H, dtype=torch.float32, device=hidden.device)
-    route = top_k_weights.reshape(-1)
-    # fp32 operands: exact products (the oracle tests' tolerance), not the GPU's default tf32;
-    # 16-bit operands: Triton's default
-    precision = "ieee" if hidden.dtype == torch.float32 else None
-    meta = {} if interpreting() and not hidden.is_cuda else {"num_warps": 4}
-    bn, bk = _block(inter, block_n), _block(H, block_k)
-    _gate_up_silu_kernel[(E, triton.cdiv(inter, bn))](
-        hidden, gate_up, act, pair_order, start, count, K, H, inter, hidden.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **meta)
-    bn, bk = _block(H, block_n), _block(inter, block_k)
-    _down_kernel[(E, triton.cdiv(H, bn))](
-        act, down, per_pair, route, pair_order, start, count, H, inter, act.stride(0), down.stride(0),
-        down.stride(1), per_pair.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **meta)
+    gate_up_silu(hidden, gate_up, act, pair_order, start, count, K, tiles)
+    down_proj(act, down, per_pair, top_k_weights.reshape(-1), pair_order, start, count, tiles)
     return per_pair.view(T, K, H).sum(dim=1).to(hidden.dtype)

@@ -10,9 +10,11 @@
 # per-token scales: decode, both prefills and the block copy against the reference over the
 # dequantised pages), test_softcap_window.py (Gemma 2's score soft-cap and sliding windows in
 # decode, prefill, fp8 decode and the shared-chunk decode), test_moe.py (the mixture-of-experts
-# experts kernel against its reference and transformers' eager experts).
+# experts kernel against its reference and transformers' eager experts, also under other tiles:
+# MoeTiles).
 #   tests/kernels/run_gpu.sh [pytest args]      e.g. -x, -k slot
-# The kernel benchmark is a separate script: python benchmarks/attention_kernels.py
+# The kernel benchmarks are separate scripts: python benchmarks/attention_kernels.py, and the MoE
+# kernels' tile sweep python benchmarks/moe_tiles.py
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python3 -c "import lazy_rag.kernels" 2>/dev/null \

@@ -1,8 +1,9 @@
 """kernels/moe.py: the routed experts kernel against its torch reference (fp64 oracle) and against
 transformers' own eager experts loop, at sizes that are no multiple of the tiles (hidden 40,
 intermediate 24) and routings with empty experts, one expert taking every token, an expert with
-more rows than a block; then a tiny Qwen3-MoE model whose logits do not move when its experts
-switch to the kernel (lazy_rag.experts)."""
+more rows than a block; the kernels under launch configurations other than the default
+(``MoeTiles``: each kernel's tiles, warps and stages; invalid ones refused); then a tiny Qwen3-MoE
+model whose logits do not move when its experts switch to the kernel (lazy_rag.experts)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from lazy_rag.errors import LazyRagError
 from lazy_rag.experts import TRITON_EXPERTS, experts_in_use, triton_experts_forward, use_experts
 from lazy_rag.kernels import moe
-from lazy_rag.kernels.moe import moe_experts, sort_pairs_by_expert
+from lazy_rag.kernels.moe import MoeTiles, moe_experts, sort_pairs_by_expert
 from lazy_rag.kernels.reference import moe_experts_ref
 
 from _cases import DEVICE, DTYPES, rel_err
@@ -78,7 +79,57 @@ def test_kernel_equals_reference_and_eager(tokens, experts, top_k, kind, dtype):
     assert rel_err(moe_experts_ref(*args), oracle) <= TOL[dtype]   # the CPU path, fp32
     assert rel_err(out, eager) <= EAGER_TOL[dtype]
     # small tiles: several column and reduction tiles, masked tails in each
-    assert rel_err(moe_experts(*args, block_n=16, block_k=16), oracle) <= TOL[dtype]
+    tiles = MoeTiles(gate_up_block_n=16, gate_up_block_k=16, down_block_n=16, down_block_k=16)
+    assert rel_err(moe_experts(*args, tiles=tiles), oracle) <= TOL[dtype]
+
+
+# H = 72, I = 48: no multiple of 32, 64 or 128, so each case below has several column or reduction
+# tiles with masked tails in both kernels, and tiles wider than their dimension narrowed (_block)
+TILE_HIDDEN, TILE_INTER = 72, 48
+TILE_CASES = {   # per kernel: block_n / block_k (narrowed to what the size needs), warps, stages
+    "n32_k128": MoeTiles(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
+    "n128_k32": MoeTiles(gate_up_block_n=128, gate_up_block_k=32, down_block_n=128, down_block_k=32),
+    "mixed": MoeTiles(gate_up_block_n=16, gate_up_block_k=256, gate_up_num_warps=8, gate_up_num_stages=2,
+                      down_block_n=64, down_block_k=16, down_num_warps=2, down_num_stages=4),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(TILE_CASES))
+def test_tiles_equal_reference(name, dtype):
+    gen = torch.Generator().manual_seed(7)
+    experts, tokens, top_k = 5, 17, 2          # expert 2 takes every token: two blocks of rows
+    gate_up = torch.randn(experts, 2 * TILE_INTER, TILE_HIDDEN, generator=gen) * TILE_HIDDEN ** -0.5
+    down = torch.randn(experts, TILE_HIDDEN, TILE_INTER, generator=gen) * TILE_INTER ** -0.5
+    index, weights = routing("one_expert", tokens, experts, top_k, gen)
+    hidden = torch.randn(tokens, TILE_HIDDEN, generator=gen)
+    args = (hidden.to(DEVICE, dtype), gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype), index.to(DEVICE),
+            weights.to(DEVICE, dtype))
+    oracle = moe_experts_ref(*args, compute_dtype=torch.float64)
+    out = moe_experts(*args, tiles=TILE_CASES[name])
+    assert out.dtype == dtype and out.shape == (tokens, TILE_HIDDEN)
+    assert rel_err(out, oracle) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gate_up_block_n", 48),      # no power of 2
+    ("gate_up_block_k", 8),       # below tl.dot's 16
+    ("down_block_n", 0),
+    ("down_block_k", 24),
+    ("gate_up_num_warps", 3),
+    ("down_num_stages", 0),
+])
+def test_invalid_tiles_refused(field, value):
+    with pytest.raises(ValueError, match=f"MoeTiles.{field} must be"):
+        MoeTiles(**{field: value})
+    with pytest.raises(TypeError, match="MoeTiles"):
+        moe_experts(torch.zeros(1, 16), torch.zeros(1, 32, 16), torch.zeros(1, 16, 16),
+                    torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), tiles={field: value})
+
+
+def test_default_tiles():
+    """Today's configuration, one place: what moe_experts runs when given none."""
+    assert MoeTiles().of("gate_up") == (64, 64, 4, None) and MoeTiles().of("down") == (64, 64, 4, None)
 
 
 def test_sort_pairs_by_expert():
