@@ -25,9 +25,11 @@ holds a key at or before the tile's last query position (typically the new token
 The unmasked loop applies only the page-tail mask, folded into the scale multiply as an additive
 0 / -inf bias (one FMA); the masked loop applies the causal visibility rule. The masked part
 starts on the run's tile grid, so tiles are the same whichever loop takes them. With explicit
-slot positions (HAS_SLOT_POS) page_pos need not describe the keys, so every tile takes the
-masked loop (hidden slots never visible), untrimmed; a table whose explicit rows are all -1
-gives results bit-identical to the same table without them (tests/kernels). With a sliding
+slot positions (HAS_SLOT_POS) page_pos describes only the ordinary entries (slot_pos_row -1):
+an entry with explicit positions ends the unmasked prefix and is never trimmed, so its tile
+takes the masked loop (hidden slots never visible), while the ordinary entries around it are
+cut as without slot positions; a table whose explicit rows are all -1 therefore runs exactly
+the same loops as the same table without them, bit-identical (tests/kernels). With a sliding
 window (WINDOWED) there is no unmasked part: the prefix whose keys lie before every row's window
 is skipped instead, and the rest takes the masked loop, which applies the window.
 
@@ -63,8 +65,8 @@ SCAN = 64                        # entries per step of the run-end scan (a 2048-
 
 
 @triton.jit
-def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
-                BY_SHIFT: tl.constexpr, BY_POS: tl.constexpr, SCAN: tl.constexpr,
+def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, e, e_hi, s0, lo, q_max,
+                BY_SHIFT: tl.constexpr, HAS_SLOT_POS: tl.constexpr, SCAN: tl.constexpr,
                 PPT: tl.constexpr):
     """The run that starts at entry e (< e_hi) as (run_end, mid, stop): run_end the first entry
     of [e, e_hi) whose rot_shift differs from s0 (e_hi if none; without BY_SHIFT, e_hi);
@@ -73,38 +75,39 @@ def _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
     skipped), [mid, stop) the rest up to the last entry with a key at a position <= q_max
     (masked loop); [stop, run_end) hold no key visible to the tile. When there is a masked
     part, mid is rounded down to the tile grid e + k * PPT, so the tiles are those of an
-    all-masked run (a table with explicit slot positions, all -1, gives bit-identical results),
-    at the cost of at most one masked tile that needed no mask. Without BY_POS, mid = e and
-    stop = run_end."""
+    all-masked run, at the cost of at most one masked tile that needed no mask. With
+    HAS_SLOT_POS an entry with explicit positions (row >= 0: its keys' positions are not
+    page_pos + j) counts as holding a late key and a used one: never in the unmasked prefix,
+    never trimmed."""
     run_end = e_hi
     first_late = e_hi
     last_use = e - 1
-    if BY_SHIFT or BY_POS:
-        i = tl.arange(0, SCAN)
-        j = e
-        while j < run_end:
-            idx = j + i
-            ok = idx < run_end
-            if BY_SHIFT:
-                sh = tl.load(ROT_SHIFT + idx, mask=ok, other=0)
-                brk = tl.min(tl.where(ok & (sh != s0), idx, BIG), axis=0)
-                run_end = tl.minimum(run_end, brk)
-            if BY_POS:
-                pp = tl.load(PAGE_POS + idx, mask=ok, other=0)
-                pl = tl.load(PAGE_LEN + idx, mask=ok, other=0)
-                inrun = idx < run_end
-                late = tl.min(tl.where(inrun & (pp + pl - 1 > lo), idx, BIG), axis=0)
-                first_late = tl.minimum(first_late, late)
-                use = tl.max(tl.where(inrun & (pp <= q_max), idx, -1), axis=0)
-                last_use = tl.maximum(last_use, use)
-            j += SCAN
-    if BY_POS:
-        mid = tl.minimum(first_late, run_end)
-        stop = tl.maximum(tl.minimum(last_use + 1, run_end), mid)
-        mid = tl.where(mid < stop, e + (mid - e) // PPT * PPT, mid)
-    else:
-        mid = e
-        stop = run_end
+    i = tl.arange(0, SCAN)
+    j = e
+    while j < run_end:
+        idx = j + i
+        ok = idx < run_end
+        if BY_SHIFT:
+            sh = tl.load(ROT_SHIFT + idx, mask=ok, other=0)
+            brk = tl.min(tl.where(ok & (sh != s0), idx, BIG), axis=0)
+            run_end = tl.minimum(run_end, brk)
+        pp = tl.load(PAGE_POS + idx, mask=ok, other=0)
+        pl = tl.load(PAGE_LEN + idx, mask=ok, other=0)
+        inrun = idx < run_end
+        is_late = pp + pl - 1 > lo
+        is_used = pp <= q_max
+        if HAS_SLOT_POS:
+            explicit = tl.load(SLOT_POS_ROW + idx, mask=ok, other=-1) >= 0
+            is_late = is_late | explicit
+            is_used = is_used | explicit
+        late = tl.min(tl.where(inrun & is_late, idx, BIG), axis=0)
+        first_late = tl.minimum(first_late, late)
+        use = tl.max(tl.where(inrun & is_used, idx, -1), axis=0)
+        last_use = tl.maximum(last_use, use)
+        j += SCAN
+    mid = tl.minimum(first_late, run_end)
+    stop = tl.maximum(tl.minimum(last_use + 1, run_end), mid)
+    mid = tl.where(mid < stop, e + (mid - e) // PPT * PPT, mid)
     return run_end, mid, stop
 
 
@@ -362,15 +365,15 @@ def _prefill_runs_kernel(
             lo = q_min - window
         else:
             lo = q_min
-        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, lo, q_max,
-                                         ROTATE_Q, not HAS_SLOT_POS, SCAN, PPT)
+        run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, e, e_hi, s0,
+                                         lo, q_max, ROTATE_Q, HAS_SLOT_POS, SCAN, PPT)
         if ROTATE_Q:   # once per run: the inner loops see a loop-invariant query
             # min(e, 0) is 0 (e >= 0) but opaque to the compiler: the query's address math
             # stays inside this loop instead of holding registers across the KV loops
             qr = _rotated_query(Q, stride_qt, stride_qh, QPOS, q0, q_end, kvh,
                                 tl.minimum(e, 0), s0, INV_FREQ, rope_scale, G, GP, BLOCK_M,
                                 ROWS, D, qk_dtype, FAST_TRIG, ROTATE_BY_TOKEN, q_mul, QK_F16)
-        if not HAS_SLOT_POS and not WINDOWED:
+        if not WINDOWED:   # [e, mid): ordinary entries whose keys every row sees
             acc, l_i, m_i = _attend(acc, l_i, m_i, qr, qp, K_h, V_h, stride_kp, stride_kt,
                                     stride_vp, stride_vt, stride_vd, PAGE_IDS, PAGE_POS,
                                     PAGE_LEN, SLOT_POS_ROW, SLOT_POS, stride_sp, qk_scale_log2,

@@ -121,29 +121,28 @@ def test_keys_stored_unrotated_have_no_kernel():
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bounds_probe(ROT_SHIFT, PAGE_POS, PAGE_LEN, ARGS, OUT, BY_SHIFT: tl.constexpr,
-                  BY_POS: tl.constexpr, SCAN: tl.constexpr, PPT: tl.constexpr):
+def _bounds_probe(ROT_SHIFT, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, ARGS, OUT, BY_SHIFT: tl.constexpr,
+                  HAS_SLOT_POS: tl.constexpr, SCAN: tl.constexpr, PPT: tl.constexpr):
     i = tl.program_id(0)
     e = tl.load(ARGS + 4 * i)
     e_hi = tl.load(ARGS + 4 * i + 1)
     q_min = tl.load(ARGS + 4 * i + 2)
     q_max = tl.load(ARGS + 4 * i + 3)
     s0 = tl.load(ROT_SHIFT + e)
-    run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, e, e_hi, s0, q_min, q_max,
-                                     BY_SHIFT, BY_POS, SCAN, PPT)
+    run_end, mid, stop = _run_bounds(ROT_SHIFT, PAGE_POS, PAGE_LEN, SLOT_POS_ROW, e, e_hi, s0, q_min,
+                                     q_max, BY_SHIFT, HAS_SLOT_POS, SCAN, PPT)
     tl.store(OUT + 3 * i, run_end)
     tl.store(OUT + 3 * i + 1, mid)
     tl.store(OUT + 3 * i + 2, stop)
 
 
-def _bounds_mirror(shift, pos, length, e, e_hi, q_min, q_max, by_shift, by_pos, ppt):
+def _bounds_mirror(shift, pos, length, rows, e, e_hi, q_min, q_max, by_shift, ppt):
     run_end = e_hi
     if by_shift:
         run_end = next((j for j in range(e, e_hi) if shift[j] != shift[e]), e_hi)
-    if not by_pos:
-        return run_end, e, run_end
-    mid = next((j for j in range(e, run_end) if pos[j] + length[j] - 1 > q_min), run_end)
-    last = max([j for j in range(e, run_end) if pos[j] <= q_max], default=e - 1)
+    # an entry with explicit slot positions (row >= 0) is masked and never trimmed
+    mid = next((j for j in range(e, run_end) if pos[j] + length[j] - 1 > q_min or rows[j] >= 0), run_end)
+    last = max([j for j in range(e, run_end) if pos[j] <= q_max or rows[j] >= 0], default=e - 1)
     stop = max(min(last + 1, run_end), mid)
     if mid < stop:          # the masked part starts on the run's tile grid
         mid = e + (mid - e) // ppt * ppt
@@ -151,9 +150,9 @@ def _bounds_mirror(shift, pos, length, e, e_hi, q_min, q_max, by_shift, by_pos, 
 
 
 @pytest.mark.parametrize("scan,ppt", [(4, 1), (64, 3), (64, 8)])
-@pytest.mark.parametrize("by_shift,by_pos", [(True, True), (True, False), (False, True)])
-def test_run_bounds(by_shift, by_pos, scan, ppt):
-    g = torch.Generator().manual_seed(scan + ppt + 2 * by_shift + by_pos)
+@pytest.mark.parametrize("by_shift,slot_pos", [(True, False), (True, True), (False, False)])
+def test_run_bounds(by_shift, slot_pos, scan, ppt):
+    g = torch.Generator().manual_seed(scan + ppt + 2 * by_shift + slot_pos)
     n = 150
     # runs of 1..20 entries; positions mostly increasing by page (ordered private pages and
     # chunks), with shuffled stretches (entries need not be sorted)
@@ -169,6 +168,9 @@ def test_run_bounds(by_shift, by_pos, scan, ppt):
             length.append(ln)
             p += ln
     shift, pos, length = shift[:n], pos[:n], length[:n]
+    # with slot positions, about one entry in eight has explicit ones (a recompute's hidden slots)
+    rows = [int(r) if slot_pos and float(u) < 0.125 else -1
+            for r, u in zip(torch.randint(0, 10, (n,), generator=g), torch.rand(n, generator=g))]
     for a in range(0, n - 12, 12):
         sl = slice(a, a + 6)
         perm = torch.randperm(6, generator=g).tolist()
@@ -186,15 +188,17 @@ def test_run_bounds(by_shift, by_pos, scan, ppt):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     flat = t([v for a in args for v in a]).to(dev)
     out = out.to(dev)
-    _bounds_probe[(len(args),)](t(shift).to(dev), t(pos).to(dev), t(length).to(dev), flat, out,
-                                BY_SHIFT=by_shift, BY_POS=by_pos, SCAN=scan, PPT=ppt)
-    want = [_bounds_mirror(shift, pos, length, *a, by_shift, by_pos, ppt) for a in args]
+    _bounds_probe[(len(args),)](t(shift).to(dev), t(pos).to(dev), t(length).to(dev), t(rows).to(dev), flat,
+                                out, BY_SHIFT=by_shift, HAS_SLOT_POS=slot_pos, SCAN=scan, PPT=ppt)
+    want = [_bounds_mirror(shift, pos, length, rows, *a, by_shift, ppt) for a in args]
     assert out.cpu().tolist() == [list(w) for w in want]
     # the cases above do reach every outcome: unmasked prefixes, masked rests, trimmed tails
-    if by_pos:
-        assert any(m > a[0] for (_, m, _), a in zip(want, args))
-        assert any(s > m for (_, m, s) in want)
-        assert any(r > s for (r, _, s) in want)
+    assert any(m > a[0] for (_, m, _), a in zip(want, args))
+    assert any(s > m for (_, m, s) in want)
+    assert any(r > s for (r, _, s) in want)
+    if slot_pos:   # explicit entries did end unmasked prefixes that positions alone would not have
+        plain = [_bounds_mirror(shift, pos, length, [-1] * n, *a, by_shift, ppt) for a in args]
+        assert any(w[1] < p[1] for w, p in zip(want, plain))
 
 
 def test_tile_rows_and_split_target_follow_the_measured_rules():
