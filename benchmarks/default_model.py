@@ -71,6 +71,8 @@ def main():
                                "query_s": round(time.perf_counter() - t0, 2),
                                "ttft_ms": round(res.stats["ttft_ms"], 1),
                                "decode_tokens_per_s": round(res.stats["decode_tokens_per_s"], 2),
+                               "recovery": res.stats.get("recovery"), "reuse_risk": res.stats.get("reuse_risk"),
+                               "served_again": res.stats.get("served_again"),
                                "load_s": round(load_s, 1), "build_s": round(build_s, 1),
                                "chunks": rep.chunks_total, "threads": args.threads}
                         records.append(rec)
@@ -83,7 +85,9 @@ def main():
     for model in args.models.split(","):
         for mode in ("lazy", "full"):
             rows = [r for r in records if r["model"] == model and r["mode"] == mode]
-            print(f"{model} {mode}: {sum(r['right'] for r in rows)}/{len(rows)} right")
+            again = sum(bool(r["served_again"]) for r in rows)
+            print(f"{model} {mode}: {sum(r['right'] for r in rows)}/{len(rows)} right"
+                  + (f" ({again} served again as full re-encoding)" if mode == "lazy" else ""))
     print(f"-> {path}")
 
 
