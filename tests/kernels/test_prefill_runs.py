@@ -177,7 +177,7 @@ def test_run_bounds(by_shift, slot_pos, scan, ppt):
         pos[sl] = [pos[sl][i] for i in perm]
         length[sl] = [length[sl][i] for i in perm]
     args = []
-    for _ in range(200):
+    for _ in range(120):
         e = int(torch.randint(0, n, (1,), generator=g))
         e_hi = int(torch.randint(e + 1, n + 1, (1,), generator=g))
         q_min = int(torch.randint(-5, p + 5, (1,), generator=g))
