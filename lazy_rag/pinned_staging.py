@@ -33,14 +33,19 @@ log = logging.getLogger(__name__)
 ALIGN = 512   # each tensor's offset in a buffer: DMA- and vector-friendly
 
 
-def _register(buf: torch.Tensor) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+def _register(buf: torch.Tensor, device: int) -> None:
+    # on the staging creator's device: the background thread's current device is 0, and memory
+    # registered there is pinned for GPU 0's context only (a build on another GPU would copy
+    # into it as into pageable memory, after making a context on GPU 0)
+    with torch.cuda.device(device):
+        rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
     if rc != 0:
         raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with CUDA error {rc}")
 
 
-def _unregister(buf: torch.Tensor) -> None:
-    rc = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+def _unregister(buf: torch.Tensor, device: int) -> None:
+    with torch.cuda.device(device):
+        rc = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
     if rc != 0:
         log.warning("cudaHostUnregister failed with CUDA error %d; the buffer stays pinned until exit.", rc)
 
@@ -49,6 +54,7 @@ class PinnedStaging:
     def __init__(self, slots: int, slot_bytes: int, pin: bool = True):
         """``pin=False``: ordinary host memory (what a machine without CUDA can test)."""
         self.slots, self.slot_bytes, self.pin = int(slots), int(slot_bytes), pin
+        self.device = torch.cuda.current_device() if pin else -1   # the one its buffers are pinned for
         self._free: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -65,7 +71,7 @@ class PinnedStaging:
                 buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
                 buf.fill_(0)   # the pages faulted in here, so that registering only pins them
                 if self.pin:
-                    _register(buf)
+                    _register(buf, self.device)
             except BaseException as e:  # noqa: BLE001 - leases fall back to pinning per tensor
                 log.warning("Pinned staging buffers could not be made (%s: %s); each batch pins its own.",
                             type(e).__name__, e)
@@ -101,7 +107,7 @@ class PinnedStaging:
 
     def _drop(self, buf: torch.Tensor) -> None:
         if self.pin:
-            _unregister(buf)
+            _unregister(buf, self.device)
 
     def close(self) -> None:
         """Stop making buffers and drop (unpin) the free ones; a leased one goes when released."""

@@ -80,3 +80,23 @@ def test_views_of_every_kv_dtype(dtype):
     assert x.dtype == dtype and x.shape == (2, 64) and x.data_ptr() - lease.buf.data_ptr() == ALIGN
     lease.release()
     st.close()
+
+
+def test_buffers_are_pinned_for_the_creators_device_not_the_background_threads(monkeypatch):
+    """The buffers are made and registered on a background thread, whose current CUDA device is
+    0: they are registered, and unregistered, for the device current where the staging was made
+    (here 3, faked: this machine has no GPU)."""
+    from lazy_rag import pinned_staging
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(pinned_staging, "_register",
+                        lambda buf, device: calls.append(("register", device, threading.current_thread().name)))
+    monkeypatch.setattr(pinned_staging, "_unregister", lambda buf, device: calls.append(("unregister", device)))
+    st = PinnedStaging(2, ALIGN, pin=True)
+    lease = st.lease()
+    lease.take((1,), torch.uint8)
+    lease.release()
+    st.close()
+    assert [c[:2] for c in calls] == [("register", 3), ("register", 3), ("unregister", 3), ("unregister", 3)]
+    assert all(c[2] == "lazy-rag-pinned-staging" for c in calls if c[0] == "register")
