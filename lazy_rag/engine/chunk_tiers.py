@@ -181,8 +181,11 @@ class ChunkTiers:
             return kv.with_tensors(out)
         out = {}
         for name, t in tensors.items():
-            t = t.detach().to("cpu")
-            out[name] = t.pin_memory() if self.pin and not t.is_pinned() else t
+            t = t.detach()
+            if t.device.type == "cpu" and (not self.pin or t.is_pinned()):
+                out[name] = t   # on the host as it should be (a segment store reads into pinned memory)
+            else:   # one copy, straight into pinned memory (not to the host, then pinned)
+                out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin).copy_(t)
         return kv.with_tensors(out)
 
     def _side_stream(self, device) -> "torch.cuda.Stream":

@@ -368,10 +368,7 @@ def chunk_major_on_host(tensors, spans, host_alloc=None) -> list[ChunkKV]:
             flat[at:at + n].view(shape).copy_(t[:, a:b])
             places.append((at, n, shape))
             at += n
-        if flat.device.type == "cuda":
-            host = host_alloc(flat.shape, flat.dtype) if host_alloc is not None else \
-                torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            flat = host.copy_(flat)
+        flat = host_copy(flat, host_alloc)
         for parts, (at, n, shape) in zip(out, places):
             parts.append(flat[at:at + n].view(shape))
     return [ChunkKV(*parts) for parts in out]
@@ -384,12 +381,18 @@ def int4_chunk_kv(k, v, to_host: bool, host_alloc=None) -> ChunkKV:
     memory from a CUDA device)."""
     tensors = quantize_kv(k, v)
     if to_host:
-        for name, t in tensors.items():
-            if t.device.type != "cpu":
-                host = host_alloc(t.shape, t.dtype) if host_alloc is not None else \
-                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                tensors[name] = host.copy_(t)
+        tensors = {name: host_copy(t, host_alloc) for name, t in tensors.items()}
     return ChunkKV.from_tensors(tensors, (KEY_GROUP, VALUE_GROUP))
+
+
+def host_copy(t: torch.Tensor, host_alloc=None) -> torch.Tensor:
+    """A CUDA tensor copied to the host, into ``host_alloc(shape, dtype)``'s memory where given,
+    else fresh pinned memory; a host tensor as it is."""
+    if t.device.type != "cuda":
+        return t
+    host = host_alloc(t.shape, t.dtype) if host_alloc is not None else torch.empty(t.shape, dtype=t.dtype,
+                                                                                    pin_memory=True)
+    return host.copy_(t)
 
 
 class PackedBatch:
